@@ -1,0 +1,325 @@
+"""From a dataset's tables to the inputs every model needs.
+
+Shapes: U users, A ads, H text-embedding dim, d co-engagement dim, n examples, L sequence length.
+
+Rows, not ids: users and ads are addressed by their row in the dataset's tables (`user_ids` and
+`ad_ids` map back). Engagements are clicks (every rating, for MovieLens). A split assigns each
+engagement to train, val or test, and gives each user a *train cutoff*: the time of their first
+held-out engagement. Everything learnt from the log as a whole (co-engagement embeddings,
+ranking-model impressions) uses only events before that cutoff, and every sequence is taken
+strictly before its example's time, so no held-out event leaks into the features.
+
+Folder layout (`Features.save`)::
+
+    meta.json                  config, vocabularies, counts
+    ads.parquet users.parquet  per-row categorical and numeric features
+    text_emb.npy cooc_emb.npy  [A, H] and [A, d] float32
+    engagements.parquet organic.parquet          the event sequences
+    train.parquet val.parquet test.parquet impressions.parquet   examples
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from m31.data.dataset import Dataset, DatasetError, write_atomic
+from m31.data.schema import FORMATS, GENDERS, OBJECTIVES, PLATFORMS, SURFACES
+from m31.features.cooc import cooc_embeddings
+from m31.features.sequences import EventSequences
+
+Progress = Callable[[str, int, int], None]
+SPLITS = ("leave-last-out", "time")
+EXAMPLE_COLUMNS = ("user", "item", "ts", "surface", "hour", "platform", "click", "conversion")
+AGE_EDGES = (18, 25, 35, 45, 55)
+ORGANIC_SURFACES = ("feed", "reels", "stories", "search", "other")
+
+
+@dataclass(frozen=True)
+class FeatureConfig:
+    split: str = "leave-last-out"
+    max_len: int = 50  # engagement-sequence length the models see
+    organic_len: int = 32  # organic-engagement sequence length
+    cooc_dim: int = 32
+    cooc_window: int = 5
+    time_split: tuple[float, float] = (0.8, 0.9)  # quantiles of engagement time: val, test start
+    text_embeddings: bool = True  # False: zeros, for tests that do not need the encoder
+
+    def __post_init__(self) -> None:
+        if self.split not in SPLITS:
+            raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {self.split!r}")
+        if self.max_len <= 0 or self.organic_len <= 0:
+            raise ValueError("max_len and organic_len must be positive")
+        lo, hi = self.time_split
+        if not 0.0 < lo < hi < 1.0:
+            raise ValueError(
+                f"time_split must be two quantiles 0 < val < test < 1, got {self.time_split}"
+            )
+
+
+def _codes(values: pa.ChunkedArray | np.ndarray, vocab: tuple[str, ...], field: str) -> np.ndarray:
+    arr = np.asarray(
+        values.to_numpy(zero_copy_only=False) if hasattr(values, "to_numpy") else values
+    )
+    lookup = {v: i for i, v in enumerate(vocab)}
+    try:
+        return np.array([lookup[v] for v in arr.tolist()], dtype=np.int64)
+    except KeyError as e:
+        raise DatasetError(
+            f"{field}: unknown value {e.args[0]!r} (expected one of {', '.join(vocab)})"
+        ) from None
+
+
+def _rows(ids: np.ndarray, sorted_ids: np.ndarray, order: np.ndarray, field: str) -> np.ndarray:
+    pos = np.searchsorted(sorted_ids, ids)
+    pos = np.minimum(pos, len(sorted_ids) - 1)
+    bad = sorted_ids[pos] != ids if len(sorted_ids) else np.ones(len(ids), bool)
+    if bad.any():
+        raise DatasetError(f"{field}: id {ids[bad][0]} is not in its table")
+    return order[pos]
+
+
+def _col(table: pa.Table, name: str) -> np.ndarray:
+    return table[name].to_numpy()
+
+
+@dataclass
+class Features:
+    config: FeatureConfig
+    meta: dict
+    ads: dict[str, np.ndarray]  # name -> [A]
+    users: dict[str, np.ndarray]  # name -> [U]
+    text_emb: np.ndarray  # [A, H]
+    cooc_emb: np.ndarray  # [A, d]
+    engagements: EventSequences  # values: item, surface
+    organic: EventSequences  # values: topic, surface
+    splits: dict[str, dict[str, np.ndarray]]  # train/val/test/impressions -> column -> [n]
+
+    @property
+    def n_users(self) -> int:
+        return len(self.users["user_id"])
+
+    @property
+    def n_ads(self) -> int:
+        return len(self.ads["ad_id"])
+
+    def history(self, users: np.ndarray, cutoffs: np.ndarray, max_len: int | None = None):
+        """Engaged items, their surfaces and times strictly before each cutoff: [n, L] each."""
+        values, ts, lengths = self.engagements.before(
+            users, cutoffs, max_len or self.config.max_len
+        )
+        return values["item"], values["surface"], ts, lengths
+
+    def organic_history(self, users: np.ndarray, cutoffs: np.ndarray):
+        """Organic topics strictly before each cutoff: [n, organic_len], padded with -1."""
+        values, _, lengths = self.organic.before(users, cutoffs, self.config.organic_len)
+        return values["topic"], lengths
+
+    def engaged_text_embedding(self, items: np.ndarray) -> np.ndarray:
+        """Mean sentence embedding of the engaged items' texts: [n, L] item rows -> [n, H]."""
+        valid = items >= 0
+        emb = self.text_emb[np.where(valid, items, 0)] * valid[..., None]
+        return emb.sum(1) / np.maximum(valid.sum(1, keepdims=True), 1)
+
+    def describe(self) -> str:
+        sizes = ", ".join(f"{k} {len(v['user']):,}" for k, v in self.splits.items())
+        return (
+            f"{self.n_users:,} users, {self.n_ads:,} ads, {len(self.engagements.ts):,} engagements, "
+            f"split {self.config.split}: {sizes}"
+        )
+
+    def save(self, out: Path, overwrite: bool = False) -> Path:
+        def fill(tmp: Path) -> None:
+            meta = {**self.meta, "config": asdict(self.config)}
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+            pq.write_table(pa.table(self.ads), tmp / "ads.parquet")
+            pq.write_table(pa.table(self.users), tmp / "users.parquet")
+            np.save(tmp / "text_emb.npy", self.text_emb)
+            np.save(tmp / "cooc_emb.npy", self.cooc_emb)
+            for name, seq in (("engagements", self.engagements), ("organic", self.organic)):
+                user = np.repeat(np.arange(seq.n_users), np.diff(seq.offsets))
+                pq.write_table(
+                    pa.table({"user": user, "ts": seq.ts, **seq.values}), tmp / f"{name}.parquet"
+                )
+            for name, cols in self.splits.items():
+                pq.write_table(pa.table(cols), tmp / f"{name}.parquet")
+
+        return write_atomic(Path(out), fill, overwrite=overwrite)
+
+    @classmethod
+    def load(cls, folder: Path) -> Features:
+        folder = Path(folder)
+        if not (folder / "meta.json").is_file():
+            raise DatasetError(f"{folder / 'meta.json'}: missing (not a feature folder?)")
+        meta = json.loads((folder / "meta.json").read_text())
+        cfg = meta.pop("config")
+        cfg["time_split"] = tuple(cfg["time_split"])
+        config = FeatureConfig(**cfg)
+
+        def table(name: str) -> dict[str, np.ndarray]:
+            t = pq.read_table(folder / f"{name}.parquet")
+            return {k: t[k].to_numpy() for k in t.column_names}
+
+        seqs = {}
+        for name in ("engagements", "organic"):
+            t = table(name)
+            user, ts = t.pop("user"), t.pop("ts")
+            seqs[name] = EventSequences.from_events(user, ts, meta["n_users"], **t)
+        return cls(
+            config=config,
+            meta=meta,
+            ads=table("ads"),
+            users=table("users"),
+            text_emb=np.load(folder / "text_emb.npy"),
+            cooc_emb=np.load(folder / "cooc_emb.npy"),
+            engagements=seqs["engagements"],
+            organic=seqs["organic"],
+            splits={name: table(name) for name in ("train", "val", "test", "impressions")},
+        )
+
+
+def build_features(
+    ds: Dataset,
+    config: FeatureConfig | None = None,
+    cache_dir: Path | str | None = None,
+    progress: Progress | None = None,
+) -> Features:
+    config = config or FeatureConfig()
+    users_t, ads_t, events_t = ds.users, ds.ads, ds.events
+    n_u, n_a = users_t.num_rows, ads_t.num_rows
+    if n_u == 0 or n_a == 0:
+        raise DatasetError("dataset has no users or no ads")
+
+    user_ids, ad_ids = _col(users_t, "user_id"), _col(ads_t, "ad_id")
+    u_order, a_order = np.argsort(user_ids, kind="stable"), np.argsort(ad_ids, kind="stable")
+    u_sorted, a_sorted = user_ids[u_order], ad_ids[a_order]
+    for ids, name in ((u_sorted, "users.user_id"), (a_sorted, "ads.ad_id")):
+        if len(ids) > 1 and (np.diff(ids) == 0).any():
+            raise DatasetError(f"{name}: duplicate id {ids[1:][np.diff(ids) == 0][0]}")
+
+    countries = tuple(sorted(set(users_t["country"].to_pylist())))
+    advertiser_vocab, advertiser = np.unique(_col(ads_t, "advertiser_id"), return_inverse=True)
+    cohort_vocab, cohort = np.unique(_col(users_t, "cohort"), return_inverse=True)
+    users = {
+        "user_id": user_ids,
+        "cohort": cohort.astype(np.int64),
+        "age_bucket": np.searchsorted(np.array(AGE_EDGES), _col(users_t, "age"), side="right"),
+        "gender": _codes(users_t["gender"], GENDERS, "users.gender"),
+        "country": _codes(users_t["country"], countries, "users.country"),
+        "platform": _codes(users_t["platform"], PLATFORMS, "users.platform"),
+    }
+    ads = {
+        "ad_id": ad_ids,
+        "advertiser": advertiser.astype(np.int64),
+        "objective": _codes(ads_t["objective"], OBJECTIVES, "ads.objective"),
+        "format": _codes(ads_t["format"], FORMATS, "ads.format"),
+        "topic": _col(ads_t, "topic").astype(np.int64),
+        "category": _col(ads_t, "category").astype(np.int64),
+        "quality": _col(ads_t, "quality").astype(np.float32),
+        "created_at": _col(ads_t, "created_at"),
+    }
+
+    ev = {
+        "user": _rows(_col(events_t, "user_id"), u_sorted, u_order, "events.user_id"),
+        "item": _rows(_col(events_t, "ad_id"), a_sorted, a_order, "events.ad_id"),
+        "ts": _col(events_t, "ts"),
+        "surface": _codes(events_t["surface"], SURFACES, "events.surface"),
+        "hour": _col(events_t, "hour").astype(np.int64),
+        "platform": _codes(events_t["platform"], PLATFORMS, "events.platform"),
+        "click": _col(events_t, "click"),
+        "conversion": _col(events_t, "conversion"),
+    }
+    eng = {k: v[ev["click"]] for k, v in ev.items()}
+    split_of, cutoff = _split(eng["user"], eng["ts"], n_u, config)
+
+    splits = {
+        name: {k: eng[k][split_of == i] for k in EXAMPLE_COLUMNS}
+        for i, name in enumerate(("train", "val", "test"))
+    }
+    before_cut = ev["ts"] < cutoff[ev["user"]]
+    splits["impressions"] = {k: ev[k][before_cut] for k in EXAMPLE_COLUMNS}
+
+    engagements = EventSequences.from_events(
+        eng["user"], eng["ts"], n_u, item=eng["item"], surface=eng["surface"]
+    )
+    org_t = ds.organic
+    organic = EventSequences.from_events(
+        _rows(_col(org_t, "user_id"), u_sorted, u_order, "organic.user_id"),
+        _col(org_t, "ts"),
+        n_u,
+        topic=_col(org_t, "topic").astype(np.int64),
+        surface=_codes(org_t["surface"], ORGANIC_SURFACES, "organic.surface"),
+    )
+
+    tr = splits["train"]
+    cooc = cooc_embeddings(
+        tr["user"], tr["item"], tr["ts"], n_a, config.cooc_dim, config.cooc_window
+    )
+
+    if config.text_embeddings:
+        from m31.features.embedding_cache import embed_texts
+
+        text_emb = embed_texts(ads_t["text"].to_pylist(), cache_dir, progress=progress)
+    else:
+        text_emb = np.zeros((n_a, 384), dtype=np.float32)
+
+    meta = {
+        "source": ds.meta.get("source"),
+        "n_users": n_u,
+        "n_ads": n_a,
+        "n_topics": max(len(ds.meta.get("topics", [])), int(ads["topic"].max()) + 1),
+        "n_categories": int(ads["category"].max()) + 1,
+        "vocab": {
+            "country": list(countries),
+            "advertiser": advertiser_vocab.tolist(),
+            "cohort": cohort_vocab.tolist(),
+            "surface": list(SURFACES),
+            "platform": list(PLATFORMS),
+            "format": list(FORMATS),
+            "objective": list(OBJECTIVES),
+            "gender": list(GENDERS),
+            "organic_surface": list(ORGANIC_SURFACES),
+        },
+        "time_range": [int(ev["ts"].min()), int(ev["ts"].max())] if len(ev["ts"]) else None,
+    }
+    return Features(
+        config=config,
+        meta=meta,
+        ads=ads,
+        users=users,
+        text_emb=text_emb.astype(np.float32),
+        cooc_emb=cooc,
+        engagements=engagements,
+        organic=organic,
+        splits=splits,
+    )
+
+
+def _split(user: np.ndarray, ts: np.ndarray, n_users: int, config: FeatureConfig):
+    """(split of each engagement: 0 train, 1 val, 2 test; [U] train cutoff per user)."""
+    split_of = np.zeros(len(user), dtype=np.int8)
+    if config.split == "time":
+        t_val, t_test = np.quantile(ts, config.time_split) if len(ts) else (0, 0)
+        split_of[ts >= t_val] = 1
+        split_of[ts >= t_test] = 2
+        return split_of, np.full(n_users, int(t_val), dtype=np.int64)
+    # leave-last-out: a user's last engagement is test, the one before it val (3+ engagements).
+    order = np.lexsort((np.arange(len(user)), ts, user))
+    counts = np.bincount(user, minlength=n_users)
+    ends = np.cumsum(counts)  # exclusive end of each user's run in `order`
+    rank_from_end = ends[user[order]] - np.arange(len(order))  # 1 = last
+    n_of = counts[user[order]]
+    s = np.zeros(len(order), dtype=np.int8)
+    s[(rank_from_end == 1) & (n_of >= 2)] = 2
+    s[(rank_from_end == 2) & (n_of >= 3)] = 1
+    split_of[order] = s
+    cutoff = np.full(n_users, np.iinfo(np.int64).max, dtype=np.int64)
+    held = split_of > 0
+    np.minimum.at(cutoff, user[held], ts[held])
+    return split_of, cutoff
