@@ -181,3 +181,24 @@ def test_events_with_unknown_ids_are_rejected(tiny):
     ds = Dataset(tiny.users, tiny.advertisers, tiny.ads, bad, tiny.organic, tiny.meta)
     with pytest.raises(DatasetError, match=r"events\.ad_id: id 1000000000"):
         build_features(ds, FeatureConfig(text_embeddings=False))
+
+
+def test_embedding_cache_encodes_each_text_once(tmp_path):
+    from m31.features.embedding_cache import EmbeddingCache, embed_texts
+    from m31.features.text_encoder import model_key
+
+    texts = [
+        "trail running shoes for race day",
+        "a weekend in Lisbon",
+        "trail running shoes for race day",
+    ]
+    first = embed_texts(texts, tmp_path)
+    assert first.shape == (3, 384)
+    np.testing.assert_array_equal(first[0], first[2])
+    cache = EmbeddingCache(tmp_path, model_key())
+    assert len(cache) == 2
+    (cache.folder / "shard-999999-0.npz").write_bytes(b"damaged")  # a half-written shard
+    more = embed_texts([*texts, "organic dog food"], tmp_path)
+    np.testing.assert_array_equal(more[:3], first)
+    assert len(EmbeddingCache(tmp_path, model_key())) == 3, "only the new text was encoded"
+    assert float(more[0] @ more[1]) < 0.5 < float(more[0] @ embed_texts(["running shoes"], None)[0])

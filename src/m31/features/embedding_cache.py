@@ -83,19 +83,20 @@ def embed_texts(
     progress: Progress | None = None,
 ) -> np.ndarray:
     """Embeddings of `texts` ([n, H], float32, unit norm), each unique text encoded once."""
-    from m31.features.text_encoder import MODEL_NAME, encode_texts
+    from m31.features.text_encoder import encode_texts, model_key
 
     uniq, inverse = np.unique(np.asarray(texts, dtype=object), return_inverse=True)
-    keys = text_keys(uniq.tolist(), MODEL_NAME)
-    cache = EmbeddingCache(cache_dir, MODEL_NAME) if cache_dir is not None else None
-    found, vectors = cache.lookup(keys) if cache else (np.zeros(len(uniq), bool), None)
+    model = model_key()
+    keys = text_keys(uniq.tolist(), model)
+    cache = EmbeddingCache(cache_dir, model) if cache_dir is not None else None
+    found, vectors = cache.lookup(keys) if cache is not None else (np.zeros(len(uniq), bool), None)
     missing = np.flatnonzero(~found)
     parts = []
     for lo in range(0, len(missing), batch_size):
         rows = missing[lo : lo + batch_size]
-        vec = encode_texts([uniq[i] for i in rows], batch_size=min(batch_size, 128))
+        vec = encode_texts([uniq[i] for i in rows], batch_size=min(batch_size, 256))
         parts.append(vec)
-        if cache:
+        if cache is not None:
             cache.store(keys[rows], vec)
         if progress:
             progress("text embeddings", lo + len(rows), len(missing))
