@@ -1,0 +1,41 @@
+"""Plots of evaluation results (matplotlib, imported only here)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def plot_recall_at_k(
+    results: dict[str, dict[str, float]], path: Path | str, metric_prefix: str = "truth_recall"
+) -> Path:
+    """PNG of `{metric_prefix}@K` against K (log scale) with one line per model; returns the path.
+
+    `results` is what `evaluate` returns; `metric_prefix` is e.g. "truth_recall", "hr" or "ndcg".
+    """
+    from matplotlib.figure import Figure  # no pyplot: renders with Agg, no global backend state
+
+    series = {}
+    for name, metrics in results.items():
+        points = sorted(
+            (int(key.rpartition("@")[2]), value)
+            for key, value in metrics.items()
+            if key.rpartition("@")[0] == metric_prefix
+        )
+        if points:
+            series[name] = points
+    if not series:
+        raise ValueError(f"no {metric_prefix}@K metrics in the results")
+    fig = Figure(figsize=(6, 4), dpi=120)
+    ax = fig.add_subplot()
+    for name, points in series.items():
+        ks, values = zip(*points, strict=True)
+        ax.plot(ks, values, marker="o", label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel("K")
+    ax.set_ylabel(f"{metric_prefix}@K")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, format="png")
+    return path

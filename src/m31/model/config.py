@@ -1,0 +1,104 @@
+"""Model configuration, with named presets."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+
+EXPERT_FAMILIES = ("sequence", "cohort", "semantic", "coengagement")
+MODEL_KINDS = ("moe", "two-tower", "ranking")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    kind: str = "moe"
+    # Expert slots per tower family; their sum is E. A family with several slots gives each its
+    # own attention query (sequence, semantic) or its own offset (cohort, co-engagement).
+    experts: dict[str, int] = field(
+        default_factory=lambda: {"sequence": 3, "cohort": 1, "semantic": 2, "coengagement": 2}
+    )
+    gate_dim: int = 64  # G
+    value_dim: int = 64  # D
+    hidden: int = 64  # width of embeddings and tower trunks
+    max_len: int = 20  # engagement-sequence length
+    id_buckets: int = 1 << 17  # hashed ad-id embedding rows (unseen ids still land somewhere)
+    advertiser_buckets: int = 1 << 14
+    ranking_mlp: tuple[int, ...] = (256, 128)
+    # training
+    batch_size: int = 512
+    uniform_negatives: int = 512
+    ranking_negatives: int = 32  # uniform negatives per request for the ranking model
+    ranking_in_batch: int = 31  # in-batch negatives per request for the ranking model
+    lr: float = 2e-3
+    weight_decay: float = 1e-5
+    balance_weight: float = 0.02  # weight of the gate's load-balancing (mutual information) term
+    epochs: int = 5
+    patience: int = 2  # epochs without validation improvement before stopping
+    val_requests: int = 2000
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in MODEL_KINDS:
+            raise ValueError(f"kind must be one of {', '.join(MODEL_KINDS)}, got {self.kind!r}")
+        unknown = set(self.experts) - set(EXPERT_FAMILIES)
+        if unknown:
+            raise ValueError(
+                f"unknown expert families {sorted(unknown)}; choose from {', '.join(EXPERT_FAMILIES)}"
+            )
+        if self.n_experts < 1 or any(v < 0 for v in self.experts.values()):
+            raise ValueError(f"experts needs at least one slot, got {self.experts}")
+        for name in ("hidden", "value_dim", "max_len", "batch_size", "epochs"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def n_experts(self) -> int:
+        """E: for the two-tower model always 1."""
+        return 1 if self.kind == "two-tower" else sum(self.experts.values())
+
+    @property
+    def effective_gate_dim(self) -> int:
+        return 0 if self.kind == "two-tower" else self.gate_dim
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelConfig:
+        d = dict(d)
+        d["ranking_mlp"] = tuple(d["ranking_mlp"])
+        return cls(**d)
+
+    def with_overrides(self, **kw) -> ModelConfig:
+        return replace(self, **{k: v for k, v in kw.items() if v is not None})
+
+
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(
+        experts={"sequence": 1, "cohort": 1, "semantic": 1, "coengagement": 1},
+        gate_dim=16,
+        value_dim=16,
+        hidden=16,
+        max_len=8,
+        id_buckets=1 << 12,
+        advertiser_buckets=1 << 8,
+        ranking_mlp=(32, 16),
+        batch_size=64,
+        uniform_negatives=64,
+        ranking_negatives=16,
+        ranking_in_batch=15,
+        epochs=2,
+        val_requests=200,
+    ),
+    "demo": ModelConfig(),
+}
+
+
+def model_preset(name: str, kind: str) -> ModelConfig:
+    """A preset for one kind of model; the ranking model reads a longer history."""
+    try:
+        cfg = replace(PRESETS[name], kind=kind)
+    except KeyError:
+        raise ValueError(
+            f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}"
+        ) from None
+    return replace(cfg, max_len=cfg.max_len * 3) if kind == "ranking" else cfg

@@ -1,0 +1,128 @@
+"""Model inputs as tensors: the ad catalogue's features and a batch of requests.
+
+Shapes: A ads in the catalogue, B requests, L engagement-sequence length, Lo organic length,
+H text-embedding dim, d co-engagement dim.
+
+A request is (user, time, serving context). Its inputs are gathered from `Features` as of the
+request time, so a model never sees an engagement at or after it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+
+from m31.features import Features
+
+N_TIME_BUCKETS = 24  # log2 buckets of (request time - engagement time) in minutes, plus padding
+
+
+def time_buckets(delta_s: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """0 for padding, else 1 + floor(log2(1 + minutes)), capped."""
+    minutes = np.maximum(delta_s, 0) / 60.0
+    bucket = 1 + np.floor(np.log2(1.0 + minutes)).astype(np.int64)
+    return np.where(valid, np.minimum(bucket, N_TIME_BUCKETS - 1), 0)
+
+
+@dataclass
+class Catalog:
+    """Per-ad features, one row per ad of the training catalogue."""
+
+    ad_id: torch.Tensor  # [A] int64
+    advertiser: torch.Tensor  # [A] int64 (external advertiser id, hashed by the model)
+    objective: torch.Tensor  # [A]
+    format: torch.Tensor  # [A]
+    topic: torch.Tensor  # [A]
+    category: torch.Tensor  # [A]
+    quality: torch.Tensor  # [A] float
+    text_emb: torch.Tensor  # [A, H]
+    cooc_emb: torch.Tensor  # [A, d]
+
+    @classmethod
+    def from_features(cls, feats: Features) -> Catalog:
+        ads = feats.ads
+        adv_vocab = np.asarray(feats.meta["vocab"]["advertiser"], dtype=np.int64)
+        return cls(
+            ad_id=torch.from_numpy(ads["ad_id"].astype(np.int64)),
+            advertiser=torch.from_numpy(adv_vocab[ads["advertiser"]]),
+            objective=torch.from_numpy(ads["objective"].astype(np.int64)),
+            format=torch.from_numpy(ads["format"].astype(np.int64)),
+            topic=torch.from_numpy(ads["topic"].astype(np.int64)),
+            category=torch.from_numpy(ads["category"].astype(np.int64)),
+            quality=torch.from_numpy(ads["quality"].astype(np.float32)),
+            text_emb=torch.from_numpy(feats.text_emb),
+            cooc_emb=torch.from_numpy(feats.cooc_emb),
+        )
+
+    def __len__(self) -> int:
+        return len(self.ad_id)
+
+    def take(self, rows: torch.Tensor) -> Catalog:
+        """The features of `rows` (any shape; -1 rows are read as row 0 and must be masked)."""
+        safe = rows.clamp_min(0)
+        return Catalog(**{f.name: getattr(self, f.name)[safe] for f in fields(self)})
+
+    def to(self, device: torch.device | str) -> Catalog:
+        return Catalog(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+
+@dataclass
+class Requests:
+    """B requests with everything the user towers read."""
+
+    cohort: torch.Tensor  # [B]
+    age_bucket: torch.Tensor  # [B]
+    gender: torch.Tensor  # [B]
+    country: torch.Tensor  # [B]
+    surface: torch.Tensor  # [B] serving context
+    hour: torch.Tensor  # [B]
+    platform: torch.Tensor  # [B]
+    hist_item: torch.Tensor  # [B, L] ad rows, -1 = padding, most recent last
+    hist_surface: torch.Tensor  # [B, L]
+    hist_time: torch.Tensor  # [B, L] time buckets, 0 = padding
+    organic: torch.Tensor  # [B, Lo] organic topics, -1 = padding
+
+    def __len__(self) -> int:
+        return len(self.cohort)
+
+    def to(self, device: torch.device | str) -> Requests:
+        return Requests(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+    def slice(self, lo: int, hi: int) -> Requests:
+        return Requests(**{f.name: getattr(self, f.name)[lo:hi] for f in fields(self)})
+
+
+def make_requests(
+    feats: Features,
+    user: np.ndarray,
+    ts: np.ndarray,
+    surface: np.ndarray,
+    hour: np.ndarray,
+    platform: np.ndarray,
+    max_len: int,
+) -> Requests:
+    """Inputs of requests (user rows, times, context ids), as of each request's time."""
+    user = np.asarray(user, dtype=np.int64)
+    ts = np.asarray(ts, dtype=np.int64)
+    items, hist_surface, hist_ts, _ = feats.history(user, ts, max_len)
+    organic, _ = feats.organic_history(user, ts)
+    u = feats.users
+
+    def t(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+
+    return Requests(
+        cohort=t(u["cohort"][user]),
+        age_bucket=t(u["age_bucket"][user]),
+        gender=t(u["gender"][user]),
+        country=t(u["country"][user]),
+        surface=t(surface),
+        hour=t(hour),
+        platform=t(platform),
+        hist_item=t(items),
+        hist_surface=t(np.maximum(hist_surface, 0)),
+        hist_time=t(time_buckets(ts[:, None] - hist_ts, items >= 0)),
+        organic=t(organic),
+    )

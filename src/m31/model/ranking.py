@@ -1,0 +1,140 @@
+"""The ranking model: a heavy cross model that defines "ranking-level" quality.
+
+Shapes: B requests, C candidates per request, L sequence length, h hidden width.
+
+Unlike the retrieval models it cannot be split into a request part and an ad part: the candidate
+attends over the whole engagement history (target attention), and an MLP reads user, ad, context
+and explicit cross features of each pair. That costs hundreds of times the FLOPs of the §2 scorer
+per (request, ad) pair, which is why it only ranks what retrieval returns.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch import nn
+
+from m31.data.schema import OBJECTIVES, SURFACES
+from m31.model.config import ModelConfig
+from m31.model.inputs import N_TIME_BUCKETS, Catalog, Requests
+from m31.model.towers import (
+    N_AGE_BUCKETS,
+    N_GENDERS,
+    ContextEncoder,
+    ItemEncoder,
+    hash_ids,
+    masked_mean,
+    mlp,
+)
+
+N_CROSS = 5
+
+
+class RankingModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, sizes: dict[str, int], text_dim: int, cooc_dim: int):
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.hidden
+        self.item = ItemEncoder(cfg, sizes, text_dim, cooc_dim)
+        self.context = ContextEncoder(h)
+        self.hist_surface = nn.Embedding(len(SURFACES), h)
+        self.hist_time = nn.Embedding(N_TIME_BUCKETS, h)
+        self.advertiser = nn.Embedding(cfg.advertiser_buckets, h)
+        self.objective = nn.Embedding(len(OBJECTIVES), h)
+        self.quality = nn.Linear(1, h)
+        self.cohort = nn.Embedding(sizes["cohort"], h)
+        self.age = nn.Embedding(N_AGE_BUCKETS, h)
+        self.gender = nn.Embedding(N_GENDERS, h)
+        self.country = nn.Embedding(sizes["country"], h)
+        self.organic = nn.Embedding(sizes["topic"], h)
+        self.att_q = nn.Linear(h, h)
+        self.att_k = nn.Linear(h, h)
+        self.att_v = nn.Linear(h, h)
+        self.in_dim = 8 * h + N_CROSS
+        self.mlp = mlp([self.in_dim, *cfg.ranking_mlp, 1])
+
+    def candidates(self, ads: Catalog) -> torch.Tensor:
+        return (
+            self.item(ads)
+            + self.advertiser(hash_ids(ads.advertiser, self.cfg.advertiser_buckets, 2))
+            + self.objective(ads.objective)
+            + self.quality(ads.quality[..., None])
+        )
+
+    def forward(self, r: Requests, catalog: Catalog, cand_rows: torch.Tensor) -> torch.Tensor:
+        """Scores [B, C] of each request's candidate ad rows cand_rows [B, C] (or [C], shared)."""
+        b = len(r)
+        if cand_rows.dim() == 1:
+            cand_rows = cand_rows[None, :].expand(b, -1)
+        valid = r.hist_item >= 0  # [B, L]
+        hist = catalog.take(r.hist_item)
+        seq = self.item(hist) + self.hist_surface(r.hist_surface) + self.hist_time(r.hist_time)
+        cand_feats = catalog.take(cand_rows)
+        cand = self.candidates(cand_feats)  # [B, C, h]
+
+        # Target attention: each candidate queries the whole history.
+        att = (
+            torch.einsum("bch,blh->bcl", self.att_q(cand), self.att_k(seq)) * seq.shape[-1] ** -0.5
+        )
+        att = att.masked_fill(~valid[:, None, :], -1e4).softmax(-1)
+        target = torch.einsum("bcl,blh->bch", att, self.att_v(seq)) * valid.any(1)[:, None, None]
+
+        mean_hist = masked_mean(seq, valid)  # [B, h]
+        demo = (
+            self.cohort(r.cohort)
+            + self.age(r.age_bucket)
+            + self.gender(r.gender)
+            + self.country(r.country)
+        )
+        org_valid = r.organic >= 0
+        organic = masked_mean(self.organic(r.organic.clamp_min(0)), org_valid)
+        ctx = self.context(r)
+        user = torch.cat([mean_hist, demo, organic, ctx], dim=-1)  # [B, 4h]
+
+        vf = valid.float()
+        n_hist = vf.sum(1).clamp_min(1.0)[:, None]  # [B, 1]
+        hist_text = masked_mean(hist.text_emb, valid)  # [B, H]
+        hist_cooc = masked_mean(hist.cooc_emb, valid)
+        cross = torch.stack(
+            [
+                torch.einsum("bch,bh->bc", cand_feats.text_emb, hist_text),
+                torch.einsum("bch,bh->bc", cand_feats.cooc_emb, hist_cooc),
+                torch.einsum(
+                    "bcl,bl->bc",
+                    (cand_feats.topic[:, :, None] == hist.topic[:, None, :]).float(),
+                    vf,
+                )
+                / n_hist,
+                torch.einsum(
+                    "bcl,bl->bc",
+                    (cand_feats.category[:, :, None] == hist.category[:, None, :]).float(),
+                    vf,
+                )
+                / n_hist,
+                (cand_feats.topic[:, :, None] == r.organic[:, None, :]).float().mean(-1),
+            ],
+            dim=-1,
+        )  # [B, C, N_CROSS]
+        c = cand.shape[1]
+        feats = torch.cat(
+            [
+                target,
+                cand,
+                cand * mean_hist[:, None, :],
+                cand * ctx[:, None, :],
+                user[:, None, :].expand(-1, c, -1),
+                cross,
+            ],
+            dim=-1,
+        )  # [B, C, 8h + N_CROSS]
+        return self.mlp(feats)[..., 0]
+
+    def flops_per_pair(self) -> int:
+        """Pair-specific FLOPs only (request-side and ad-side work amortised away)."""
+        h, L = self.cfg.hidden, self.cfg.max_len
+        dims = [self.in_dim, *self.cfg.ranking_mlp, 1]
+        mlp_flops = sum(2 * a * b for a, b in itertools.pairwise(dims))
+        attention = 2 * h * h + 4 * L * h  # query projection, scores, weighted sum
+        cross = 2 * (384 + self.item.cooc.in_features) + 4 * L
+        return mlp_flops + attention + cross

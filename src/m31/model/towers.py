@@ -1,0 +1,207 @@
+"""Building blocks shared by the retrieval and ranking models.
+
+Shapes: B requests, N ads, L sequence length, Lo organic length, k slots of one family,
+h hidden width, H text-embedding dim.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch import nn
+
+from m31.data.schema import FORMATS, OBJECTIVES, PLATFORMS, SURFACES
+from m31.model.inputs import N_TIME_BUCKETS, Catalog, Requests
+
+N_AGE_BUCKETS = 6
+N_GENDERS = 2
+
+_HASH_MULT = 0x5DEECE66D  # odd multiplier: spreads consecutive ids across buckets
+
+
+def hash_ids(ids: torch.Tensor, buckets: int, salt: int) -> torch.Tensor:
+    """Ids (any int64, also unseen ones) -> [0, buckets)."""
+    return torch.remainder((ids + salt) * _HASH_MULT + (ids >> 17), buckets)
+
+
+def mlp(dims: list[int], last_activation: bool = False) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(itertools.pairwise(dims)):
+        layers.append(nn.Linear(a, b))
+        if i < len(dims) - 2 or last_activation:
+            layers.append(nn.GELU())
+    return nn.Sequential(*layers)
+
+
+class ItemEncoder(nn.Module):
+    """An ad's content -> [.., h]: hashed id, topic, category, format, text and co-engagement."""
+
+    def __init__(self, cfg, sizes: dict[str, int], text_dim: int, cooc_dim: int) -> None:
+        super().__init__()
+        h = cfg.hidden
+        self.id_buckets = cfg.id_buckets
+        self.id = nn.Embedding(cfg.id_buckets, h)
+        self.topic = nn.Embedding(sizes["topic"], h)
+        self.category = nn.Embedding(sizes["category"], h)
+        self.format = nn.Embedding(len(FORMATS), h)
+        self.text = nn.Linear(text_dim, h)
+        self.cooc = nn.Linear(cooc_dim, h)
+        self.norm = nn.LayerNorm(h)
+        nn.init.normal_(self.id.weight, std=0.02)
+
+    def forward(self, ads: Catalog) -> torch.Tensor:
+        e = (
+            self.id(hash_ids(ads.ad_id, self.id_buckets, 1))
+            + self.topic(ads.topic)
+            + self.category(ads.category)
+            + self.format(ads.format)
+            + self.text(ads.text_emb)
+            + self.cooc(ads.cooc_emb)
+        )
+        return self.norm(e)
+
+
+class ContextEncoder(nn.Module):
+    """Serving context (surface, hour, platform) -> [B, h]."""
+
+    def __init__(self, h: int) -> None:
+        super().__init__()
+        self.surface = nn.Embedding(len(SURFACES), h)
+        self.hour = nn.Embedding(24, h)
+        self.platform = nn.Embedding(len(PLATFORMS), h)
+
+    def forward(self, r: Requests) -> torch.Tensor:
+        return self.surface(r.surface) + self.hour(r.hour) + self.platform(r.platform)
+
+
+class AttentionPool(nn.Module):
+    """k learned queries, shifted by the context, attend over a sequence: [B, L, h] -> [B, k, h].
+
+    A learned null key/value is always present, so an empty history pools to it (no NaN).
+    """
+
+    def __init__(self, h: int, k: int) -> None:
+        super().__init__()
+        self.queries = nn.Parameter(torch.randn(k, h) * 0.1)
+        self.ctx = nn.Linear(h, h)
+        self.key = nn.Linear(h, h)
+        self.value = nn.Linear(h, h)
+        self.null = nn.Parameter(torch.zeros(1, 1, h))
+        self.scale = h**-0.5
+
+    def forward(self, seq: torch.Tensor, valid: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
+        b = seq.shape[0]
+        seq = torch.cat([self.null.expand(b, 1, -1), seq], dim=1)  # [B, 1+L, h]
+        valid = torch.cat([valid.new_ones(b, 1), valid], dim=1)  # [B, 1+L]
+        q = self.queries[None] + self.ctx(ctx)[:, None, :]  # [B, k, h]
+        att = torch.einsum("bkh,blh->bkl", q, self.key(seq)) * self.scale
+        att = att.masked_fill(~valid[:, None, :], float("-inf")).softmax(-1)  # [B, k, 1+L]
+        return torch.einsum("bkl,blh->bkh", att, self.value(seq))  # [B, k, h]
+
+
+def masked_mean(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[B, L, h] mean over valid positions -> [B, h] (zeros if none)."""
+    w = valid.to(x.dtype)[..., None]
+    return (x * w).sum(1) / w.sum(1).clamp_min(1.0)
+
+
+class UserFeatures(nn.Module):
+    """Per-family hidden states of a request: family name -> [B, k, h].
+
+    * sequence: attention over the engaged ads (content, surface, time since), context-queried;
+    * cohort: demographic and cohort embeddings with the context;
+    * semantic: attention over sentence embeddings of the engaged ads' texts;
+    * coengagement: organic-engagement topics and the engaged ads' co-engagement embeddings.
+    """
+
+    def __init__(self, cfg, sizes: dict[str, int], item: ItemEncoder, text_dim: int, cooc_dim: int):
+        super().__init__()
+        h = cfg.hidden
+        self.slots = {name: k for name, k in cfg.experts.items() if k > 0}
+        self.item = item
+        self.context = ContextEncoder(h)
+        self.hist_surface = nn.Embedding(len(SURFACES), h)
+        self.hist_time = nn.Embedding(N_TIME_BUCKETS, h)
+        pools, trunks, offsets = {}, {}, {}
+        for name, k in self.slots.items():
+            if name in ("sequence", "semantic"):
+                pools[name] = AttentionPool(h, k)
+            else:
+                offsets[name] = nn.Parameter(torch.randn(k, h) * 0.1)
+            trunks[name] = nn.Sequential(
+                mlp([2 * h, 2 * h, h], last_activation=True), nn.LayerNorm(h)
+            )
+        self.pools = nn.ModuleDict(pools)
+        self.trunks = nn.ModuleDict(trunks)
+        self.offsets = nn.ParameterDict(offsets)
+        if "semantic" in self.slots:
+            self.sem_text = nn.Linear(text_dim, h)
+        if "cohort" in self.slots:
+            self.cohort = nn.Embedding(sizes["cohort"], h)
+            self.age = nn.Embedding(N_AGE_BUCKETS, h)
+            self.gender = nn.Embedding(N_GENDERS, h)
+            self.country = nn.Embedding(sizes["country"], h)
+        if "coengagement" in self.slots:
+            self.organic = nn.Embedding(sizes["topic"], h)
+            self.cooc = nn.Linear(cooc_dim, h)
+
+    def forward(self, r: Requests, catalog: Catalog) -> dict[str, torch.Tensor]:
+        ctx = self.context(r)  # [B, h]
+        valid = r.hist_item >= 0  # [B, L]
+        hist = catalog.take(r.hist_item)
+        out = {}
+        for name, k in self.slots.items():
+            if name == "sequence":
+                seq = (
+                    self.item(hist)
+                    + self.hist_surface(r.hist_surface)
+                    + self.hist_time(r.hist_time)
+                )
+                pooled = self.pools[name](seq, valid, ctx)  # [B, k, h]
+            elif name == "semantic":
+                seq = self.sem_text(hist.text_emb) + self.hist_time(r.hist_time)
+                pooled = self.pools[name](seq, valid, ctx)
+            elif name == "cohort":
+                demo = (
+                    self.cohort(r.cohort)
+                    + self.age(r.age_bucket)
+                    + self.gender(r.gender)
+                    + self.country(r.country)
+                )
+                pooled = demo[:, None, :] + self.offsets[name][None]
+            else:  # coengagement
+                org_valid = r.organic >= 0
+                organic = masked_mean(self.organic(r.organic.clamp_min(0)), org_valid)
+                cooc = masked_mean(self.cooc(hist.cooc_emb), valid)
+                pooled = (organic + cooc)[:, None, :] + self.offsets[name][None]
+            both = torch.cat([pooled, ctx[:, None, :].expand(-1, k, -1)], dim=-1)  # [B, k, 2h]
+            out[name] = self.trunks[name](both)  # [B, k, h]
+        return out
+
+
+class AdTower(nn.Module):
+    """Ad features -> (g [N, G], x [N, D], b [N])."""
+
+    def __init__(self, cfg, item: ItemEncoder) -> None:
+        super().__init__()
+        h = cfg.hidden
+        self.gate_dim, self.value_dim = cfg.effective_gate_dim, cfg.value_dim
+        self.adv_buckets = cfg.advertiser_buckets
+        self.item = item
+        self.advertiser = nn.Embedding(cfg.advertiser_buckets, h)
+        self.objective = nn.Embedding(len(OBJECTIVES), h)
+        self.quality = nn.Linear(1, h)
+        self.net = mlp([h, 2 * h, self.gate_dim + self.value_dim + 1])
+        nn.init.normal_(self.advertiser.weight, std=0.02)
+
+    def forward(self, ads: Catalog) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        e = (
+            self.item(ads)
+            + self.advertiser(hash_ids(ads.advertiser, self.adv_buckets, 2))
+            + self.objective(ads.objective)
+            + self.quality(ads.quality[..., None])
+        )
+        out = self.net(e)
+        g, x, b = out.split([self.gate_dim, self.value_dim, 1], dim=-1)
+        return g, x, b[..., 0]

@@ -1,0 +1,312 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from m31.features import FeatureConfig, build_features
+from m31.model import Catalog, ModelConfig, RankingModel, RetrievalModel, model_preset
+from m31.model.retrieval import balance_loss, sampled_softmax_loss
+from m31.model.train import (
+    _retrieval_step,
+    build_model,
+    encode_ads,
+    encode_requests,
+    load_checkpoint,
+    requests_for,
+    save_checkpoint,
+    vocab_sizes,
+)
+from m31.ops import score
+from m31.world.config import preset
+from m31.world.generate import generate
+
+
+@pytest.fixture(scope="module")
+def feats():
+    ds, _ = generate(preset("tiny").with_overrides(n_impressions=20_000), seed=2)
+    f = build_features(ds, FeatureConfig(max_len=8, text_embeddings=False))
+    # Stand-in text vectors (the real encoder is tested in test_features): non-zero, so the
+    # text projections get gradients.
+    f.text_emb = np.random.default_rng(0).standard_normal(f.text_emb.shape).astype(np.float32)
+    return f
+
+
+def make(kind, feats, seed=0):
+    torch.manual_seed(seed)
+    cfg = model_preset("tiny", kind)
+    return build_model(cfg, vocab_sizes(feats), feats.text_emb.shape[1], feats.cooc_emb.shape[1])
+
+
+def some_requests(feats, n=13):
+    test = feats.splits["test"]
+    return requests_for(feats, test, np.arange(n), 8)
+
+
+def naive_score(q, v, p, g, x, b):
+    """DESIGN §2 written pair by pair, expert by expert."""
+    n_req, n_exp, gdim = q.shape
+    out = torch.empty(n_req, g.shape[0], dtype=torch.float64)
+    for r in range(n_req):
+        for a in range(g.shape[0]):
+            logits = [
+                (float(q[r, e] @ g[a]) / math.sqrt(gdim) if gdim else 0.0) + float(p[r, e])
+                for e in range(n_exp)
+            ]
+            m = max(logits)
+            w = [math.exp(t - m) for t in logits]
+            out[r, a] = sum(w[e] / sum(w) * float(v[r, e] @ x[a]) for e in range(n_exp)) + float(
+                b[a]
+            )
+    return out
+
+
+@pytest.mark.parametrize("n_exp,gdim", [(1, 0), (3, 5), (8, 16)])
+def test_scorer_equals_naive_loop(n_exp, gdim):
+    gen = torch.Generator().manual_seed(n_exp)
+    q, v, p = (
+        torch.randn(3, n_exp, gdim, generator=gen),
+        torch.randn(3, n_exp, 7, generator=gen),
+        torch.randn(3, n_exp, generator=gen),
+    )
+    g, x, b = (
+        torch.randn(11, gdim, generator=gen),
+        torch.randn(11, 7, generator=gen),
+        torch.randn(11, generator=gen),
+    )
+    torch.testing.assert_close(
+        score(q, v, p, g, x, b).double(), naive_score(q, v, p, g, x, b), rtol=1e-5, atol=1e-5
+    )
+
+
+@pytest.mark.parametrize("kind", ["moe", "two-tower"])
+def test_retrieval_shapes_and_contract(feats, kind):
+    model = make(kind, feats).eval()
+    catalog = Catalog.from_features(feats)
+    r = some_requests(feats)
+    q, v, p = model.encode_requests(r, catalog)
+    e, gdim = (1, 0) if kind == "two-tower" else (4, 16)
+    assert q.shape == (13, e, gdim) and v.shape == (13, e, 16) and p.shape == (13, e)
+    g, x, b = encode_ads(model, catalog, batch=700)  # batches that do not divide A
+    assert (
+        g.shape == (feats.n_ads, gdim)
+        and x.shape == (feats.n_ads, 16)
+        and b.shape == (feats.n_ads,)
+    )
+    with torch.no_grad():
+        s, gate = model(r, catalog, catalog)
+    torch.testing.assert_close(s, score(q, v, p, g, x, b))
+    assert gate.shape == (13, feats.n_ads, e)
+    torch.testing.assert_close(gate.sum(-1), torch.ones(13, feats.n_ads))
+
+
+def test_encode_requests_api_matches_the_model(feats):
+    model = make("moe", feats)
+    catalog = Catalog.from_features(feats)
+    t = feats.splits["test"]
+    q, v, p = encode_requests(
+        model,
+        feats,
+        catalog,
+        t["user"][:5],
+        t["ts"][:5],
+        t["surface"][:5],
+        t["hour"][:5],
+        t["platform"][:5],
+    )
+    with torch.no_grad():
+        q2, v2, p2 = model.encode_requests(
+            requests_for(feats, t, np.arange(5), model.cfg.max_len), catalog
+        )
+    torch.testing.assert_close((q, v, p), (q2, v2, p2))
+
+
+def test_context_folding_equals_modulating_every_ad(feats):
+    model = make("moe", feats).eval()
+    with torch.no_grad():
+        model.modulation.weight.normal_(std=0.1)  # a non-trivial M(ctx)
+        catalog = Catalog.from_features(feats)
+        r = some_requests(feats, 6)
+        q, v, p = model.encode_requests(r, catalog, fold_context=False)
+        g, x, b = model.encode_ads(catalog)
+        m = model.context_map(r)  # [B, D, D]
+        assert not torch.allclose(m, torch.eye(16).expand_as(m))
+        explicit = torch.stack(
+            [score(q[i : i + 1], v[i : i + 1], p[i : i + 1], g, x @ m[i].T, b)[0] for i in range(6)]
+        )  # every ad modulated: x'[a] = M x[a]
+        folded = score(*model.encode_requests(r, catalog), g, x, b)
+    torch.testing.assert_close(folded, explicit, rtol=1e-4, atol=1e-4)
+
+
+def test_context_changes_scores(feats):
+    model = make("moe", feats).eval()
+    with torch.no_grad():
+        model.modulation.weight.normal_(std=0.1)
+        catalog = Catalog.from_features(feats)
+        r = some_requests(feats, 4)
+        s1 = model(r, catalog, catalog)[0]
+        r.surface = (r.surface + 1) % 5
+        s2 = model(r, catalog, catalog)[0]
+    assert not torch.allclose(s1, s2)
+
+
+def test_ranking_model_scores_pairs(feats):
+    model = make("ranking", feats).eval()
+    catalog = Catalog.from_features(feats)
+    r = some_requests(feats, 5)
+    cand = torch.randint(0, feats.n_ads, (5, 9))
+    with torch.no_grad():
+        s = model(r, catalog, cand)
+        shared = model(r, catalog, cand[0])
+        one = model(r.slice(2, 3), catalog, cand[2:3])
+    assert s.shape == (5, 9) and shared.shape == (5, 9)
+    torch.testing.assert_close(one[0], s[2], rtol=1e-5, atol=1e-5)
+
+
+def test_demo_ranking_model_costs_over_100x_the_moe_per_pair():
+    sizes = {"cohort": 3, "country": 3, "topic": 3, "category": 3}
+    moe = build_model(model_preset("demo", "moe"), sizes, 384, 32)
+    ranking = build_model(model_preset("demo", "ranking"), sizes, 384, 32)
+    assert moe.flops_per_pair() == 2 * 8 * (64 + 64) + 1
+    assert ranking.flops_per_pair() > 100 * moe.flops_per_pair()
+
+
+@pytest.mark.parametrize("kind", ["moe", "two-tower", "ranking"])
+def test_gradients_reach_every_tower(feats, kind):
+    model = make(kind, feats)
+    catalog = Catalog.from_features(feats)
+    r = some_requests(feats, 16)
+    if kind == "ranking":
+        out = model(r, catalog, torch.randint(0, feats.n_ads, (16, 5)))
+    else:
+        out = model(r, catalog, catalog.take(torch.arange(40)))[0]
+    out.square().mean().backward()
+    missing = [
+        n for n, p_ in model.named_parameters() if p_.grad is None or not p_.grad.abs().sum() > 0
+    ]
+    # hashed-id rows never looked up have zero gradient; every module must still get one
+    assert not [n for n in missing if not n.endswith(("id.weight", "advertiser.weight"))], missing
+
+
+def test_balance_loss_extremes():
+    e = 4
+    uniform = torch.full((3, 5, e), 1 / e)
+    assert abs(float(balance_loss(uniform))) < 1e-6  # no information between ads and experts
+    spread = torch.eye(e).repeat(5, 1)[None]  # every ad to one expert, all experts equally used
+    assert float(balance_loss(spread)) == pytest.approx(-math.log(e), abs=1e-5)
+    collapsed = torch.zeros(1, 8, e)
+    collapsed[..., 0] = 1
+    assert float(balance_loss(collapsed)) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_sampled_softmax_masks_accidental_positives():
+    scores = torch.tensor([[2.0, 5.0, 0.0], [0.0, 1.0, 3.0]])
+    cand = torch.tensor([7, 7, 9])  # request 0's positive (ad 7) also sits in column 1
+    loss = sampled_softmax_loss(
+        scores, torch.zeros(3), torch.tensor([0, 2]), cand, torch.tensor([7, 9])
+    )
+    want = (
+        -torch.log_softmax(torch.tensor([2.0, 0.0]), 0)[0]
+        - torch.log_softmax(torch.tensor([0.0, 1.0, 3.0]), 0)[2]
+    ) / 2
+    torch.testing.assert_close(loss, want)
+
+
+def test_training_reduces_the_loss(feats):
+    model = make("moe", feats)
+    catalog = Catalog.from_features(feats)
+    cfg = model.cfg
+    rng = np.random.default_rng(0)
+    tr = feats.splits["train"]
+    pop = np.bincount(tr["item"], minlength=feats.n_ads) / len(tr["item"])
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    fixed = np.arange(256)
+    r_fixed = requests_for(feats, tr, fixed, cfg.max_len)
+
+    def held_loss():
+        with torch.no_grad():
+            return float(
+                _retrieval_step(
+                    model,
+                    r_fixed,
+                    catalog,
+                    torch.from_numpy(tr["item"][fixed]),
+                    pop,
+                    feats.n_ads,
+                    cfg,
+                    np.random.default_rng(1),
+                    "cpu",
+                )[0]
+            )
+
+    before = held_loss()
+    for _ in range(2):
+        for lo in range(0, len(tr["user"]), 64):
+            rows = np.arange(lo, min(lo + 64, len(tr["user"])))
+            loss, _ = _retrieval_step(
+                model,
+                requests_for(feats, tr, rows, cfg.max_len),
+                catalog,
+                torch.from_numpy(tr["item"][rows]),
+                pop,
+                feats.n_ads,
+                cfg,
+                rng,
+                "cpu",
+            )
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert held_loss() < before - 0.3
+
+
+@pytest.mark.parametrize("kind", ["moe", "ranking"])
+def test_checkpoint_round_trips_exactly(feats, tmp_path, kind):
+    model = make(kind, feats).eval()
+    path = save_checkpoint(tmp_path / "m.pt", model, feats, history=[{"epoch": 1}])
+    again, blob = load_checkpoint(path, feats)
+    assert blob["history"] == [{"epoch": 1}] and blob["config"] == model.cfg.to_dict()
+    assert type(again) is type(model)
+    for (k, a), (k2, b) in zip(model.state_dict().items(), again.state_dict().items(), strict=True):
+        assert k == k2 and torch.equal(a, b)
+    catalog = Catalog.from_features(feats)
+    r = some_requests(feats, 3)
+    with torch.no_grad():
+        if kind == "ranking":
+            cand = torch.arange(7)
+            assert torch.equal(model(r, catalog, cand), again(r, catalog, cand))
+        else:
+            assert torch.equal(model(r, catalog, catalog)[0], again(r, catalog, catalog)[0])
+
+
+def test_checkpoint_errors(feats, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such checkpoint"):
+        load_checkpoint(tmp_path / "nope.pt")
+    (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="not a readable m31 checkpoint"):
+        load_checkpoint(tmp_path / "bad.pt")
+
+
+def test_bad_model_config():
+    with pytest.raises(ValueError, match="kind must be one of"):
+        ModelConfig(kind="gbdt")
+    with pytest.raises(ValueError, match="unknown expert families"):
+        ModelConfig(experts={"sequence": 2, "vibes": 1})
+    with pytest.raises(ValueError, match="unknown model preset"):
+        model_preset("huge", "moe")
+    with pytest.raises(ValueError, match="RetrievalModel is moe or two-tower"):
+        RetrievalModel(
+            model_preset("tiny", "ranking"),
+            {"cohort": 2, "country": 2, "topic": 2, "category": 2},
+            4,
+            4,
+        )
+    assert isinstance(
+        build_model(
+            model_preset("tiny", "ranking"),
+            {"cohort": 2, "country": 2, "topic": 2, "category": 2},
+            4,
+            4,
+        ),
+        RankingModel,
+    )
