@@ -190,6 +190,202 @@ def features_build(
     typer.echo(f"wrote {out} in {time.perf_counter() - start:.1f} s: {feats.describe()}")
 
 
+def _named_paths(values: list[str], option: str) -> dict[str, Path]:
+    """NAME=PATH pairs (or bare paths, named by the checkpoint's model kind later)."""
+    out = {}
+    for v in values:
+        name, sep, path = v.partition("=")
+        if not sep:
+            name, path = "", v
+        if name in out:
+            _fail(f"{option}: the name {name!r} is given twice")
+        out[name] = Path(path)
+    return out
+
+
+def _load_models(specs: dict[str, Path], feats, device: str) -> dict:
+    from m31.model import Catalog
+    from m31.model.train import ScoreFunction, load_checkpoint
+
+    catalog = Catalog.from_features(feats).to(device)
+    fns = {}
+    for name, path in specs.items():
+        model, blob = load_checkpoint(path, feats, device=device)
+        key = name or blob["config"]["kind"]
+        if key in fns:
+            _fail(f"two models are named {key!r}; name them NAME=PATH")
+        fns[key] = ScoreFunction(model, feats, catalog)
+    return fns
+
+
+@app.command("train")
+@cli_errors
+def train_cmd(
+    model: Annotated[str, typer.Option(help="moe, two-tower or ranking.")],
+    data: Annotated[Path, typer.Option(help="Dataset folder (features are built into it once).")],
+    out: Annotated[Path, typer.Option(help="Checkpoint file to write.")],
+    preset: Annotated[str, typer.Option(help="Model preset: tiny or demo.")] = "demo",
+    epochs: Annotated[int | None, typer.Option(help="Override the preset's epoch count.")] = None,
+    split: Annotated[str, typer.Option(help="leave-last-out or time.")] = "leave-last-out",
+    seed: Annotated[int | None, typer.Option(help="Random seed.")] = None,
+    device: Annotated[
+        str | None, typer.Option(help="cpu or cuda (default: cuda when present).")
+    ] = None,
+) -> None:
+    """Train a model and write a checkpoint (weights, config, vocabularies, history)."""
+    import json as _json
+
+    from m31.model import model_preset
+    from m31.model.train import save_checkpoint, train
+    from m31.pipeline import features_for
+
+    cfg = model_preset(preset, model).with_overrides(epochs=epochs, seed=seed)
+    bar, callback = _progress_bar()
+    with bar:
+        feats = features_for(data, split, progress=callback)
+    typer.echo(f"features: {feats.describe()}")
+    start = time.perf_counter()
+    trained, history = train(
+        cfg, feats, device=device, log=typer.echo, progress=sys.stderr.isatty()
+    )
+    save_checkpoint(out, trained, feats, history)
+    best = max(history, key=lambda h: h["val_hr@50"])
+    typer.echo(
+        f"wrote {out} after {time.perf_counter() - start:.0f} s; best epoch {best['epoch']}: "
+        f"val HR@10 {best['val_hr@10']:.4f}, HR@50 {best['val_hr@50']:.4f}; "
+        f"{trained.flops_per_pair():,} FLOPs per (request, ad) pair"
+    )
+    if "experts" in best:
+        typer.echo(f"expert usage: {_json.dumps(best['experts'])}")
+
+
+@app.command("eval")
+@cli_errors
+def eval_cmd(
+    data: Annotated[Path, typer.Option(help="Dataset folder.")],
+    model: Annotated[list[str], typer.Option(help="NAME=CHECKPOINT, repeatable.")],
+    split: Annotated[
+        str, typer.Option(help="Which split's features (leave-last-out or time).")
+    ] = "leave-last-out",
+    max_users: Annotated[
+        int | None, typer.Option(help="Evaluate a seeded sample of test requests.")
+    ] = None,
+    ks: Annotated[str, typer.Option(help="Cut-offs, comma-separated.")] = "10,50,100,500",
+    reference: Annotated[
+        str | None, typer.Option(help="Model whose top-K the others are compared with.")
+    ] = None,
+    exclude_seen: Annotated[
+        bool | None, typer.Option(help="Drop ads engaged before (default: on for MovieLens).")
+    ] = None,
+    plot: Annotated[Path | None, typer.Option(help="Write a PNG of recall@K against K.")] = None,
+    json_out: Annotated[
+        Path | None, typer.Option("--json", help="Write the metrics as JSON.")
+    ] = None,
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+) -> None:
+    """Full-corpus offline metrics (every ad scored) of one or more models, side by side."""
+    from m31.data import dataset
+    from m31.eval import evaluate, format_table, plot_recall_at_k
+    from m31.pipeline import features_for
+
+    try:
+        cutoffs = tuple(int(k) for k in ks.split(","))
+    except ValueError:
+        _fail(f"--ks: expected comma-separated integers, got {ks!r}")
+    feats = features_for(data, split)
+    fns = _load_models(_named_paths(model, "--model"), feats, device)
+    if reference is None and "ranking" in fns and len(fns) > 1:
+        reference = "ranking"
+    truth = None
+    if (data / "truth.npz").is_file():
+        from m31.world.truth import GroundTruth
+
+        truth = GroundTruth.from_arrays(dataset.load_truth(data))
+    if exclude_seen is None:
+        exclude_seen = feats.meta.get("source") == "movielens"
+    bar, callback = _progress_bar()
+    with bar:
+        results = evaluate(
+            fns,
+            feats,
+            split="test",
+            ks=cutoffs,
+            max_users=max_users,
+            exclude_seen=exclude_seen,
+            truth=truth,
+            reference=reference,
+            progress=callback,
+        )
+    n = (
+        len(feats.splits["test"]["user"])
+        if max_users is None
+        else min(max_users, len(feats.splits["test"]["user"]))
+    )
+    typer.echo(
+        f"{n:,} test requests, {feats.n_ads:,} ads each (full corpus), seen ads {'excluded' if exclude_seen else 'kept'}"
+    )
+    typer.echo(format_table(results))
+    if json_out:
+        json_out.write_text(json.dumps(results, indent=2) + "\n")
+    if plot:
+        plot_recall_at_k(results, plot, metric_prefix="truth_recall" if truth is not None else "hr")
+        typer.echo(f"wrote {plot}")
+
+
+@app.command("simulate")
+@cli_errors
+def simulate_cmd(
+    data: Annotated[Path, typer.Option(help="Dataset folder of a synthetic marketplace.")],
+    retriever: Annotated[
+        list[str], typer.Option(help="NAME=CHECKPOINT, repeatable; the first is the baseline.")
+    ],
+    ranker: Annotated[Path, typer.Option(help="Ranking-model checkpoint.")],
+    k: Annotated[int, typer.Option(help="Ads retrieved per request.")] = 500,
+    slots: Annotated[int, typer.Option(help="Ads shown per request.")] = 4,
+    requests: Annotated[int, typer.Option(help="Held-out requests simulated.")] = 2000,
+    seed: Annotated[int, typer.Option(help="Seed of the conversion draws.")] = 0,
+    split: Annotated[str, typer.Option(help="Which split's features.")] = "leave-last-out",
+    json_out: Annotated[
+        Path | None, typer.Option("--json", help="Write the result as JSON.")
+    ] = None,
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+) -> None:
+    """Simulated funnel: retrieve K -> rank -> show -> conversions from the ground truth."""
+    import numpy as np
+
+    from m31.data import dataset
+    from m31.eval import format_funnel, requests_from_split, simulate, topk_rows
+    from m31.pipeline import features_for, funnel_eligibility
+    from m31.world.truth import GroundTruth
+
+    if not (data / "truth.npz").is_file():
+        _fail(f"{data}: no truth.npz; the funnel needs a synthetic marketplace")
+    feats = features_for(data, split)
+    retrievers = _load_models(_named_paths(retriever, "--retriever"), feats, device)
+    rank = _load_models({"ranking": ranker}, feats, device)["ranking"]
+    truth = GroundTruth.from_arrays(dataset.load_truth(data))
+    req = requests_from_split(feats, "test", max_users=requests, seed=seed)
+    eligible = funnel_eligibility(data, feats)
+
+    def retrieve_with(fn):
+        # Retrieval scans only eligible ads, as the index does.
+        return lambda r: topk_rows(np.where(eligible(r.ts), fn(r), -np.inf), k)
+
+    result = simulate(
+        {name: retrieve_with(fn) for name, fn in retrievers.items()},
+        rank.rank,
+        truth,
+        req,
+        k=k,
+        slots=slots,
+        seed=seed,
+        eligible=eligible(req.ts),  # never show an ineligible ad, however few are eligible
+    )
+    typer.echo(format_funnel(result))
+    if json_out:
+        json_out.write_text(json.dumps(result, indent=2) + "\n")
+
+
 def main() -> None:  # pragma: no cover - console entry point
     app()
 

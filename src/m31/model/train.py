@@ -227,7 +227,7 @@ def train(
                     loss, gate = _retrieval_step(
                         model, r, catalog, pos, pop, n_ads, cfg, rng, device
                     )
-                    if step % 20 == 0:
+                    if cfg.kind == "moe" and step % 20 == 0:
                         gates.append(gate.detach().mean((0, 1)))
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
