@@ -116,3 +116,81 @@ def test_console_script_exits_2_on_bad_input(tmp_path):
 def test_help(cmd):
     code, out = run(*cmd)
     assert code == 0 and "Usage" in out
+
+
+def test_train_eval_simulate_end_to_end(tmp_path):
+    data = tmp_path / "w"
+    assert (
+        run("world", "generate", "--out", str(data), "--preset", "tiny", "--impressions", "15000")[
+            0
+        ]
+        == 0
+    )
+    for kind in ("moe", "two-tower", "ranking"):
+        code, out = run(
+            "train",
+            "--model",
+            kind,
+            "--data",
+            str(data),
+            "--out",
+            str(tmp_path / f"{kind}.pt"),
+            "--preset",
+            "tiny",
+            "--epochs",
+            "1",
+        )
+        assert code == 0, out
+        assert f"wrote {tmp_path / f'{kind}.pt'}" in out and "FLOPs per (request, ad) pair" in out
+    assert (data / "features" / "leave-last-out" / "meta.json").is_file(), "features kept for reuse"
+
+    models = [f"--model={k}={tmp_path / f'{k}.pt'}" for k in ("moe", "two-tower", "ranking")]
+    code, out = run(
+        "eval",
+        "--data",
+        str(data),
+        *models,
+        "--ks",
+        "10,50",
+        "--max-users",
+        "60",
+        "--plot",
+        str(tmp_path / "recall.png"),
+        "--json",
+        str(tmp_path / "m.json"),
+    )
+    assert code == 0, out
+    assert "60 test requests, 2,000 ads each" in out
+    metrics = json.loads((tmp_path / "m.json").read_text())
+    assert set(metrics) == {"moe", "two-tower", "ranking"}
+    assert (
+        metrics["ranking"]["ref_overlap@10"] == 1.0 and 0 <= metrics["moe"]["truth_recall@50"] <= 1
+    )
+    assert (tmp_path / "recall.png").read_bytes()[:4] == b"\x89PNG"
+
+    code, out = run(
+        "simulate",
+        "--data",
+        str(data),
+        f"--retriever=two-tower={tmp_path / 'two-tower.pt'}",
+        f"--retriever=moe={tmp_path / 'moe.pt'}",
+        "--ranker",
+        str(tmp_path / "ranking.pt"),
+        "--k",
+        "50",
+        "--requests",
+        "80",
+        "--json",
+        str(tmp_path / "f.json"),
+    )
+    assert code == 0, out
+    funnel = json.loads((tmp_path / "f.json").read_text())
+    assert funnel["requests"] == 80 and funnel["pairs"][0]["model"] == "moe"
+    assert "moe vs two-tower" in out
+
+    code, out = run("eval", "--data", str(data), f"--model={tmp_path / 'missing.pt'}")
+    assert code == 2 and "no such checkpoint" in out
+    code, out = run(
+        "train", "--model", "gbdt", "--data", str(data), "--out", str(tmp_path / "x.pt")
+    )
+    assert code == 2 and "kind must be one of" in out
