@@ -310,3 +310,18 @@ def test_bad_model_config():
         ),
         RankingModel,
     )
+
+
+@pytest.mark.parametrize("kind", ["moe", "ranking"])
+def test_score_function_full_corpus_and_ranking_agree(feats, kind):
+    from m31.eval import requests_from_split
+    from m31.model.train import ScoreFunction
+
+    fn = ScoreFunction(make(kind, feats), feats, Catalog.from_features(feats), ad_chunk=333)
+    req = requests_from_split(feats, "test", max_users=7)
+    full = fn(req)  # [7, A], ads scored in chunks that do not divide A
+    assert full.shape == (7, feats.n_ads)
+    cand = np.random.default_rng(0).integers(0, feats.n_ads, (7, 11))
+    np.testing.assert_allclose(
+        fn.rank(req, cand), np.take_along_axis(full, cand, 1), rtol=1e-4, atol=1e-5
+    )

@@ -29,6 +29,7 @@ from m31.model.config import ModelConfig
 from m31.model.inputs import Catalog, Requests, make_requests
 from m31.model.ranking import RankingModel
 from m31.model.retrieval import RetrievalModel, balance_loss, expert_usage, sampled_softmax_loss
+from m31.ops import score
 
 Log = Callable[[str], None]
 
@@ -93,21 +94,21 @@ def encode_requests(
 
 
 class ScoreFunction:
-    """Full-corpus scores for `m31.eval`: requests (user, ts, surface, hour, platform) -> [n, A]."""
+    """A trained model as `m31.eval` uses it.
 
-    def __init__(
-        self, model, feats: Features, catalog: Catalog, batch: int = 256, ad_chunk: int = 4096
-    ):
+    Calling it scores requests (anything with user, ts, surface, hour, platform arrays) against
+    the full corpus: [n, A]. `rank` scores given candidates only: [n, k]. Retrieval models encode
+    the catalogue once; the ranking model scores ads in chunks of `ad_chunk`.
+    """
+
+    def __init__(self, model, feats: Features, catalog: Catalog, ad_chunk: int = 4096):
         self.model, self.feats, self.catalog = model.eval(), feats, catalog
-        self.batch, self.ad_chunk = batch, ad_chunk
+        self.ad_chunk = ad_chunk
         self.device = catalog.ad_id.device
         self._ads = encode_ads(model, catalog) if isinstance(model, RetrievalModel) else None
 
-    @torch.no_grad()
-    def __call__(self, req) -> np.ndarray:
-        from m31.ops import score
-
-        r = make_requests(
+    def _inputs(self, req) -> Requests:
+        return make_requests(
             self.feats,
             req.user,
             req.ts,
@@ -115,8 +116,11 @@ class ScoreFunction:
             req.hour,
             req.platform,
             self.model.cfg.max_len,
-        )
-        r = r.to(self.device)
+        ).to(self.device)
+
+    @torch.no_grad()
+    def __call__(self, req) -> np.ndarray:
+        r = self._inputs(req)
         if self._ads is not None:
             q, v, p = self.model.encode_requests(r, self.catalog)
             return score(q, v, p, *self._ads).cpu().numpy()
@@ -128,21 +132,11 @@ class ScoreFunction:
 
     @torch.no_grad()
     def rank(self, req, cand_rows: np.ndarray) -> np.ndarray:
-        """Scores [n, k] of given candidate rows [n, k] (what a ranking stage does)."""
-        r = make_requests(
-            self.feats,
-            req.user,
-            req.ts,
-            req.surface,
-            req.hour,
-            req.platform,
-            self.model.cfg.max_len,
-        )
+        """Scores [n, k] of candidate ad rows [n, k]: what a ranking stage does."""
+        if self._ads is not None:  # retrieval models: the full-corpus scores are cheap
+            return np.take_along_axis(self(req), cand_rows, axis=1)
         rows = torch.from_numpy(np.ascontiguousarray(cand_rows, dtype=np.int64)).to(self.device)
-        if self._ads is not None:
-            full = self(req)
-            return np.take_along_axis(full, cand_rows, 1)
-        return self.model(r.to(self.device), self.catalog, rows).cpu().numpy()
+        return self.model(self._inputs(req), self.catalog, rows).cpu().numpy()
 
 
 def _validate(
