@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 
 from m31.data.dataset import Dataset, DatasetError
-from m31.data.schema import ADS, ADVERTISERS, EVENTS, GENDERS, ORGANIC, USERS
+from m31.data.schema import ADS, ADVERTISERS, EVENTS, GENDERS, ORGANIC, USERS, age_bucket
 
 STANDARD_GENRES = (
     "unknown",
@@ -49,8 +49,6 @@ STANDARD_GENRES = (
     "War",
     "Western",
 )
-# Lower edges of the age buckets after the first: <18, 18-24, 25-34, 35-44, 45-54, 55+.
-AGE_EDGES = np.array([18, 25, 35, 45, 55])
 
 _DATA_FIELDS = ("user_id", "item_id", "rating", "timestamp")
 _USER_FIELDS = "user_id|age|gender|occupation|zip"
@@ -304,7 +302,7 @@ def _const(value, type_: pa.DataType, n: int) -> pa.Array:
 
 def _users_table(users: dict, r_user: np.ndarray, ts: np.ndarray, t0: int) -> pa.Table:
     n = len(users["id"])
-    buckets = np.searchsorted(AGE_EDGES, users["age"], side="right").tolist()
+    buckets = age_bucket(users["age"]).tolist()
     keys = list(zip(users["occupation"], buckets, strict=True))
     cohort_of = {key: i for i, key in enumerate(sorted(set(keys)))}
     cohort = np.array([cohort_of[k] for k in keys], dtype=np.int32)

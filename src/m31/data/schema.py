@@ -7,6 +7,7 @@ List columns hold targeting sets; an empty list means "no restriction".
 
 from __future__ import annotations
 
+import numpy as np
 import pyarrow as pa
 
 SURFACES = ("feed", "stories", "reels", "marketplace", "search")
@@ -15,6 +16,14 @@ FORMATS = ("image", "video", "carousel")
 OBJECTIVES = ("clicks", "conversions", "app_installs")
 STATUSES = ("active", "paused", "budget_exhausted")
 GENDERS = ("F", "M")
+ORGANIC_SURFACES = ("feed", "reels", "stories", "search", "other")
+AGE_EDGES = (18, 25, 35, 45, 55)  # lower edges of the buckets <18, 18-24, 25-34, 35-44, 45-54, 55+
+
+
+def age_bucket(age):
+    """Age (array) -> bucket 0..len(AGE_EDGES)."""
+    return np.searchsorted(np.array(AGE_EDGES), age, side="right")
+
 
 USERS = pa.schema(
     [

@@ -30,15 +30,21 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from m31.data.dataset import Dataset, DatasetError, write_atomic
-from m31.data.schema import FORMATS, GENDERS, OBJECTIVES, PLATFORMS, SURFACES
+from m31.data.schema import (
+    FORMATS,
+    GENDERS,
+    OBJECTIVES,
+    ORGANIC_SURFACES,
+    PLATFORMS,
+    SURFACES,
+    age_bucket,
+)
 from m31.features.cooc import cooc_embeddings
 from m31.features.sequences import EventSequences
 
 Progress = Callable[[str, int, int], None]
 SPLITS = ("leave-last-out", "time")
 EXAMPLE_COLUMNS = ("user", "item", "ts", "surface", "hour", "platform", "click", "conversion")
-AGE_EDGES = (18, 25, 35, 45, 55)
-ORGANIC_SURFACES = ("feed", "reels", "stories", "search", "other")
 
 
 @dataclass(frozen=True)
@@ -209,7 +215,7 @@ def build_features(
     users = {
         "user_id": user_ids,
         "cohort": cohort.astype(np.int64),
-        "age_bucket": np.searchsorted(np.array(AGE_EDGES), _col(users_t, "age"), side="right"),
+        "age_bucket": age_bucket(_col(users_t, "age")),
         "gender": _codes(users_t["gender"], GENDERS, "users.gender"),
         "country": _codes(users_t["country"], countries, "users.country"),
         "platform": _codes(users_t["platform"], PLATFORMS, "users.platform"),

@@ -11,10 +11,10 @@ import itertools
 import torch
 from torch import nn
 
-from m31.data.schema import FORMATS, OBJECTIVES, PLATFORMS, SURFACES
+from m31.data.schema import AGE_EDGES, FORMATS, OBJECTIVES, PLATFORMS, SURFACES
 from m31.model.inputs import N_TIME_BUCKETS, Catalog, Requests
 
-N_AGE_BUCKETS = 6
+N_AGE_BUCKETS = len(AGE_EDGES) + 1
 N_GENDERS = 2
 
 _HASH_MULT = 0x5DEECE66D  # odd multiplier: spreads consecutive ids across buckets

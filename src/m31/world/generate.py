@@ -19,15 +19,18 @@ from m31.data.dataset import Dataset
 from m31.data.schema import (
     ADS,
     ADVERTISERS,
+    AGE_EDGES,
     EVENTS,
     FORMATS,
     GENDERS,
     OBJECTIVES,
     ORGANIC,
+    ORGANIC_SURFACES,
     PLATFORMS,
     STATUSES,
     SURFACES,
     USERS,
+    age_bucket,
 )
 from m31.world import vocab
 from m31.world.config import DAY, EPOCH, WorldConfig
@@ -37,11 +40,10 @@ COUNTRIES = ("US", "GB", "DE", "FR", "BR", "IN", "JP", "CA")
 COUNTRY_P = (0.30, 0.10, 0.10, 0.08, 0.12, 0.16, 0.08, 0.06)
 PLATFORM_P = (0.40, 0.45, 0.15)
 SURFACE_P = (0.45, 0.20, 0.20, 0.10, 0.05)
-ORGANIC_SURFACES = ("feed", "reels", "stories", "search")
+ORGANIC_USED = ORGANIC_SURFACES[:4]  # the marketplace's organic surfaces
 FORMAT_P = (0.45, 0.35, 0.20)
 OBJECTIVE_P = (0.35, 0.45, 0.20)
 STATUS_P = (0.85, 0.10, 0.05)
-AGE_EDGES = (18, 25, 35, 45, 55)  # buckets: <18, 18-24, 25-34, 35-44, 45-54, 55+
 # Impressions by hour of day (UTC): low at night, peaks at lunch and in the evening.
 HOUR_P = np.array(
     [2, 1, 1, 1, 1, 2, 3, 4, 5, 5, 5, 6, 7, 6, 5, 5, 5, 6, 7, 8, 9, 8, 6, 4], dtype=np.float64
@@ -80,10 +82,6 @@ def _choice_rows(
     cum = np.cumsum(probs, axis=1)[rows]  # [n, C]
     r = rng.random((len(rows), k))
     return np.minimum((cum[:, None, :] < r[:, :, None]).sum(-1), probs.shape[1] - 1)
-
-
-def _age_bucket(age: np.ndarray) -> np.ndarray:
-    return np.searchsorted(np.array(AGE_EDGES), age, side="right")
 
 
 def _list_column(mask: np.ndarray, names: tuple[str, ...], restricted: np.ndarray) -> pa.Array:
@@ -162,7 +160,7 @@ def generate(
     age = (18 + np.floor(rng.beta(2.0, 3.0, n_u) * 52)).astype(np.int16)
     gender = rng.integers(0, 2, n_u)
     platform = rng.choice(len(PLATFORMS), n_u, p=PLATFORM_P)
-    group = _age_bucket(age) * 2 + gender  # [U] demographic group
+    group = age_bucket(age) * 2 + gender  # [U] demographic group
     n_groups = (len(AGE_EDGES) + 1) * 2
     group_pref = 0.7 * rng.dirichlet(np.full(n_cat, 0.5), n_groups) + 0.3 / n_cat  # [groups, C]
     facet_cat = _choice_rows(rng, group_pref, group, n_f)  # [U, F]
@@ -397,14 +395,14 @@ def _organic(
     facet = np.floor(rng.random(n) * n_valid).astype(np.int64)
     topic = np.where(rng.random(n) < 0.7, facet_topic[u, facet], rng.integers(0, vocab.N_TOPICS, n))
     ts = EPOCH + rng.integers(-30 * DAY, cfg.days * DAY, n)
-    surface = rng.integers(0, len(ORGANIC_SURFACES), n)
+    surface = rng.integers(0, len(ORGANIC_USED), n)
     order = np.lexsort((u, ts))
     return pa.table(
         {
             "user_id": pa.array(u[order].astype(np.int64)),
             "topic": pa.array(topic[order].astype(np.int32)),
             "ts": pa.array(ts[order].astype(np.int64)),
-            "surface": pa.array(np.array(ORGANIC_SURFACES)[surface[order]]),
+            "surface": pa.array(np.array(ORGANIC_USED)[surface[order]]),
         },
         schema=ORGANIC,
     )
