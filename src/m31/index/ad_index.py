@@ -1,0 +1,660 @@
+"""The ad index of DESIGN §4: the ad table, eligibility attributes, versions and snapshots.
+
+Shapes: N allocated rows (live and tombstoned ads), G gate-key dim, D value dim, n ads in one
+call, cap the allocated capacity (N <= cap).
+
+Rows of the ad table are write-once. An upsert appends fresh rows and tombstones the ids' old
+rows; growth and compaction build new tensors. So the tensors `table()` hands out never change
+afterwards, even while later mutations run, and a scorer may keep reading them after the lock is
+released (asynchronous GPU work included). Attributes do change in place, so a mask is always
+computed under the lock and returned as a fresh tensor; `snapshot_view()` holds the lock so that
+table and masks come from one version.
+
+Every mutation validates all of its input before touching anything, so a call that raises
+leaves the index exactly as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import torch
+
+from m31.data.dataset import DatasetError, write_atomic
+from m31.data.schema import GENDERS, PLATFORMS, STATUSES, SURFACES
+from m31.index.filters import (
+    KINDS,
+    AttributeTable,
+    Mask,
+    check_schema,
+    columns_from_arrow,
+    columns_from_rows,
+    compile_filter,
+)
+
+FORMAT = "m31.ad_index"
+FORMAT_VERSION = 1
+
+# Attributes every index has. Schedule and age bounds are nullable (null = open) and may be
+# empty (min > max targets nobody, as the synthetic world draws some); a targeting list that is
+# empty means "no restriction".
+BASE_FIELDS: dict[str, str] = {
+    "advertiser_id": "int",
+    "status": "str",
+    "schedule_start": "int",  # Unix seconds, eligible from this second on
+    "schedule_end": "int",  # Unix seconds, eligible strictly before it
+    "target_countries": "str_list",
+    "target_age_min": "int",
+    "target_age_max": "int",
+    "target_genders": "str_list",
+    "target_platforms": "str_list",
+    "target_surfaces": "str_list",
+    "tags": "str_list",
+}
+# Columns of the dataset's ads table that `from_table` keeps for filters.
+TABLE_EXTRA_FIELDS: dict[str, str] = {
+    "campaign_id": "int",
+    "objective": "str",
+    "format": "str",
+    "topic": "int",
+    "category": "int",
+}
+# Closed vocabularies: a typo here would silently make an ad ineligible everywhere.
+_ALLOWED: dict[str, tuple[str, ...]] = {
+    "status": STATUSES,
+    "target_genders": GENDERS,
+    "target_platforms": PLATFORMS,
+    "target_surfaces": SURFACES,
+}
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# bf16 and fp16 tables are stored as float32 .npy (exact: both are subsets of float32), so
+# that numpy alone reads a snapshot; the manifest's "dtype" says what to cast back to.
+_NPY = {"g": np.float32, "x": np.float32, "b": np.float32, "ids": np.int64}
+
+
+class AdIndexError(ValueError):
+    """An invalid index operation or snapshot; the index is unchanged when this is raised."""
+
+
+@dataclass(frozen=True)
+class RequestContext:
+    """Who asks and where: what eligibility is evaluated against. None = unknown, which only
+    ads without that restriction accept."""
+
+    country: str | None
+    age: int | None
+    gender: str | None
+    platform: str | None
+    surface: str | None
+    ts: int  # Unix seconds
+    exclude_ads: Sequence[int] = ()  # e.g. already shown
+    exclude_advertisers: Sequence[int] = ()  # e.g. blocked by the user
+
+
+class AdRow(NamedTuple):
+    g: torch.Tensor  # [G]
+    x: torch.Tensor  # [D]
+    b: float
+    attributes: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class IndexView:
+    """One version of the index, valid while its `snapshot_view()` block is open."""
+
+    g: torch.Tensor  # [N, G]
+    x: torch.Tensor  # [N, D]
+    b: torch.Tensor  # [N]
+    row_ids: torch.Tensor  # [N] int64 external ad id of each row
+    version: int
+    attributes: AttributeTable
+    _index: AdIndex = field(repr=False)
+
+    def eligible_mask(
+        self, request: RequestContext, filter_fn: Mask | Mapping | None = None
+    ) -> torch.Tensor:
+        """[N] bool over this view's rows."""
+        with self._index._lock:
+            if self._index._version != self.version:
+                raise AdIndexError(
+                    f"view of version {self.version} used after the index moved to "
+                    f"{self._index._version} (use it inside its snapshot_view block)"
+                )
+            return self._index._eligible(request, filter_fn)
+
+
+def _ids(ad_ids: Any, what: str = "ad_ids") -> np.ndarray:
+    """Any sequence of integer ids (or one id) -> int64 [n]."""
+    if isinstance(ad_ids, pa.Array | pa.ChunkedArray):
+        ad_ids = ad_ids.to_numpy()
+    elif isinstance(ad_ids, torch.Tensor):
+        ad_ids = ad_ids.cpu().numpy()
+    arr = np.atleast_1d(np.asarray(ad_ids))
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise AdIndexError(
+            f"{what}: expected a 1-d sequence of integers, got {arr.dtype} {arr.shape}"
+        )
+    if arr.dtype == np.uint64 and arr.max() > np.iinfo(np.int64).max:
+        raise AdIndexError(f"{what}: ids must fit in int64")
+    return arr.astype(np.int64)
+
+
+def _shape(a: Any) -> tuple[int, ...]:
+    return tuple(a.shape) if hasattr(a, "shape") else np.shape(a)
+
+
+def _no_duplicates(ids: np.ndarray, what: str) -> None:
+    uniq, counts = np.unique(ids, return_counts=True)
+    if (counts > 1).any():
+        raise AdIndexError(f"{what}: ad id {int(uniq[counts > 1][0])} appears more than once")
+
+
+class AdIndex:
+    """The ad table `g, x, b` plus per-ad attributes on one device; see the module docstring."""
+
+    def __init__(
+        self,
+        dim_g: int,
+        dim_x: int,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.bfloat16,
+        capacity: int = 1024,
+        extra_fields: Mapping[str, str] | None = None,
+    ):
+        if dtype not in _DTYPES.values():
+            raise AdIndexError(f"dtype {dtype} not supported (one of {list(_DTYPES)})")
+        for name, dim in (("dim_g", dim_g), ("dim_x", dim_x), ("capacity", capacity - 1)):
+            if not isinstance(dim, int) or dim < 0:
+                raise AdIndexError(f"{name} must be a non-negative int (capacity >= 1)")
+        extra = dict(extra_fields or {})
+        clash = sorted(set(extra) & set(BASE_FIELDS))
+        if clash:
+            raise AdIndexError(f"extra field {clash[0]!r} clashes with a built-in attribute")
+        try:
+            self._schema = check_schema({**BASE_FIELDS, **extra})
+        except ValueError as e:
+            raise AdIndexError(str(e)) from e
+        self.dim_g, self.dim_x, self.dtype = dim_g, dim_x, dtype
+        self.device = torch.device(device)
+        self.model_hash: str | None = None  # of the checkpoint whose ad tower made g, x, b
+        self._lock = threading.RLock()
+        self._cap = capacity
+        self._n = 0  # rows allocated so far, live or tombstoned
+        self._version = 0
+        self._rows: dict[int, int] = {}  # external id -> its live row
+        self._g = torch.zeros(capacity, dim_g, dtype=dtype, device=self.device)  # [cap, G]
+        self._x = torch.zeros(capacity, dim_x, dtype=dtype, device=self.device)  # [cap, D]
+        self._b = torch.zeros(capacity, dtype=dtype, device=self.device)  # [cap]
+        self._row_ids = torch.full((capacity,), -1, dtype=torch.int64, device=self.device)
+        self._live = torch.zeros(capacity, dtype=torch.bool, device=self.device)  # [cap]
+        self._attrs = AttributeTable(self._schema, self.device, capacity)
+
+    # ---- reading -------------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def capacity(self) -> int:
+        return self._cap
+
+    @property
+    def num_rows(self) -> int:
+        """Allocated rows N, tombstones included (what masks and `table()` range over)."""
+        return self._n
+
+    @property
+    def schema(self) -> dict[str, str]:
+        """Attribute name -> kind, the schema to compile filters against."""
+        return dict(self._schema)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __contains__(self, ad_id: int) -> bool:
+        return int(ad_id) in self._rows
+
+    def ids(self) -> torch.Tensor:
+        """[n_live] int64 ids of the live ads, in row order."""
+        with self._lock:
+            return self._row_ids[: self._n][self._live[: self._n]].clone()
+
+    def get(self, ad_id: int) -> AdRow:
+        """The stored row of one live ad (copies)."""
+        with self._lock:
+            row = self._row_of(ad_id)
+            rows = torch.tensor([row], device=self.device)
+            attributes = self._attrs.to_arrow(rows).to_pylist()[0]
+            return AdRow(
+                self._g[row].clone(), self._x[row].clone(), float(self._b[row]), attributes
+            )
+
+    def table(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """(g [N, G], x [N, D], b [N], row_ids [N], version): never modified afterwards."""
+        with self._lock:
+            n = self._n
+            return self._g[:n], self._x[:n], self._b[:n], self._row_ids[:n], self._version
+
+    @contextmanager
+    def snapshot_view(self) -> Iterator[IndexView]:
+        """Hold the lock: mutations wait until the block ends, so table and masks agree."""
+        with self._lock:
+            g, x, b, row_ids, version = self.table()
+            yield IndexView(g, x, b, row_ids, version, self._attrs, self)
+
+    def eligible_mask(
+        self, request: RequestContext, filter_fn: Mask | Mapping | None = None
+    ) -> tuple[torch.Tensor, int]:
+        """(mask [N] bool over rows, version). `filter_fn`: a compiled filter or its JSON tree."""
+        with self._lock:
+            return self._eligible(request, filter_fn), self._version
+
+    def _eligible(self, request: RequestContext, filter_fn: Mask | Mapping | None) -> torch.Tensor:
+        if isinstance(filter_fn, Mapping):
+            filter_fn = compile_filter(filter_fn, self._schema)
+        attrs, n = self._attrs, self._n
+        mask = self._live[:n].clone()  # [N]
+        active = attrs.code("status", "active")
+        if active is None:
+            return torch.zeros_like(mask)
+        mask &= attrs.codes("status") == active
+        ts = int(request.ts)
+        start, has_start = attrs.numeric("schedule_start")
+        end, has_end = attrs.numeric("schedule_end")
+        mask &= ~has_start | (start <= ts)
+        mask &= ~has_end | (ts < end)
+        lo, has_lo = attrs.numeric("target_age_min")
+        hi, has_hi = attrs.numeric("target_age_max")
+        if request.age is None:
+            mask &= ~has_lo & ~has_hi
+        else:
+            mask &= (~has_lo | (lo <= int(request.age))) & (~has_hi | (int(request.age) <= hi))
+        for name, value in (
+            ("target_countries", request.country),
+            ("target_genders", request.gender),
+            ("target_platforms", request.platform),
+            ("target_surfaces", request.surface),
+        ):
+            mask &= ~attrs.nonempty(name) | attrs.contains(name, value)
+        excluded = [self._rows[i] for i in map(int, request.exclude_ads) if i in self._rows]
+        if excluded:
+            mask[torch.tensor(excluded, device=self.device)] = False
+        if len(request.exclude_advertisers):
+            blocked = torch.tensor(
+                [int(a) for a in request.exclude_advertisers], dtype=torch.int64, device=self.device
+            )
+            mask &= ~torch.isin(attrs.numeric("advertiser_id")[0], blocked)
+        if filter_fn is not None:
+            mask &= filter_fn(attrs)
+        return mask
+
+    def _row_of(self, ad_id: int) -> int:
+        row = self._rows.get(int(ad_id))
+        if row is None:
+            raise AdIndexError(f"ad id {int(ad_id)} is not in the index")
+        return row
+
+    # ---- validation (touches nothing) -----------------------------------------------------
+
+    def _matrix(self, a: Any, n: int, dim: int | None, what: str) -> torch.Tensor:
+        try:
+            t = a if isinstance(a, torch.Tensor) else torch.as_tensor(np.asarray(a))
+        except (ValueError, TypeError) as e:
+            raise AdIndexError(f"{what}: not a numeric array ({e})") from e
+        shape = (n,) if dim is None else (n, dim)
+        if tuple(t.shape) != shape:
+            raise AdIndexError(f"{what}: expected shape {list(shape)}, got {list(t.shape)}")
+        if t.dtype == torch.bool or t.is_complex():
+            raise AdIndexError(f"{what}: expected real numbers, got {t.dtype}")
+        t = t.to(device=self.device, dtype=self.dtype)
+        bad = ~torch.isfinite(t) if dim is None else ~torch.isfinite(t).all(1)
+        if bad.any():
+            raise AdIndexError(
+                f"{what}: row {int(bad.nonzero()[0])} holds NaN or inf (or overflows {self.dtype})"
+            )
+        return t
+
+    def _columns(self, attributes: Any, n: int) -> pa.Table:
+        """Attributes of n ads (dicts or an arrow table) -> validated arrow table of the schema."""
+        try:
+            if isinstance(attributes, pa.Table):
+                table = columns_from_arrow(attributes, self._schema)
+            elif isinstance(attributes, Sequence) and not isinstance(attributes, str):
+                table = columns_from_rows(attributes, self._schema)
+            else:
+                raise ValueError(
+                    f"expected a list of dicts or a pyarrow.Table, got {type(attributes).__name__}"
+                )
+        except ValueError as e:
+            raise AdIndexError(f"attributes: {e}") from e
+        if table.num_rows != n:
+            raise AdIndexError(f"attributes: {table.num_rows} rows for {n} ads")
+        advertiser = table.column("advertiser_id")
+        if advertiser.null_count:
+            first = int(pc.index(advertiser.is_null(), True).as_py())
+            raise AdIndexError(f"attributes: row {first} has no advertiser_id")
+        table = table.set_column(
+            table.schema.get_field_index("status"),
+            "status",
+            pc.fill_null(table.column("status"), "active"),
+        )
+        for name, allowed in _ALLOWED.items():
+            col = table.column(name)
+            values = pc.list_flatten(col) if self._schema[name] == "str_list" else col
+            bad = pc.invert(pc.is_in(values, value_set=pa.array(allowed)))
+            if pc.any(bad).as_py():
+                word = values.filter(bad)[0].as_py()
+                raise AdIndexError(f"attributes: {name} {word!r} is not one of {allowed}")
+        return table
+
+    # ---- mutations (each returns the new version) -----------------------------------------
+
+    def upsert(self, ad_ids: Any, g: Any, x: Any, b: Any, attributes: Any) -> int:
+        """Add new ads or replace existing ones: ids [n], g [n, G], x [n, D], b [n]."""
+        ids = _ids(ad_ids)
+        n = len(ids)
+        _no_duplicates(ids, "upsert")
+        g = self._matrix(g, n, self.dim_g, "g")  # [n, G]
+        x = self._matrix(x, n, self.dim_x, "x")  # [n, D]
+        b = self._matrix(b, n, None, "b")  # [n]
+        columns = self._columns(attributes, n)
+        with self._lock:
+            start = self._n
+            self._reserve(start + n)
+            new = slice(start, start + n)
+            self._g[new], self._x[new], self._b[new] = g, x, b
+            self._row_ids[new] = torch.from_numpy(ids).to(self.device)
+            self._live[new] = True
+            self._attrs.write(torch.arange(start, start + n, device=self.device), columns)
+            # A changed ad moves to its new row, so rows already handed out stay as they were.
+            old = [self._rows[i] for i in ids.tolist() if i in self._rows]
+            if old:
+                self._live[torch.tensor(old, device=self.device)] = False
+            self._rows.update(zip(ids.tolist(), range(start, start + n), strict=True))
+            self._n = start + n
+            self._version += 1
+            return self._version
+
+    def _reserve(self, need: int) -> None:
+        if need <= self._cap:
+            return
+        cap = self._cap
+        while cap < need:
+            cap *= 2  # geometric growth: amortised O(1) copies per appended row
+        n = self._n
+        for name, fill in (("_g", 0), ("_x", 0), ("_b", 0), ("_row_ids", -1), ("_live", False)):
+            old = getattr(self, name)
+            grown = torch.full((cap, *old.shape[1:]), fill, dtype=old.dtype, device=self.device)
+            grown[:n] = old[:n]
+            setattr(self, name, grown)
+        self._attrs.reserve(cap)
+        self._cap = cap
+
+    def update_attributes(self, ad_id: int, **attrs: Any) -> int:
+        """Change some attributes of one live ad; its embeddings are kept as they are."""
+        with self._lock:
+            row = self._row_of(ad_id)
+            unknown = sorted(set(attrs) - set(self._schema))
+            if unknown:
+                raise AdIndexError(f"update_attributes: unknown attribute {unknown[0]!r}")
+            rows = torch.tensor([row], device=self.device)
+            merged = {**self._attrs.to_arrow(rows).to_pylist()[0], **attrs}
+            columns = self._columns([merged], 1)
+            self._attrs.write(rows, columns)
+            self._version += 1
+            return self._version
+
+    def pause(self, ad_id: int) -> int:
+        return self.update_attributes(ad_id, status="paused")
+
+    def resume(self, ad_id: int) -> int:
+        return self.update_attributes(ad_id, status="active")
+
+    def delete(self, ad_ids: Any) -> int:
+        """Tombstone ads: their rows stay allocated (never eligible) until `compact()`."""
+        ids = _ids(ad_ids)
+        _no_duplicates(ids, "delete")
+        with self._lock:
+            rows = [self._row_of(i) for i in ids.tolist()]
+            if rows:
+                self._live[torch.tensor(rows, device=self.device)] = False
+            for i in ids.tolist():
+                del self._rows[i]
+            self._version += 1
+            return self._version
+
+    def compact(self) -> int:
+        """Reclaim tombstoned rows; live rows keep their order, so no query result changes."""
+        with self._lock:
+            live = self._live[: self._n].nonzero().squeeze(1)  # [n_live], ascending
+            k = len(live)
+            g = torch.zeros_like(self._g)
+            x = torch.zeros_like(self._x)
+            b = torch.zeros_like(self._b)
+            row_ids = torch.full_like(self._row_ids, -1)
+            alive = torch.zeros_like(self._live)
+            g[:k], x[:k], b[:k], row_ids[:k] = (
+                self._g[live],
+                self._x[live],
+                self._b[live],
+                self._row_ids[live],
+            )
+            alive[:k] = True
+            attrs = self._attrs.take(live, self._cap)
+            # New tensors rather than moving rows in place: views already handed out stay valid.
+            self._g, self._x, self._b, self._row_ids, self._live = g, x, b, row_ids, alive
+            self._attrs = attrs
+            self._rows = dict(zip(row_ids[:k].tolist(), range(k), strict=True))
+            self._n = k
+            self._version += 1
+            return self._version
+
+    # ---- building and snapshots -----------------------------------------------------------
+
+    @classmethod
+    def from_table(
+        cls,
+        ads: pa.Table,
+        g: Any,
+        x: Any,
+        b: Any,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.bfloat16,
+        capacity: int = 1024,
+    ) -> AdIndex:
+        """An index over the dataset's ads table (`m31.data.schema.ADS`), rows aligned with g, x, b.
+
+        The schedule starts at `created_at` and never ends; `tags` and `target_surfaces` are
+        taken when the table has them and are empty otherwise.
+        """
+        renamed = {"schedule_start": "created_at"}  # index attribute -> ads table column
+        kept = [
+            "advertiser_id",
+            "status",
+            "target_countries",
+            "target_age_min",
+            "target_age_max",
+            "target_genders",
+            "target_platforms",
+        ]
+        optional = ["target_surfaces", "tags", *TABLE_EXTRA_FIELDS]
+        missing = [c for c in ["ad_id", *renamed.values(), *kept] if c not in ads.column_names]
+        if missing:
+            raise AdIndexError(f"ads table: missing column {missing[0]!r}")
+        columns = {name: ads.column(col) for name, col in renamed.items()}
+        columns |= {c: ads.column(c) for c in [*kept, *optional] if c in ads.column_names}
+        g_shape, x_shape = _shape(g), _shape(x)
+        if len(g_shape) != 2 or len(x_shape) != 2:
+            raise AdIndexError(f"g and x must be 2-d, got shapes {list(g_shape)}, {list(x_shape)}")
+        index = cls(
+            g_shape[1],
+            x_shape[1],
+            device,
+            dtype,
+            max(capacity, ads.num_rows),
+            extra_fields=TABLE_EXTRA_FIELDS,
+        )
+        index.upsert(ads.column("ad_id"), g, x, b, pa.table(columns))
+        return index
+
+    def save(
+        self, path: str | Path, model_hash: str | None = None, overwrite: bool = False
+    ) -> Path:
+        """Write a snapshot folder of the live ads atomically (layout: `read_manifest`).
+
+        Only live rows are written, in row order, so the snapshot is the compacted index; the
+        index itself is not changed. `model_hash` records the checkpoint that made g, x, b. An
+        interrupted save leaves no folder behind and any previous snapshot at `path` intact.
+        """
+        with self._lock:
+            live = self._live[: self._n].nonzero().squeeze(1)  # [n_live]
+            arrays = {
+                "g": self._g[live].float().cpu().numpy(),  # [n_live, G]
+                "x": self._x[live].float().cpu().numpy(),  # [n_live, D]
+                "b": self._b[live].float().cpu().numpy(),  # [n_live]
+                "ids": self._row_ids[live].cpu().numpy(),  # [n_live]
+            }
+            attributes = self._attrs.to_arrow(live)
+            manifest = {
+                "format": FORMAT,
+                "format_version": FORMAT_VERSION,
+                "index_version": self._version,
+                "dim_g": self.dim_g,
+                "dim_x": self.dim_x,
+                "dtype": str(self.dtype).removeprefix("torch."),
+                "count": len(live),
+                "model_hash": model_hash,
+                "fields": dict(self._schema),
+            }
+
+        def fill(tmp: Path) -> None:
+            for name, arr in arrays.items():
+                np.save(tmp / f"{name}.npy", arr)
+            pq.write_table(attributes, tmp / "attributes.parquet")
+            files = sorted(p.name for p in tmp.iterdir())
+            manifest["files"] = {f: {"bytes": (tmp / f).stat().st_size} for f in files}
+            (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+
+        try:
+            return write_atomic(Path(path), fill, overwrite=overwrite)
+        except DatasetError as e:
+            raise AdIndexError(str(e)) from e
+
+    @classmethod
+    def load(cls, path: str | Path, device: str | torch.device = "cpu") -> AdIndex:
+        """Read a snapshot written by `save`, checking the manifest against every file."""
+        path = Path(path)
+        manifest = read_manifest(path)
+        count, dims = manifest["count"], {"g": manifest["dim_g"], "x": manifest["dim_x"]}
+        arrays = {}
+        for name, dtype in _NPY.items():
+            file = path / f"{name}.npy"
+            try:
+                arr = np.load(file, allow_pickle=False)
+            except (OSError, ValueError) as e:
+                raise AdIndexError(f"{file}: unreadable ({e})") from e
+            shape = (count, dims[name]) if name in dims else (count,)
+            if arr.shape != shape or arr.dtype != dtype:
+                raise AdIndexError(
+                    f"{file}: {arr.dtype} {list(arr.shape)} does not match the manifest "
+                    f"({np.dtype(dtype)} {list(shape)})"
+                )
+            arrays[name] = arr
+        file = path / "attributes.parquet"
+        try:
+            attributes = pq.read_table(file)
+        except (OSError, pa.ArrowInvalid) as e:
+            raise AdIndexError(f"{file}: unreadable ({e})") from e
+        if attributes.num_rows != count or attributes.column_names != list(manifest["fields"]):
+            raise AdIndexError(
+                f"{file}: {attributes.num_rows} rows with columns {attributes.column_names} do "
+                f"not match the manifest ({count} rows, fields {list(manifest['fields'])})"
+            )
+        extra = {k: v for k, v in manifest["fields"].items() if k not in BASE_FIELDS}
+        index = cls(
+            manifest["dim_g"],
+            manifest["dim_x"],
+            device,
+            _DTYPES[manifest["dtype"]],
+            max(count, 1),
+            extra_fields=extra,
+        )
+        try:
+            index.upsert(arrays["ids"], arrays["g"], arrays["x"], arrays["b"], attributes)
+        except AdIndexError as e:
+            raise AdIndexError(f"{path}: snapshot content is invalid: {e}") from e
+        index._version = manifest["index_version"]
+        index.model_hash = manifest["model_hash"]
+        return index
+
+
+def read_manifest(path: str | Path) -> dict:
+    """The validated `manifest.json` of a snapshot folder.
+
+    Layout: `manifest.json` (format, format_version, index_version, dim_g, dim_x, dtype, count,
+    model_hash, fields = attribute name -> kind, files = name -> bytes), `g.npy` [count, dim_g],
+    `x.npy` [count, dim_x], `b.npy` [count] (float32 whatever `dtype` is: bf16 and fp16 values
+    are exact in float32), `ids.npy` [count] int64, `attributes.parquet` (one row per ad, in
+    the same order; list columns are sets).
+    """
+    path = Path(path)
+    file = path / "manifest.json"
+    if not file.is_file():
+        raise AdIndexError(f"{file}: missing (not an index snapshot?)")
+    try:
+        manifest = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise AdIndexError(f"{file}: not valid JSON ({e})") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise AdIndexError(f"{file}: not an {FORMAT} manifest")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise AdIndexError(
+            f"{file}: format_version {manifest.get('format_version')!r}, this m31 reads "
+            f"{FORMAT_VERSION}"
+        )
+    types = {
+        "index_version": int,
+        "dim_g": int,
+        "dim_x": int,
+        "count": int,
+        "dtype": str,
+        "fields": dict,
+        "files": dict,
+    }
+    for key, t in types.items():
+        if not isinstance(manifest.get(key), t) or isinstance(manifest.get(key), bool):
+            raise AdIndexError(f"{file}: {key!r} missing or not a {t.__name__}")
+    if manifest["dtype"] not in _DTYPES:
+        raise AdIndexError(f"{file}: dtype {manifest['dtype']!r} not one of {list(_DTYPES)}")
+    fields = manifest["fields"]
+    if any(fields.get(k) != v for k, v in BASE_FIELDS.items()) or any(
+        v not in KINDS for v in fields.values()
+    ):
+        raise AdIndexError(f"{file}: fields {fields} lack the built-in attributes or kinds")
+    if not isinstance(manifest.get("model_hash"), str | None):
+        raise AdIndexError(f"{file}: 'model_hash' must be a string or null")
+    expected = {f"{name}.npy" for name in _NPY} | {"attributes.parquet"}
+    if set(manifest["files"]) != expected:
+        raise AdIndexError(
+            f"{file}: files {sorted(manifest['files'])}, expected {sorted(expected)}"
+        )
+    for name, info in manifest["files"].items():
+        f = path / name
+        if not f.is_file():
+            raise AdIndexError(f"{f}: missing")
+        if not isinstance(info, dict) or f.stat().st_size != info.get("bytes"):
+            raise AdIndexError(f"{f}: size {f.stat().st_size} differs from the manifest ({info})")
+    return manifest
