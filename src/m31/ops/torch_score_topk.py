@@ -1,0 +1,54 @@
+"""Exhaustive score + filter + top-K in plain PyTorch: the reference the fused kernels must match.
+
+Shapes: B requests, N ads, E experts, G gate-key dim, D value dim, K results, C ads per chunk.
+
+The ad table is scored chunk by chunk (memory stays O(B·C·E) however large N is), each chunk is
+masked by eligibility and cut to its own top K, and a running top K is merged chunk after chunk.
+Ties are broken by the lower ad row: sorts are stable, every chunk's rows come in row order, and
+the running list (rows of earlier chunks) always stands before the new chunk when merged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from m31.ops.torch_score import score
+
+NO_ROW = -1
+
+
+def torch_score_topk(
+    q: torch.Tensor,
+    v: torch.Tensor,
+    p: torch.Tensor,
+    g: torch.Tensor,
+    x: torch.Tensor,
+    b: torch.Tensor,
+    mask: torch.Tensor | None,
+    k: int,
+    chunk: int = 32_768,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scores [B, K'], rows [B, K']) with K' = min(k, N), best first.
+
+    `mask` is bool [N] (one eligibility for all requests) or [B, N], or None (all eligible).
+    Requests with fewer than K' eligible ads get rows NO_ROW and scores -inf in the tail.
+    """
+    n_req, n_ads = q.shape[0], g.shape[0]
+    k_out = min(k, n_ads)
+    best_s = torch.full((n_req, 0), float("-inf"), device=q.device)
+    best_r = torch.full((n_req, 0), NO_ROW, dtype=torch.long, device=q.device)
+    for lo in range(0, n_ads, chunk):
+        hi = min(lo + chunk, n_ads)
+        s = score(q, v, p, g[lo:hi], x[lo:hi], b[lo:hi])  # [B, C] fp32
+        if mask is not None:
+            m = mask[lo:hi] if mask.dim() == 1 else mask[:, lo:hi]
+            s = s.masked_fill(~m, float("-inf"))
+        s, order = torch.sort(s, dim=1, descending=True, stable=True)
+        s, rows = s[:, :k_out], order[:, :k_out] + lo  # [B, <=K]
+        merged_s = torch.cat([best_s, s], dim=1)
+        merged_r = torch.cat([best_r, rows], dim=1)
+        merged_s, order = torch.sort(merged_s, dim=1, descending=True, stable=True)
+        best_s = merged_s[:, :k_out]
+        best_r = merged_r.gather(1, order[:, :k_out])
+    best_r = best_r.masked_fill(best_s == float("-inf"), NO_ROW)
+    return best_s, best_r
