@@ -1,0 +1,5 @@
+"""The retrieval engine: model + index -> ranked ads per request."""
+
+from m31.engine.retriever import AdRequest, RequestError, RetrievalResult, Retrieved, Retriever
+
+__all__ = ["AdRequest", "RequestError", "RetrievalResult", "Retrieved", "Retriever"]
