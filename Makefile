@@ -18,10 +18,10 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/m31 world generate --preset demo --seed 0 --out $(DATA) --reuse
+	$(BIN)/m31 demo --out $(DATA)
 
 test: $(STAMP)
-	$(BIN)/ruff check src tests
+	$(BIN)/ruff check src tests bench
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)

@@ -386,6 +386,19 @@ def simulate_cmd(
         json_out.write_text(json.dumps(result, indent=2) + "\n")
 
 
+@app.command("demo")
+@cli_errors
+def demo_cmd(
+    out: Annotated[Path, typer.Option(help="Folder for the world, models and index.")] = Path(
+        "data/demo"
+    ),
+) -> None:
+    """The whole system on the default marketplace: data, models, index, requests, figures."""
+    from m31.demo import run
+
+    run(out, log=typer.echo)
+
+
 def main() -> None:  # pragma: no cover - console entry point
     app()
 

@@ -22,7 +22,6 @@ class ModelConfig:
     max_len: int = 20  # engagement-sequence length
     id_buckets: int = 1 << 17  # hashed ad-id embedding rows (unseen ids still land somewhere)
     advertiser_buckets: int = 1 << 14
-    id_dropout: float = 0.0  # share of ad-id embeddings dropped in training
     ranking_mlp: tuple[int, ...] = (256, 128)
     # training
     batch_size: int = 512

@@ -48,18 +48,11 @@ class ItemEncoder(nn.Module):
         self.text = nn.Linear(text_dim, h)
         self.cooc = nn.Linear(cooc_dim, h)
         self.norm = nn.LayerNorm(h)
-        self.id_dropout = cfg.id_dropout
         nn.init.normal_(self.id.weight, std=0.02)
 
     def forward(self, ads: Catalog) -> torch.Tensor:
-        ident = self.id(hash_ids(ads.ad_id, self.id_buckets, 1))
-        if self.training and self.id_dropout > 0:
-            # Drop whole id embeddings, so the content features must carry each ad too: id
-            # embeddings otherwise memorise the training clicks (validation falls after epoch 3).
-            keep = torch.rand(ident.shape[:-1], device=ident.device) >= self.id_dropout
-            ident = ident * keep[..., None]
         e = (
-            ident
+            self.id(hash_ids(ads.ad_id, self.id_buckets, 1))
             + self.topic(ads.topic)
             + self.category(ads.category)
             + self.format(ads.format)

@@ -1,0 +1,169 @@
+"""`make demo`: the whole system on the default marketplace, end to end, in minutes on a CPU.
+
+generate (or reuse) the world -> features -> train moe and two-tower (or reuse) -> build and
+snapshot the ad index -> answer sample requests -> quality and throughput.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+DEMO_EPOCHS = 3  # of the demo preset's 5: keeps `make demo` near 10 minutes on 2 cores
+N_EVAL = 1000  # held-out requests for the quality figures
+SLOTS = 4  # ads shown per request in the funnel
+
+
+def run(out: Path, log=print) -> dict:
+    from rich.console import Console
+    from rich.table import Table
+
+    from m31.data import dataset
+    from m31.data.schema import PLATFORMS, SURFACES
+    from m31.engine import AdRequest, Retriever
+    from m31.eval import (
+        evaluate,
+        format_funnel,
+        format_table,
+        requests_from_split,
+        simulate,
+        topk_rows,
+    )
+    from m31.index import AdIndex
+    from m31.model import Catalog, model_preset
+    from m31.model.train import ScoreFunction, encode_ads, load_checkpoint, save_checkpoint, train
+    from m31.pipeline import features_for, funnel_eligibility
+    from m31.world.config import preset
+    from m31.world.generate import generate
+    from m31.world.truth import GroundTruth
+
+    console = Console()
+    out = Path(out)
+    data, runs = out / "world", out / "runs"
+    timings = {}
+    start = time.perf_counter()
+    cfg = preset("demo")
+    if not (data / "meta.json").is_file():
+        log(f"generating the demo marketplace into {data}")
+        ds, truth = generate(cfg, seed=0)
+        dataset.save(ds, data, overwrite=True, extra=truth.to_arrays())
+    ds = dataset.load(data)
+    truth = GroundTruth.from_arrays(dataset.load_truth(data))
+    timings["world"] = time.perf_counter() - start
+
+    t = time.perf_counter()
+    feats = features_for(data)
+    timings["features"] = time.perf_counter() - t
+    log(f"features: {feats.describe()}")
+
+    models = {}
+    for kind in ("moe", "two-tower"):
+        path = runs / f"{kind}.pt"
+        t = time.perf_counter()
+        if path.is_file():
+            models[kind], _ = load_checkpoint(path, feats)
+        else:
+            log(f"training {kind} ({DEMO_EPOCHS} epochs)")
+            models[kind], history = train(
+                model_preset("demo", kind).with_overrides(epochs=DEMO_EPOCHS),
+                feats,
+                device="cpu",
+                log=log,
+            )
+            save_checkpoint(path, models[kind], feats, history)
+        timings[f"train {kind}"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    catalog = Catalog.from_features(feats)
+    g, x, b = encode_ads(models["moe"], catalog)
+    index = AdIndex.from_table(ds.ads, g, x, b)
+    index.save(out / "index", overwrite=True)
+    timings["index"] = time.perf_counter() - t
+    log(f"index: {len(index):,} ads, bf16, version {index.version}, snapshot in {out / 'index'}")
+
+    # Sample requests, shown as a person would want to read them.
+    engine = Retriever(models["moe"], feats, index, ds.users)
+    test = feats.splits["test"]
+    rng = np.random.default_rng(0)
+    picks = rng.choice(len(test["user"]), 3, replace=False)
+    topic_names = [t["name"] for t in ds.meta["topics"]]
+    ads = ds.ads.select(["ad_id", "topic", "format", "text"]).to_pylist()
+    requests = [
+        AdRequest(
+            user_id=int(feats.users["user_id"][test["user"][i]]),
+            ts=int(test["ts"][i]),
+            surface=SURFACES[test["surface"][i]],
+            platform=PLATFORMS[test["platform"][i]],
+        )
+        for i in picks
+    ]
+    answer = engine.retrieve(requests, k=8)
+    for req, i, res in zip(requests, picks, answer.results, strict=True):
+        facets = [topic_names[f] for f in truth.facet_topic[test["user"][i]] if f >= 0]
+        table = Table(
+            title=f"user {req.user_id} — interests: {'; '.join(facets)} — {req.surface} on {req.platform}, {(req.ts % 86400) // 3600}:00",
+            title_justify="left",
+        )
+        for col in ("#", "ad", "topic", "format", "score", "creative"):
+            table.add_column(col, overflow="fold")
+        for rank, (ad_id, s) in enumerate(zip(res.ad_ids, res.scores, strict=True), 1):
+            a = ads[int(ad_id)]
+            table.add_row(
+                str(rank), str(ad_id), topic_names[a["topic"]], a["format"], f"{s:.2f}", a["text"]
+            )
+        console.print(table)
+
+    # Quality: full corpus on held-out requests; funnel against the two-tower baseline.
+    t = time.perf_counter()
+    fns = {kind: ScoreFunction(m, feats, catalog) for kind, m in models.items()}
+    quality = evaluate(
+        fns, feats, ks=(10, 50, 100), max_users=3000, exclude_seen=False, truth=truth
+    )
+    log("quality on 3,000 held-out requests, all 50,000 ads scored:")
+    log(
+        format_table(
+            {
+                m: {k: v for k, v in r.items() if k.startswith(("hr@", "truth_recall"))}
+                for m, r in quality.items()
+            }
+        )
+    )
+    eligible = funnel_eligibility(data, feats)
+    req = requests_from_split(feats, "test", max_users=3000, seed=1)
+
+    def retriever(fn):
+        return lambda r: topk_rows(np.where(eligible(r.ts), fn(r), -np.inf), 500)
+
+    # The demo ranks both retrievers' candidates with the moe's scores (one shared ranker); the
+    # funnel with the heavy ranking model is scripts/quality.sh.
+    funnel = simulate(
+        {k: retriever(fns[k]) for k in ("two-tower", "moe")},
+        fns["moe"].rank,
+        truth,
+        req,
+        k=500,
+        slots=4,
+        eligible=eligible(req.ts),
+    )
+    log(format_funnel(funnel))
+    timings["quality"] = time.perf_counter() - t
+
+    # Throughput of the engine end to end (encode requests, masks, exhaustive score and top-K).
+    batch = [AdRequest(r.user_id, r.ts, r.surface, r.platform) for r in requests] * 22  # B = 66
+    engine.retrieve(batch, k=100)
+    t = time.perf_counter()
+    res = engine.retrieve(batch, k=100)
+    dt = time.perf_counter() - t
+    ads_per_s = len(batch) * len(index) / dt
+    log(
+        f"engine: B = {len(batch)} requests x {len(index):,} ads in {dt * 1000:.0f} ms "
+        f"({ads_per_s / 1e6:.1f} M ads scored per second on {torch.get_num_threads()} CPU threads; "
+        f"encode {res.timings_ms['encode']:.0f} ms, masks {res.timings_ms['mask']:.0f} ms, "
+        f"score and top-K {res.timings_ms['score_topk']:.0f} ms)"
+    )
+    timings["total"] = time.perf_counter() - start
+    log("wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()))
+    return {"quality": quality, "funnel": funnel, "ads_per_s": ads_per_s, "timings": timings}
