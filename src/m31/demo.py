@@ -6,6 +6,7 @@ snapshot the ad index -> answer sample requests -> quality and throughput.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from pathlib import Path
 
@@ -80,7 +81,8 @@ def run(out: Path, log=print) -> dict:
     catalog = Catalog.from_features(feats)
     g, x, b = encode_ads(models["moe"], catalog)
     index = AdIndex.from_table(ds.ads, g, x, b)
-    index.save(out / "index", overwrite=True)
+    model_hash = hashlib.sha256((runs / "moe.pt").read_bytes()).hexdigest()[:16]
+    index.save(out / "index", model_hash=model_hash, overwrite=True)
     timings["index"] = time.perf_counter() - t
     log(f"index: {len(index):,} ads, bf16, version {index.version}, snapshot in {out / 'index'}")
 
