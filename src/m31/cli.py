@@ -11,6 +11,8 @@ from typing import Annotated
 
 import typer
 
+from m31.progress import progress_bar
+
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="m31: ads retrieval engine.")
 world_app = typer.Typer(no_args_is_help=True, help="The synthetic ads marketplace.")
 data_app = typer.Typer(no_args_is_help=True, help="Datasets: import and inspect.")
@@ -38,28 +40,6 @@ def cli_errors(fn):
             _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
 
     return wrapper
-
-
-def _progress_bar():
-    """A rich progress bar driven by `callback(stage, done, total)`."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
-    bar = Progress(
-        "[progress.description]{task.description}",
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        transient=True,
-        disable=not sys.stderr.isatty(),
-    )
-    tasks: dict[str, int] = {}
-
-    def callback(stage: str, done: int, total: int) -> None:
-        if stage not in tasks:
-            tasks[stage] = bar.add_task(stage, total=total)
-        bar.update(tasks[stage], completed=done)
-
-    return bar, callback
 
 
 @world_app.command("generate")
@@ -104,7 +84,7 @@ def world_generate(
     import resource
 
     start = time.perf_counter()
-    bar, callback = _progress_bar()
+    bar, callback = progress_bar()
     with bar:
         ds, truth = generate(cfg, seed, progress=callback)
     gen_s = time.perf_counter() - start
@@ -177,7 +157,7 @@ def features_build(
 
     if out.exists() and not overwrite:
         _fail(f"{out}: already exists (pass --overwrite to replace it)")
-    bar, callback = _progress_bar()
+    bar, callback = progress_bar()
     start = time.perf_counter()
     with bar:
         feats = build_features(
@@ -240,7 +220,7 @@ def train_cmd(
     from m31.pipeline import features_for
 
     cfg = model_preset(preset, model).with_overrides(epochs=epochs, seed=seed)
-    bar, callback = _progress_bar()
+    bar, callback = progress_bar()
     with bar:
         feats = features_for(data, split, progress=callback)
     typer.echo(f"features: {feats.describe()}")
@@ -303,7 +283,7 @@ def eval_cmd(
         truth = GroundTruth.from_arrays(dataset.load_truth(data))
     if exclude_seen is None:
         exclude_seen = feats.meta.get("source") == "movielens"
-    bar, callback = _progress_bar()
+    bar, callback = progress_bar()
     with bar:
         results = evaluate(
             fns,

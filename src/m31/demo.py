@@ -37,6 +37,7 @@ def run(out: Path, log=print) -> dict:
     from m31.model import Catalog, model_preset
     from m31.model.train import ScoreFunction, encode_ads, load_checkpoint, save_checkpoint, train
     from m31.pipeline import features_for, funnel_eligibility
+    from m31.progress import progress_bar
     from m31.world.config import preset
     from m31.world.generate import generate
     from m31.world.truth import GroundTruth
@@ -49,14 +50,18 @@ def run(out: Path, log=print) -> dict:
     cfg = preset("demo")
     if not (data / "meta.json").is_file():
         log(f"generating the demo marketplace into {data}")
-        ds, truth = generate(cfg, seed=0)
+        bar, callback = progress_bar()
+        with bar:
+            ds, truth = generate(cfg, seed=0, progress=callback)
         dataset.save(ds, data, overwrite=True, extra=truth.to_arrays())
     ds = dataset.load(data)
     truth = GroundTruth.from_arrays(dataset.load_truth(data))
     timings["world"] = time.perf_counter() - start
 
     t = time.perf_counter()
-    feats = features_for(data)
+    bar, callback = progress_bar()
+    with bar:
+        feats = features_for(data, progress=callback)
     timings["features"] = time.perf_counter() - t
     log(f"features: {feats.describe()}")
 
