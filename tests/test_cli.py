@@ -194,3 +194,18 @@ def test_train_eval_simulate_end_to_end(tmp_path):
         "train", "--model", "gbdt", "--data", str(data), "--out", str(tmp_path / "x.pt")
     )
     assert code == 2 and "kind must be one of" in out
+
+
+def test_demo_runs_end_to_end_on_a_tiny_world(tmp_path):
+    from m31.demo import run
+    from m31.index import AdIndex, read_manifest
+
+    lines = []
+    out = run(tmp_path / "demo", log=lines.append, world="tiny", models_preset="tiny", epochs=1)
+    text = "\n".join(str(x) for x in lines)
+    assert "quality on" in text and "moe vs two-tower" in text and "M ads scored per second" in text
+    assert set(out["quality"]) == {"moe", "two-tower"} and out["ads_per_s"] > 0
+    index = AdIndex.load(tmp_path / "demo" / "index")
+    assert len(index) == 2_000 and read_manifest(tmp_path / "demo" / "index")["model_hash"]
+    again = run(tmp_path / "demo", log=lines.append, world="tiny", models_preset="tiny", epochs=1)
+    assert again["timings"]["train moe"] < out["timings"]["train moe"], "models are reused"

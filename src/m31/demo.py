@@ -18,7 +18,14 @@ N_EVAL = 1000  # held-out requests for the quality figures
 SLOTS = 4  # ads shown per request in the funnel
 
 
-def run(out: Path, log=print) -> dict:
+def run(
+    out: Path,
+    log=print,
+    world: str = "demo",
+    models_preset: str = "demo",
+    epochs: int = DEMO_EPOCHS,
+) -> dict:
+    """Run everything into `out`; `world` and `models_preset` name presets (tests use tiny)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -47,7 +54,7 @@ def run(out: Path, log=print) -> dict:
     data, runs = out / "world", out / "runs"
     timings = {}
     start = time.perf_counter()
-    cfg = preset("demo")
+    cfg = preset(world)
     if not (data / "meta.json").is_file():
         log(f"generating the demo marketplace into {data}")
         bar, callback = progress_bar()
@@ -72,9 +79,9 @@ def run(out: Path, log=print) -> dict:
         if path.is_file():
             models[kind], _ = load_checkpoint(path, feats)
         else:
-            log(f"training {kind} ({DEMO_EPOCHS} epochs)")
+            log(f"training {kind} ({epochs} epochs)")
             models[kind], history = train(
-                model_preset("demo", kind).with_overrides(epochs=DEMO_EPOCHS),
+                model_preset(models_preset, kind).with_overrides(epochs=epochs),
                 feats,
                 device="cpu",
                 log=log,
