@@ -1,10 +1,13 @@
 """The engine end to end on a tiny world: the real model, the real index, brute force beside."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
-from m31.engine import AdRequest, RequestError, Retriever
+from m31.data.schema import SURFACES
+from m31.engine import AdRequest, Engagement, InlineUser, RequestError, Retriever
 from m31.features import FeatureConfig, build_features
 from m31.index import AdIndex
 from m31.model import Catalog, model_preset
@@ -102,10 +105,77 @@ def test_bad_requests(world):
         engine.retrieve([ok, AdRequest(0, ok.ts, "tv", "ios")], 5)
     with pytest.raises(RequestError, match="k must be positive"):
         engine.retrieve([ok], 0)
-    from m31.index import FilterError
-
-    with pytest.raises(FilterError, match="unknown field"):
+    with pytest.raises(RequestError, match=r"requests\[0\]\.filter: .*unknown field"):
         engine.retrieve([AdRequest(0, ok.ts, "feed", "ios", filter={"eq": ["colour", "red"]})], 5)
+    with pytest.raises(RequestError, match="exactly one of user_id and user"):
+        engine.retrieve([AdRequest(None, ok.ts, "feed", "ios")], 5)
+    user = InlineUser(country="nowhere", age=30, gender="F")
+    with pytest.raises(RequestError, match=r"requests\[0\]\.user\.country"):
+        engine.retrieve([AdRequest(None, ok.ts, "feed", "ios", user=user)], 5)
+    user = InlineUser(country=ds.users["country"][0].as_py(), age=30, gender="F")
+    for bad, field in (
+        (dataclasses.replace(user, gender="x"), "gender"),
+        (dataclasses.replace(user, age=-1), "age"),
+        (dataclasses.replace(user, cohort=10**6), "cohort"),
+        (dataclasses.replace(user, organic_topics=(10**6,)), "organic_topics"),
+        (dataclasses.replace(user, history=(Engagement(0, 1, "tv"),)), r"history\[0\]\.surface"),
+    ):
+        with pytest.raises(RequestError, match=rf"requests\[0\]\.user\.{field}"):
+            engine.retrieve([AdRequest(None, ok.ts, "feed", "ios", user=bad)], 5)
+
+
+def inline_copy(feats, ds, user_id: int, ts: int, shuffle: bool) -> InlineUser:
+    """The stored user `user_id` written out inline: demographics, cohort and histories."""
+    row = int(np.flatnonzero(feats.users["user_id"] == user_id)[0])
+    items, surfaces, times, _ = feats.history(np.array([row]), np.array([ts]))
+    organic, _ = feats.organic_history(np.array([row]), np.array([ts]))
+    keep = items[0] >= 0
+    history = [
+        Engagement(int(feats.ads["ad_id"][i]), int(t), SURFACES[s])
+        for i, s, t in zip(items[0][keep], surfaces[0][keep], times[0][keep], strict=True)
+    ]
+    # Engagements at or after the request time are ignored, as for stored users.
+    history.append(Engagement(int(feats.ads["ad_id"][0]), ts, "feed"))
+    if shuffle:
+        history = history[::-1]
+    who = ds.users.to_pylist()[user_id]
+    return InlineUser(
+        country=who["country"],
+        age=who["age"],
+        gender=who["gender"],
+        cohort=who["cohort"],
+        history=tuple(history),
+        organic_topics=tuple(int(t) for t in organic[0][organic[0] >= 0]),
+    )
+
+
+def test_inline_user_equals_stored_user(world):
+    ds, feats, model, index = world
+    engine = Retriever(model, feats, index, ds.users)
+    t0, t1 = ds.meta["time_range"]
+    rng = np.random.default_rng(3)
+    users = [int(u) for u in rng.integers(0, ds.users.num_rows, 4)]
+    times = [int(t) for t in rng.integers((t0 + t1) // 2, t1, 4)]
+    stored = [AdRequest(u, t, "reels", "android") for u, t in zip(users, times, strict=True)]
+    inline = [
+        AdRequest(
+            None,
+            r.ts,
+            r.surface,
+            r.platform,
+            user=inline_copy(feats, ds, r.user_id, r.ts, i % 2 == 0),
+        )
+        for i, r in enumerate(stored)
+    ]
+    # Mixed in one batch, in an interleaved order: each answer must match its stored twin.
+    out = engine.retrieve([stored[0], inline[0], inline[1], stored[1], *inline[2:]], k=20)
+    want = engine.retrieve(stored, k=20).results
+    got = [out.results[i] for i in (1, 2, 4, 5)]
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a.ad_ids, b.ad_ids)
+        np.testing.assert_allclose(a.scores, b.scores, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(out.results[0].ad_ids, want[0].ad_ids)
+    np.testing.assert_array_equal(out.results[3].ad_ids, want[1].ad_ids)
 
 
 def test_nothing_eligible_and_k_above_eligible(world):

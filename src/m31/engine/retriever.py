@@ -3,7 +3,7 @@
 Shapes: B requests, N rows of the ad table, E experts, G gate-key dim, D value dim, K results.
 
 One call of `Retriever.retrieve` encodes the batch's requests once (user experts, context
-folded in), evaluates each request's eligibility into a bitmask over the index's rows, and runs
+folded in; a user is either a stored user of the feature store or given inline), evaluates each request's eligibility into a bitmask over the index's rows, and runs
 the exhaustive score·filter·top-K pass (`m31.ops.score_topk`). Table and masks come from one
 `snapshot_view` of the index, so a batch is answered at one consistent version.
 """
@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from m31.data.schema import GENDERS, PLATFORMS, SURFACES
+from m31.data.schema import GENDERS, PLATFORMS, SURFACES, age_bucket
 from m31.features import Features
 from m31.index import AdIndex, RequestContext, compile_filter
 from m31.model import Catalog, RetrievalModel, make_requests
+from m31.model.inputs import concat_requests, inline_requests
 from m31.ops import NO_ROW, score_topk
 
 
@@ -29,8 +30,31 @@ class RequestError(ValueError):
 
 
 @dataclass(frozen=True)
+class Engagement:
+    ad_id: int
+    ts: int  # Unix seconds
+    surface: str
+
+
+@dataclass(frozen=True)
+class InlineUser:
+    """A user the feature store does not hold (a new user, or features computed elsewhere).
+
+    Ads of `history` that the model's catalogue does not know are skipped (the model has no
+    features for them); only engagements strictly before the request time are read.
+    """
+
+    country: str
+    age: int
+    gender: str
+    cohort: int | None = None  # default: the most common cohort of the country's stored users
+    history: Sequence[Engagement] = ()  # engaged ads, any order
+    organic_topics: Sequence[int] = ()  # topics of organic engagement, most recent last
+
+
+@dataclass(frozen=True)
 class AdRequest:
-    user_id: int
+    user_id: int | None  # a stored user; None when `user` is given inline
     ts: int  # Unix seconds: history is read strictly before it, schedules are checked at it
     surface: str
     platform: str
@@ -38,6 +62,7 @@ class AdRequest:
     exclude_ads: Sequence[int] = ()
     exclude_advertisers: Sequence[int] = ()
     filter: Mapping | None = None  # JSON filter tree over ad attributes (m31.index.filters)
+    user: InlineUser | None = None
 
 
 @dataclass
@@ -74,14 +99,101 @@ class Retriever:
             for r in users.select(["user_id", "country", "age", "gender"]).to_pylist()
         }
         self._targeting = [by_id.get(int(i)) for i in ids]  # [U] per feature row
+        vocab = feats.meta["vocab"]
+        self._countries = {c: i for i, c in enumerate(vocab["country"])}
+        self._cohorts = {int(c): i for i, c in enumerate(vocab["cohort"])}
+        # Default cohort of an inline user: the most common one among the country's users.
+        u = feats.users
+        self._country_cohort = {
+            c: int(np.bincount(u["cohort"][u["country"] == c]).argmax())
+            for c in np.unique(u["country"])
+        }
+        ad_ids = feats.ads["ad_id"]
+        self._ad_order = np.argsort(ad_ids, kind="stable")
+        self._ad_sorted = ad_ids[self._ad_order]
+        self._n_topics = int(feats.meta["n_topics"])
 
-    def _user_rows(self, requests: Sequence[AdRequest]) -> np.ndarray:
-        ids = np.array([r.user_id for r in requests], dtype=np.int64)
+    def _user_rows(self, ids: np.ndarray, where: list[int]) -> np.ndarray:
+        if not len(self._user_sorted):
+            raise RequestError("user_id: the feature store holds no users; pass `user` inline")
         pos = np.minimum(np.searchsorted(self._user_sorted, ids), len(self._user_sorted) - 1)
-        bad = self._user_sorted[pos] != ids
-        if bad.any():
-            raise RequestError(f"user_id: unknown user {int(ids[bad][0])}")
+        bad = np.flatnonzero(self._user_sorted[pos] != ids)
+        if len(bad):
+            raise RequestError(
+                f"requests[{where[bad[0]]}].user_id: unknown user {int(ids[bad[0]])}"
+            )
         return self._user_order[pos]
+
+    def _catalog_rows(self, ad_ids: np.ndarray) -> np.ndarray:
+        """Catalogue row of each ad id, -1 for ads the model's catalogue does not hold."""
+        if not len(self._ad_sorted):
+            return np.full(len(ad_ids), -1, dtype=np.int64)
+        pos = np.minimum(np.searchsorted(self._ad_sorted, ad_ids), len(self._ad_sorted) - 1)
+        return np.where(self._ad_sorted[pos] == ad_ids, self._ad_order[pos], -1)
+
+    def _check_inline(self, i: int, u: InlineUser) -> None:
+        where = f"requests[{i}].user"
+        if u.country not in self._countries:
+            known = ", ".join(sorted(self._countries)[:8])
+            raise RequestError(
+                f"{where}.country: unknown country {u.country!r} (known: {known}, …)"
+            )
+        if u.gender not in GENDERS:
+            raise RequestError(f"{where}.gender: {u.gender!r} is not one of {', '.join(GENDERS)}")
+        if not 0 <= u.age < 150:
+            raise RequestError(f"{where}.age: {u.age} is not an age")
+        if u.cohort is not None and u.cohort not in self._cohorts:
+            raise RequestError(f"{where}.cohort: unknown cohort {u.cohort}")
+        for j, e in enumerate(u.history):
+            if e.surface not in SURFACES:
+                raise RequestError(
+                    f"{where}.history[{j}].surface: {e.surface!r} is not one of {', '.join(SURFACES)}"
+                )
+        bad = [t for t in u.organic_topics if not 0 <= t < self._n_topics]
+        if bad:
+            raise RequestError(
+                f"{where}.organic_topics: topic {bad[0]} is outside 0..{self._n_topics - 1}"
+            )
+
+    def _inline_inputs(self, requests: Sequence[AdRequest], context: dict[str, np.ndarray]):
+        users = [r.user for r in requests]
+        histories = []
+        for u in users:
+            order = sorted(range(len(u.history)), key=lambda j: u.history[j].ts)
+            events = [u.history[j] for j in order]
+            rows = self._catalog_rows(np.array([e.ad_id for e in events], dtype=np.int64))
+            known = rows >= 0
+            histories.append(
+                (
+                    rows[known],
+                    np.array([SURFACES.index(e.surface) for e in events], dtype=np.int64)[known],
+                    np.array([e.ts for e in events], dtype=np.int64)[known],
+                )
+            )
+        country = np.array([self._countries[u.country] for u in users])
+        return inline_requests(
+            self.feats,
+            cohort=np.array(
+                [
+                    self._cohorts[u.cohort]
+                    if u.cohort is not None
+                    else self._country_cohort.get(c, 0)
+                    for u, c in zip(users, country, strict=True)
+                ]
+            ),
+            age_bucket=age_bucket(np.array([u.age for u in users])),
+            gender=np.array([GENDERS.index(u.gender) for u in users]),
+            country=country,
+            histories=histories,
+            organic=[np.array(u.organic_topics, dtype=np.int64) for u in users],
+            max_len=self.model.cfg.max_len,
+            **context,
+        )
+
+    def _targeting_of(self, r: AdRequest, row: int) -> dict:
+        if r.user is not None:
+            return {"country": r.user.country, "age": r.user.age, "gender": r.user.gender}
+        return self._targeting[row] or {}
 
     @torch.no_grad()
     def retrieve(self, requests: Sequence[AdRequest], k: int) -> RetrievalResult:
@@ -100,28 +212,55 @@ class Retriever:
                 )
             if r.hour is not None and not 0 <= r.hour < 24:
                 raise RequestError(f"requests[{i}].hour: {r.hour} is not an hour of day")
-        filters = [
-            compile_filter(r.filter, self.index.schema) if r.filter else None for r in requests
-        ]
+            if (r.user_id is None) == (r.user is None):
+                raise RequestError(f"requests[{i}]: give exactly one of user_id and user")
+            if r.user is not None:
+                self._check_inline(i, r.user)
+        filters = []
+        for i, r in enumerate(requests):
+            try:
+                filters.append(compile_filter(r.filter, self.index.schema) if r.filter else None)
+            except ValueError as e:
+                raise RequestError(f"requests[{i}].filter: {e}") from e
 
         t0 = time.perf_counter()
-        rows = self._user_rows(requests)
-        ts = np.array([r.ts for r in requests], dtype=np.int64)
-        hour = np.array(
-            [r.hour if r.hour is not None else (r.ts % 86_400) // 3600 for r in requests]
-        )
-        surface = np.array([SURFACES.index(r.surface) for r in requests])
-        platform = np.array([PLATFORMS.index(r.platform) for r in requests])
-        inputs = make_requests(
-            self.feats, rows, ts, surface, hour, platform, self.model.cfg.max_len
-        )
+        context = {
+            "ts": np.array([r.ts for r in requests], dtype=np.int64),
+            "surface": np.array([SURFACES.index(r.surface) for r in requests]),
+            "hour": np.array(
+                [r.hour if r.hour is not None else (r.ts % 86_400) // 3600 for r in requests]
+            ),
+            "platform": np.array([PLATFORMS.index(r.platform) for r in requests]),
+        }
+        stored = [i for i, r in enumerate(requests) if r.user is None]
+        inline = [i for i, r in enumerate(requests) if r.user is not None]
+        rows = np.full(len(requests), -1, dtype=np.int64)  # feature-store row of stored users
+        parts = []
+        if stored:
+            ids = np.array([requests[i].user_id for i in stored], dtype=np.int64)
+            rows[stored] = self._user_rows(ids, stored)
+            parts.append(
+                make_requests(
+                    self.feats,
+                    rows[stored],
+                    **{k_: c[stored] for k_, c in context.items()},
+                    max_len=self.model.cfg.max_len,
+                )
+            )
+        if inline:
+            parts.append(
+                self._inline_inputs(
+                    [requests[i] for i in inline], {k_: c[inline] for k_, c in context.items()}
+                )
+            )
+        inputs = concat_requests(parts, np.argsort(np.array(stored + inline), kind="stable"))
         q, v, p = self.model.encode_requests(inputs.to(self.device), self.catalog)  # [B, E, *]
         t1 = time.perf_counter()
 
         with self.index.snapshot_view() as view:
             masks = []
             for r, row, f in zip(requests, rows, filters, strict=True):
-                who = self._targeting[row] or {}
+                who = self._targeting_of(r, row)
                 gender = who.get("gender")
                 ctx = RequestContext(
                     country=who.get("country"),

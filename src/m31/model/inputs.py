@@ -126,3 +126,65 @@ def make_requests(
         hist_time=t(time_buckets(ts[:, None] - hist_ts, items >= 0)),
         organic=t(organic),
     )
+
+
+def inline_requests(
+    feats: Features,
+    cohort: np.ndarray,
+    age_bucket: np.ndarray,
+    gender: np.ndarray,
+    country: np.ndarray,
+    histories: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+    organic: list[np.ndarray],
+    ts: np.ndarray,
+    surface: np.ndarray,
+    hour: np.ndarray,
+    platform: np.ndarray,
+    max_len: int,
+) -> Requests:
+    """Inputs of requests whose users are given inline rather than stored in `feats`.
+
+    Demographics are vocabulary codes [B]; `histories[i]` = (ad rows, surface codes, Unix
+    seconds) of user i's engagements in time order, `organic[i]` its organic topics in time
+    order. As for stored users, only engagements strictly before the request time are seen.
+    """
+    n = len(ts)
+    items = np.full((n, max_len), -1, dtype=np.int64)  # right-aligned, most recent last
+    hist_surface = np.full((n, max_len), -1, dtype=np.int64)
+    hist_ts = np.full((n, max_len), -1, dtype=np.int64)
+    org_len = feats.config.organic_len
+    org = np.full((n, org_len), -1, dtype=np.int64)
+    for i, ((rows, surf, when), topics) in enumerate(zip(histories, organic, strict=True)):
+        keep = when < ts[i]
+        rows, surf, when = rows[keep][-max_len:], surf[keep][-max_len:], when[keep][-max_len:]
+        if len(rows):
+            items[i, -len(rows) :], hist_surface[i, -len(rows) :] = rows, surf
+            hist_ts[i, -len(rows) :] = when
+        topics = topics[-org_len:]
+        if len(topics):
+            org[i, -len(topics) :] = topics
+
+    def t(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+
+    return Requests(
+        cohort=t(cohort),
+        age_bucket=t(age_bucket),
+        gender=t(gender),
+        country=t(country),
+        surface=t(surface),
+        hour=t(hour),
+        platform=t(platform),
+        hist_item=t(items),
+        hist_surface=t(np.maximum(hist_surface, 0)),
+        hist_time=t(time_buckets(ts[:, None] - hist_ts, items >= 0)),
+        organic=t(org),
+    )
+
+
+def concat_requests(parts: list[Requests], order: np.ndarray) -> Requests:
+    """Requests of several parts, concatenated and then taken in `order` ([B] positions)."""
+    index = torch.from_numpy(np.asarray(order, dtype=np.int64))
+    return Requests(
+        **{f.name: torch.cat([getattr(r, f.name) for r in parts])[index] for f in fields(Requests)}
+    )
