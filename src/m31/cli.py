@@ -379,6 +379,218 @@ def demo_cmd(
     run(out, log=typer.echo)
 
 
+def _token(env: str, file: Path | None, option: str) -> str | None:
+    """A bearer token from a file (first line) or else an environment variable."""
+    import os
+
+    if file is not None:
+        try:
+            token = file.read_text().strip()
+        except OSError as e:
+            raise ValueError(f"{option}: cannot read {file} ({e.strerror})") from e
+        if not token:
+            raise ValueError(f"{option}: {file} is empty")
+        return token
+    return os.environ.get(env) or None
+
+
+def _serving_state(index: Path, state: Path | None, device: str) -> Path:
+    """The durable serving folder for --index: itself, or one made once from a snapshot."""
+    from m31.index import DurableIndex
+
+    def durable(folder: Path) -> bool:
+        return (folder / "wal.log").is_file()
+
+    if durable(index):
+        return index
+    if not (index / "manifest.json").is_file():
+        raise ValueError(f"--index: {index} is neither an index snapshot nor a serving folder")
+    state = state or index.with_name(index.name + ".serving")
+    if not durable(state):
+        typer.echo(f"initialising the serving state {state} from the snapshot {index}")
+        DurableIndex.create(state, index, device=device).close()
+    return state
+
+
+@app.command("serve")
+@cli_errors
+def serve_cmd(
+    index: Annotated[
+        Path,
+        typer.Option(
+            help="Index snapshot (m31 demo writes DIR/index) or a serving folder made from one."
+        ),
+    ],
+    model: Annotated[Path, typer.Option(help="Checkpoint whose ad tower made the index.")],
+    data: Annotated[
+        Path | None,
+        typer.Option(
+            help="Dataset folder the model was trained on (default: ../world of the "
+            "checkpoint's folder, the demo's layout)."
+        ),
+    ] = None,
+    state: Annotated[
+        Path | None,
+        typer.Option(
+            help="Serving folder (snapshot + write-ahead log) for a snapshot --index "
+            "(default: INDEX.serving)."
+        ),
+    ] = None,
+    host: Annotated[str, typer.Option()] = "127.0.0.1",
+    port: Annotated[int, typer.Option()] = 8031,
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    max_batch_size: Annotated[
+        int, typer.Option(help="Requests per device call (1: no batching).")
+    ] = 64,
+    max_queue_delay_ms: Annotated[
+        float, typer.Option(help="How long the first request of a batch waits for others.")
+    ] = 2.0,
+    max_queue: Annotated[int, typer.Option(help="Requests waiting before calls get 429.")] = 1024,
+    timeout_ms: Annotated[int, typer.Option(help="Default deadline of a retrieve call.")] = 1000,
+    admin_token_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="Bearer token of the write endpoints (else $M31_ADMIN_TOKEN; "
+            "without one, ad management is off)."
+        ),
+    ] = None,
+    read_token_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="Bearer token of the read endpoints (else $M31_READ_TOKEN; "
+            "without one, reads are open)."
+        ),
+    ] = None,
+) -> None:
+    """Serve retrieval and ad management over HTTP (FastAPI on uvicorn)."""
+    import logging
+
+    import uvicorn
+
+    from m31.serve.app import ServeConfig, create_app
+
+    if data is None:
+        data = model.resolve().parent.parent / "world"
+        if not (data / "meta.json").is_file():
+            raise ValueError("--data: give the dataset folder the model was trained on")
+    for name, value in (
+        ("--max-batch-size", max_batch_size),
+        ("--max-queue", max_queue),
+        ("--timeout-ms", timeout_ms),
+    ):
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
+    if not model.is_file():
+        raise FileNotFoundError(f"--model: {model}: no such checkpoint")
+    config = ServeConfig(
+        index=_serving_state(index, state, device),
+        model=model,
+        data=data,
+        device=device,
+        max_batch_size=max_batch_size,
+        max_queue_delay_ms=max_queue_delay_ms,
+        max_queue=max_queue,
+        timeout_ms=timeout_ms,
+        admin_token=_token("M31_ADMIN_TOKEN", admin_token_file, "--admin-token-file"),
+        read_token=_token("M31_READ_TOKEN", read_token_file, "--read-token-file"),
+    )
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if config.admin_token is None:
+        typer.echo("no admin token: ad management endpoints answer 403", err=True)
+    uvicorn.run(create_app(config), host=host, port=port, log_level="info")
+
+
+@app.command("query")
+@cli_errors
+def query_cmd(
+    user_id: Annotated[int, typer.Option(help="A stored user's id.")],
+    surface: Annotated[str, typer.Option()] = "feed",
+    platform: Annotated[str, typer.Option()] = "ios",
+    k: Annotated[int, typer.Option(help="Results.")] = 10,
+    ts: Annotated[int | None, typer.Option(help="Unix seconds (default: now).")] = None,
+    filter: Annotated[
+        str | None, typer.Option(help='Filter tree as JSON, e.g. \'{"eq": ["format", "video"]}\'.')
+    ] = None,
+    url: Annotated[str, typer.Option()] = "http://127.0.0.1:8031",
+    token: Annotated[str | None, typer.Option(envvar="M31_READ_TOKEN")] = None,
+) -> None:
+    """Ask a running server for one user's top ads and print them."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from m31.client import Client, ServiceError
+
+    request = {"user_id": user_id, "surface": surface, "platform": platform, "k": k}
+    if ts is not None:
+        request["ts"] = ts
+    if filter is not None:
+        try:
+            request["filter"] = json.loads(filter)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--filter: not valid JSON ({e})") from e
+    with Client(url, token=token) as client:
+        try:
+            out = client.retrieve([request])
+        except ServiceError as e:
+            raise ValueError(str(e)) from e
+    res = out["results"][0]
+    table = Table(
+        title=f"user {user_id}, {surface} on {platform}: index version {out['index_version']}, "
+        f"{out['timings_ms']['total']:.1f} ms",
+        title_justify="left",
+    )
+    for col in ("#", "ad", "score"):
+        table.add_column(col, justify="right")
+    for rank, (ad, s) in enumerate(zip(res["ad_ids"], res["scores"], strict=True), 1):
+        table.add_row(str(rank), str(ad), f"{s:.3f}")
+    Console().print(table)
+
+
+@app.command("loadtest")
+@cli_errors
+def loadtest_cmd(
+    data: Annotated[Path, typer.Option(help="Dataset folder whose users the requests name.")],
+    url: Annotated[str, typer.Option()] = "http://127.0.0.1:8031",
+    concurrency: Annotated[str, typer.Option(help="Comma-separated client counts.")] = "1,8,64",
+    duration: Annotated[float, typer.Option(help="Seconds per concurrency level.")] = 10.0,
+    k: Annotated[int, typer.Option()] = 100,
+    token: Annotated[str | None, typer.Option(envvar="M31_READ_TOKEN")] = None,
+    out: Annotated[Path | None, typer.Option(help="Write the rows as JSON here.")] = None,
+) -> None:
+    """Closed-loop load on a running server: QPS, p50/p99 latency, ads scored per second."""
+    import pyarrow.parquet as pq
+
+    from m31.serve import loadtest
+
+    try:
+        levels = [int(c) for c in concurrency.split(",")]
+    except ValueError as e:
+        raise ValueError(f"--concurrency: {concurrency!r} is not a list of integers") from e
+    users_file = data / "users.parquet"
+    if not users_file.is_file():
+        raise FileNotFoundError(f"--data: {users_file} not found")
+    user_ids = pq.read_table(users_file, columns=["user_id"]).column(0).to_numpy()
+    rows = []
+    for c in levels:
+        typer.echo(f"concurrency {c}: {duration:.0f} s …", err=True)
+        rows.append(loadtest.run(url, user_ids, c, duration, k, token).row())
+    typer.echo(loadtest.format_rows(rows))
+    if out is not None:
+        out.write_text(json.dumps(rows, indent=2) + "\n")
+
+
+@app.command(
+    "bench",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    add_help_option=False,
+)
+def bench_cmd(ctx: typer.Context) -> None:
+    """Kernel and engine benchmarks (arguments: `m31 bench --help`)."""
+    from m31 import bench
+
+    raise typer.Exit(bench.main(ctx.args) or 0)
+
+
 def main() -> None:  # pragma: no cover - console entry point
     app()
 

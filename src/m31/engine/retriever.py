@@ -195,12 +195,11 @@ class Retriever:
             return {"country": r.user.country, "age": r.user.age, "gender": r.user.gender}
         return self._targeting[row] or {}
 
-    @torch.no_grad()
-    def retrieve(self, requests: Sequence[AdRequest], k: int) -> RetrievalResult:
-        if k <= 0:
-            raise RequestError(f"k must be positive, got {k}")
-        if not requests:
-            return RetrievalResult([], self.index.version)
+    def check(self, requests: Sequence[AdRequest]) -> list:
+        """Validate requests without running them: RequestError naming the first bad field.
+
+        Returns the compiled filters, one per request (None where there is none).
+        """
         for i, r in enumerate(requests):
             if r.surface not in SURFACES:
                 raise RequestError(
@@ -216,12 +215,24 @@ class Retriever:
                 raise RequestError(f"requests[{i}]: give exactly one of user_id and user")
             if r.user is not None:
                 self._check_inline(i, r.user)
+        stored = [i for i, r in enumerate(requests) if r.user is None]
+        if stored:
+            self._user_rows(np.array([requests[i].user_id for i in stored], np.int64), stored)
         filters = []
         for i, r in enumerate(requests):
             try:
                 filters.append(compile_filter(r.filter, self.index.schema) if r.filter else None)
             except ValueError as e:
                 raise RequestError(f"requests[{i}].filter: {e}") from e
+        return filters
+
+    @torch.no_grad()
+    def retrieve(self, requests: Sequence[AdRequest], k: int) -> RetrievalResult:
+        if k <= 0:
+            raise RequestError(f"k must be positive, got {k}")
+        if not requests:
+            return RetrievalResult([], self.index.version)
+        filters = self.check(requests)
 
         t0 = time.perf_counter()
         context = {

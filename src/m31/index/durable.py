@@ -1,0 +1,662 @@
+"""A crash-safe ad index: write-ahead log, snapshots and replay (DESIGN §4, §7).
+
+Shapes: n ads in one upsert, G gate-key dim, D value dim.
+
+Layout of a durable index folder DIR::
+
+    DIR/LOCK                          flock'd by the one process that has DIR open (holds its pid)
+    DIR/snapshot -> snapshot-<v>      symlink naming the current snapshot (a plain snapshot
+                                      folder is accepted too, e.g. one `AdIndex.save` wrote)
+    DIR/snapshot-<v>/                 an `AdIndex.save` folder of the index at version v
+    DIR/wal.log                       write-ahead log: every mutation since the snapshot
+
+`wal.log` is the header b"M31WAL1\\n" followed by self-delimiting records::
+
+    b"M31R" | payload length u64 LE | CRC32 of (length bytes + payload) u32 LE | payload
+    payload = meta length u32 LE | meta JSON {op, version, args, blobs} | blobs
+
+where blobs are arrays as raw little-endian bytes (ids int64; g, x, b float32, which holds
+bf16 and fp16 table values exactly) and attribute tables as an Arrow IPC stream. The record
+holds the validated, normalised arguments and the version the mutation produced.
+
+Write path, one mutation at a time under a mutex (the log order is the version order):
+validate against the index without changing it (a bad call raises `AdIndexError` and logs
+nothing), append the record and fdatasync it, and only then apply it to the in-memory index
+and return. So every version a reader can see or a caller is told is on disk, and a failed
+log write leaves the index as it was. The record is built by the index's own side-effect-free
+validators, so applying it cannot fail for a reason validation missed; if it still fails (say,
+out of device memory), or if a log write or fsync fails (after which the kernel may have
+dropped the page: retrying would lie), this object stops taking mutations; reads go on, and
+reopening the folder recovers every acknowledged mutation. Readers never wait for an fsync:
+the index's own lock is held only while a record is applied.
+
+Open: take the lock, load the snapshot, replay the log records newer than it (each must
+produce exactly the version it logged), then append after them. A damaged record at the
+end of the log is the torn write of a mutation that was never acknowledged: it is cut off
+with a warning. A damaged record followed by a valid one is corruption, and an error.
+
+`snapshot()` compacts (a logged mutation), writes `snapshot-<v>` beside the current one,
+repoints the `snapshot` symlink by an atomic rename (the commit point), then replaces the log
+by an empty one. A crash before the commit point leaves the old snapshot and the full log; a
+crash after it leaves a log whose records are all in the snapshot, and replay skips records
+not newer than the snapshot. Every create, rename and truncation is followed by an fsync of
+the file and of DIR.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import mmap
+import os
+import re
+import shutil
+import struct
+import threading
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from m31.index.ad_index import AdIndex, AdIndexError, _ids, _no_duplicates, read_manifest
+
+logger = logging.getLogger(__name__)
+
+LOG = "wal.log"
+LINK = "snapshot"
+LOCK = "LOCK"
+LOG_HEADER = b"M31WAL1\n"
+RECORD_MAGIC = b"M31R"
+_FRAME = struct.Struct("<4sQI")  # magic, payload length, CRC32 of (length bytes + payload)
+_META_LEN = struct.Struct("<I")
+_SNAPSHOT = re.compile(r"snapshot-(\d+)")
+# Our own temporaries: `write_atomic`'s folders for a snapshot, the next symlink, the next log.
+_TEMPORARY = re.compile(r"\.snapshot-\d+\.(tmp|old)-.*|\.snapshot\.next|wal\.log\.next")
+
+
+class DurableIndexError(AdIndexError):
+    """A durable index folder or log that cannot be used, or a DurableIndex that stopped
+    taking mutations; the message names the file and, for the log, the byte offset."""
+
+
+@dataclass(frozen=True)
+class _Record:
+    """One logged mutation: `op` applied to the index at `version - 1` gives `version`."""
+
+    op: str
+    version: int
+    args: dict[str, Any]  # numpy arrays and arrow tables travel as blobs, the rest as JSON
+
+    def encode(self) -> bytes:
+        """The framed record, ready to append."""
+        meta: dict[str, Any] = {"op": self.op, "version": self.version, "args": {}, "blobs": []}
+        blobs = []
+        for name, value in self.args.items():
+            if isinstance(value, np.ndarray):
+                little = value.astype(value.dtype.newbyteorder("<"), copy=False)
+                data = np.ascontiguousarray(little).tobytes()
+                desc = {"dtype": little.dtype.str, "shape": list(value.shape)}
+            elif isinstance(value, pa.Table):
+                sink = pa.BufferOutputStream()
+                with pa.ipc.new_stream(sink, value.schema) as writer:
+                    writer.write_table(value)
+                data, desc = sink.getvalue().to_pybytes(), {"arrow": True}
+            else:
+                meta["args"][name] = value
+                continue
+            meta["blobs"].append({"name": name, "nbytes": len(data), **desc})
+            blobs.append(data)
+        head = json.dumps(meta, separators=(",", ":")).encode()
+        payload = b"".join([_META_LEN.pack(len(head)), head, *blobs])
+        length = struct.pack("<Q", len(payload))
+        crc = zlib.crc32(payload, zlib.crc32(length))
+        return _FRAME.pack(RECORD_MAGIC, len(payload), crc) + payload
+
+    @classmethod
+    def decode(cls, payload: bytes) -> _Record:
+        """Inverse of `encode` for a payload whose CRC already checked out."""
+        view = memoryview(payload)
+        (n,) = _META_LEN.unpack_from(view, 0)
+        meta = json.loads(bytes(view[_META_LEN.size : _META_LEN.size + n]))
+        pos = _META_LEN.size + n
+        args = dict(meta["args"])
+        for blob in meta["blobs"]:
+            data = view[pos : pos + blob["nbytes"]]
+            pos += blob["nbytes"]
+            if blob.get("arrow"):
+                args[blob["name"]] = pa.ipc.open_stream(pa.py_buffer(data)).read_all()
+            else:
+                array = np.frombuffer(data, dtype=np.dtype(blob["dtype"]))
+                args[blob["name"]] = array.reshape(blob["shape"]).copy()  # writable, owned
+        if pos != len(payload):
+            raise ValueError(f"{len(payload) - pos} bytes after the last blob")
+        return cls(meta["op"], meta["version"], args)
+
+
+def _apply(index: AdIndex, record: _Record) -> int:
+    a = record.args
+    if record.op == "upsert":
+        return index.upsert(a["ad_ids"], a["g"], a["x"], a["b"], a["attributes"])
+    if record.op == "update_attributes":
+        return index.update_attributes(a["ad_id"], **a["attrs"])
+    if record.op == "delete":
+        return index.delete(a["ad_ids"])
+    if record.op == "compact":
+        return index.compact()
+    raise ValueError(f"unknown operation {record.op!r}")
+
+
+def _parse(buf: mmap.mmap, offset: int) -> tuple[bytes, int] | None:
+    """(payload, offset after it) of a whole, intact record at `offset`; else None."""
+    start = offset + _FRAME.size
+    if start > len(buf):
+        return None
+    magic, length, crc = _FRAME.unpack_from(buf, offset)
+    if magic != RECORD_MAGIC or start + length > len(buf):
+        return None
+    payload = buf[start : start + length]
+    if zlib.crc32(payload, zlib.crc32(buf[offset + 4 : offset + 12])) != crc:
+        return None
+    return payload, start + length
+
+
+def _next_intact(buf: mmap.mmap, offset: int) -> int | None:
+    """Offset of the first intact record starting after `offset`, if any."""
+    pos = buf.find(RECORD_MAGIC, offset + 1)
+    while pos != -1:
+        if _parse(buf, pos) is not None:
+            return pos
+        pos = buf.find(RECORD_MAGIC, pos + 1)
+    return None
+
+
+def _sync_file(fd: int) -> None:
+    # fdatasync persists the data and the file size, which is all an append needs.
+    (os.fdatasync if hasattr(os, "fdatasync") else os.fsync)(fd)
+
+
+def _sync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
+
+
+def _snapshot_name(version: int) -> str:
+    return f"snapshot-{version:012d}"
+
+
+def _lock(path: Path) -> int:
+    fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise DurableIndexError(
+            f"{path}: already open by another DurableIndex (pid {holder}); only one process "
+            "may serve a durable index folder"
+        ) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _new_log(path: Path) -> int:
+    """Atomically replace DIR/wal.log by an empty log; its fd, open for writing."""
+    tmp = path / f"{LOG}.next"
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        _write_all(fd, LOG_HEADER, 0)
+        _sync_file(fd)
+        os.replace(tmp, path / LOG)
+        _sync_dir(path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _point_link(path: Path, name: str) -> None:
+    """Make DIR/snapshot a symlink to `name` with one atomic rename."""
+    tmp = path / f".{LINK}.next"
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    os.symlink(name, tmp)
+    os.replace(tmp, path / LINK)
+    _sync_dir(path)
+
+
+def _current_snapshot(path: Path) -> Path:
+    """The folder DIR/snapshot names; if the name is missing (a crash between retiring a
+    plain snapshot folder and linking its successor), the newest complete snapshot-<v>."""
+    link = path / LINK
+    if link.is_symlink() or link.exists():
+        if not link.is_dir():
+            raise DurableIndexError(f"{link}: does not lead to a snapshot folder")
+        return link
+    found = []
+    for p in path.iterdir():
+        if _SNAPSHOT.fullmatch(p.name) and p.is_dir() and not p.is_symlink():
+            try:
+                found.append((read_manifest(p)["index_version"], p.name))
+            except AdIndexError:
+                continue  # not one of ours or incomplete: never chosen
+    if not found:
+        raise DurableIndexError(
+            f"{path}: no {LINK!r} folder or link (not a durable index folder; "
+            "make one with DurableIndex.create)"
+        )
+    _point_link(path, max(found)[1])
+    return link
+
+
+def _remove_leftovers(path: Path) -> None:
+    """Delete our snapshots other than the current one and our temporaries."""
+    link = path / LINK
+    keep = os.readlink(link) if link.is_symlink() else None
+    removed = False
+    for p in path.iterdir():
+        if _SNAPSHOT.fullmatch(p.name) and p.name != keep and not p.is_symlink():
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+        elif _TEMPORARY.fullmatch(p.name):
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+        else:
+            continue
+        removed = True
+    if removed:
+        _sync_dir(path)
+
+
+class DurableIndex:
+    """An `AdIndex` whose acknowledged mutations survive a crash; see the module docstring.
+
+    Make one with `create` or `open`. Read through `index` (`table`, `snapshot_view`,
+    `eligible_mask`, ...); mutate only through this object, which owns the index.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        index: AdIndex,
+        lock_fd: int,
+        log_fd: int,
+        log_end: int,
+        snapshot_version: int,
+    ):
+        """Internal: use `create` or `open`."""
+        self._path = path
+        self._index = index
+        self._lock_fd = lock_fd
+        self._log_fd = log_fd
+        self._log_end = log_end  # bytes of intact log; the next record goes here
+        self._version = index.version  # the last version logged and applied
+        self._snapshot_version = snapshot_version
+        self._mutex = threading.Lock()  # one mutation (or snapshot) at a time
+        self._failed: str | None = None
+        self._closed = False
+
+    # ---- opening ----------------------------------------------------------------------------
+
+    @classmethod
+    def create(
+        cls,
+        path: str | Path,
+        source: AdIndex | str | Path,
+        device: str | torch.device = "cpu",
+    ) -> DurableIndex:
+        """Initialise the folder `path` (absent or empty) from an index or a snapshot folder.
+
+        An `AdIndex` is taken over as it is, `model_hash` included (its owner must not mutate
+        it afterwards); a snapshot folder is loaded onto `device`. The first snapshot is
+        written at the index's version, with an empty log.
+        """
+        path = Path(path)
+        if path.exists() and (not path.is_dir() or any(path.iterdir())):
+            raise DurableIndexError(f"{path}: exists and is not an empty folder")
+        if not isinstance(source, AdIndex | str | Path):
+            raise DurableIndexError(
+                f"source: expected an AdIndex or a snapshot folder, got {type(source).__name__}"
+            )
+        if not path.exists():
+            path.mkdir(parents=True)
+            _sync_dir(path.parent)
+        lock_fd = _lock(path)
+        log_fd = -1
+        try:
+            index = source if isinstance(source, AdIndex) else AdIndex.load(source, device)
+            name = _snapshot_name(index.version)
+            index.save(path / name, model_hash=index.model_hash)
+            log_fd = _new_log(path)
+            _point_link(path, name)  # last, so a folder with a link is always complete
+        except BaseException:
+            if log_fd >= 0:
+                os.close(log_fd)
+            os.close(lock_fd)
+            raise
+        return cls(path, index, lock_fd, log_fd, len(LOG_HEADER), index.version)
+
+    @classmethod
+    def open(cls, path: str | Path, device: str | torch.device = "cpu") -> DurableIndex:
+        """Load the snapshot of the folder `path` onto `device` and replay its log."""
+        path = Path(path)
+        if not path.is_dir():
+            raise DurableIndexError(f"{path}: no such durable index folder")
+        lock_fd = _lock(path)
+        try:
+            snapshot = _current_snapshot(path)
+            _remove_leftovers(path)
+            index = AdIndex.load(snapshot, device)
+            snapshot_version = index.version
+            log_fd, log_end = cls._replay(path, index)
+        except BaseException:
+            os.close(lock_fd)
+            raise
+        return cls(path, index, lock_fd, log_fd, log_end, snapshot_version)
+
+    @staticmethod
+    def _replay(path: Path, index: AdIndex) -> tuple[int, int]:
+        """Apply the log's records newer than `index`; (log fd, end of its intact records)."""
+        file = path / LOG
+        if not file.exists():
+            logger.info("%s: no log yet, starting an empty one", file)
+            return _new_log(path), len(LOG_HEADER)
+        fd = os.open(file, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            if os.pread(fd, len(LOG_HEADER), 0) != LOG_HEADER:
+                raise DurableIndexError(f"{file}: not an m31 write-ahead log (bad header)")
+            end = len(LOG_HEADER)
+            if size > end:
+                with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as buf:
+                    end = DurableIndex._replay_records(file, buf, index)
+            if end < size:
+                os.ftruncate(fd, end)
+                _sync_file(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, end
+
+    @staticmethod
+    def _replay_records(file: Path, buf: mmap.mmap, index: AdIndex) -> int:
+        offset, last = len(LOG_HEADER), None
+        while offset < len(buf):
+            parsed = _parse(buf, offset)
+            if parsed is None:
+                later = _next_intact(buf, offset)
+                if later is not None:
+                    raise DurableIndexError(
+                        f"{file}: damaged record at byte {offset}, yet an intact one follows at "
+                        f"byte {later}: the log is corrupt, not torn by a crash"
+                    )
+                logger.warning(
+                    "%s: cutting off a torn record at byte %d (%d bytes): a mutation that was "
+                    "never acknowledged",
+                    file,
+                    offset,
+                    len(buf) - offset,
+                )
+                return offset
+            payload, after = parsed
+            try:
+                record = _Record.decode(payload)
+            except (ValueError, KeyError, TypeError, pa.ArrowInvalid) as e:
+                raise DurableIndexError(
+                    f"{file}: record at byte {offset} is unreadable ({e})"
+                ) from e
+            if last is not None and record.version <= last:
+                raise DurableIndexError(
+                    f"{file}: record at byte {offset} has version {record.version}, "
+                    f"not after the previous record's {last}"
+                )
+            last = record.version
+            # Records up to the snapshot's version are already in it: a crash came between
+            # a snapshot's commit and the truncation of the log.
+            if record.version > index.version:
+                if record.version != index.version + 1:
+                    raise DurableIndexError(
+                        f"{file}: record at byte {offset} has version {record.version} but the "
+                        f"index is at {index.version}: mutations in between are missing"
+                    )
+                try:
+                    got = _apply(index, record)
+                except (ValueError, KeyError, TypeError) as e:  # AdIndexError included
+                    raise DurableIndexError(
+                        f"{file}: record at byte {offset} (version {record.version}) cannot be "
+                        f"replayed: {e}"
+                    ) from e
+                if got != record.version:
+                    raise DurableIndexError(
+                        f"{file}: record at byte {offset} produced version {got}, logged "
+                        f"{record.version}"
+                    )
+            offset = after
+        return offset
+
+    # ---- reading ----------------------------------------------------------------------------
+
+    @property
+    def index(self) -> AdIndex:
+        """The in-memory index, for reads; every version it shows is already logged."""
+        return self._index
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def snapshot_version(self) -> int:
+        """Version of the snapshot on disk; the log holds the mutations after it."""
+        return self._snapshot_version
+
+    @property
+    def path(self) -> Path:
+        return self._path
+
+    # ---- mutations (each returns the new version) -------------------------------------------
+
+    def upsert(self, ad_ids: Any, g: Any, x: Any, b: Any, attributes: Any) -> int:
+        """`AdIndex.upsert` (ids [n], g [n, G], x [n, D], b [n]), logged before it is applied."""
+
+        def prepare(version: int) -> _Record:
+            index = self._index
+            ids = _ids(ad_ids)
+            n = len(ids)
+            _no_duplicates(ids, "upsert")
+            # Cast to the table dtype (validation) and widen to float32 (exact) for the log.
+            tables = {
+                name: index._matrix(value, n, dim, name).float().cpu().numpy()
+                for name, value, dim in (
+                    ("g", g, index.dim_g),
+                    ("x", x, index.dim_x),
+                    ("b", b, None),
+                )
+            }
+            columns = index._columns(attributes, n)
+            return _Record("upsert", version, {"ad_ids": ids, **tables, "attributes": columns})
+
+        return self._mutate(prepare)
+
+    def update_attributes(self, ad_id: int, **attrs: Any) -> int:
+        """`AdIndex.update_attributes`, logged before it is applied."""
+
+        def prepare(version: int) -> _Record:
+            index = self._index
+            current = index.get(ad_id).attributes  # raises if the ad is not live
+            unknown = sorted(set(attrs) - set(index.schema))
+            if unknown:
+                raise AdIndexError(f"update_attributes: unknown attribute {unknown[0]!r}")
+            columns = index._columns([{**current, **attrs}], 1)
+            normalised = {name: columns.column(name)[0].as_py() for name in attrs}
+            return _Record("update_attributes", version, {"ad_id": int(ad_id), "attrs": normalised})
+
+        return self._mutate(prepare)
+
+    def pause(self, ad_id: int) -> int:
+        return self.update_attributes(ad_id, status="paused")
+
+    def resume(self, ad_id: int) -> int:
+        return self.update_attributes(ad_id, status="active")
+
+    def delete(self, ad_ids: Any) -> int:
+        """`AdIndex.delete`, logged before it is applied."""
+
+        def prepare(version: int) -> _Record:
+            ids = _ids(ad_ids)
+            _no_duplicates(ids, "delete")
+            for i in ids.tolist():
+                if i not in self._index:
+                    raise AdIndexError(f"ad id {i} is not in the index")
+            return _Record("delete", version, {"ad_ids": ids})
+
+        return self._mutate(prepare)
+
+    def compact(self) -> int:
+        """`AdIndex.compact`, logged before it is applied."""
+        return self._mutate(lambda version: _Record("compact", version, {}))
+
+    def _mutate(self, prepare: Callable[[int], _Record]) -> int:
+        with self._mutex:
+            return self._mutate_locked(prepare)
+
+    def _mutate_locked(self, prepare: Callable[[int], _Record]) -> int:
+        self._check_usable()
+        record = prepare(self._version + 1)  # AdIndexError here: nothing logged or changed
+        data = record.encode()
+        try:
+            _write_all(self._log_fd, data, self._log_end)
+            _sync_file(self._log_fd)
+        except OSError as e:
+            self._fail(f"writing the log failed ({e})")
+            raise DurableIndexError(
+                f"{self._path / LOG}: {self._failed}; version {record.version} was not applied"
+            ) from e
+        self._log_end += len(data)
+        try:
+            version = _apply(self._index, record)
+        except Exception as e:
+            self._fail(f"applying logged version {record.version} failed ({e})")
+            raise DurableIndexError(f"{self._path}: {self._failed}") from e
+        if version != record.version:
+            self._fail(f"applying a record gave version {version}, logged {record.version}")
+            raise DurableIndexError(f"{self._path}: {self._failed}")
+        self._version = version
+        return version
+
+    def _fail(self, why: str) -> None:
+        self._failed = (
+            f"{why}; this DurableIndex takes no more mutations (reads still work): reopen the "
+            "folder to recover every acknowledged mutation"
+        )
+        logger.error("%s: %s", self._path, self._failed)
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise DurableIndexError(f"{self._path}: this DurableIndex is closed")
+        if self._failed is not None:
+            raise DurableIndexError(f"{self._path}: {self._failed}")
+        if self._index.version != self._version:
+            raise DurableIndexError(
+                f"{self._path}: the AdIndex moved to version {self._index.version} outside this "
+                f"DurableIndex (last logged {self._version}); those changes are not in the log: "
+                "mutate through the DurableIndex only"
+            )
+
+    # ---- snapshots --------------------------------------------------------------------------
+
+    def snapshot(self) -> int:
+        """Compact, write a snapshot of the current version and empty the log; its version.
+
+        Mutations wait while it runs; reads do not (except while `AdIndex.save` copies the
+        table). If the snapshot cannot be written the log is kept and nothing is lost.
+        """
+        with self._mutex:
+            self._check_usable()
+            if self._index.num_rows > len(self._index):  # tombstones to reclaim
+                self._mutate_locked(lambda version: _Record("compact", version, {}))
+            version = self._version
+            if version == self._snapshot_version:
+                return version
+            name = _snapshot_name(version)
+            try:
+                self._index.save(self._path / name, self._index.model_hash, overwrite=True)
+                _sync_dir(self._path)
+            except (OSError, AdIndexError) as e:
+                raise DurableIndexError(
+                    f"{self._path / name}: snapshot not written ({e}); the log still holds every "
+                    "mutation"
+                ) from e
+            try:
+                self._swap_snapshot(name)
+                self._start_new_log()
+            except OSError as e:
+                self._fail(f"switching to snapshot {name} failed ({e})")
+                raise DurableIndexError(f"{self._path}: {self._failed}") from e
+            self._snapshot_version = version
+            try:
+                _remove_leftovers(self._path)
+            except OSError as e:  # only disk space is at stake; the next open retries
+                logger.warning("%s: could not remove old snapshots (%s)", self._path, e)
+            return version
+
+    def _swap_snapshot(self, name: str) -> None:
+        """The commit point: DIR/snapshot names the new folder."""
+        link = self._path / LINK
+        if not link.is_symlink():
+            # A plain folder cannot be swapped atomically: move it aside first. A crash
+            # right here leaves no DIR/snapshot, and `open` takes the newest snapshot-<v>.
+            os.rename(link, self._path / _snapshot_name(self._snapshot_version))
+            _sync_dir(self._path)
+        _point_link(self._path, name)
+
+    def _start_new_log(self) -> None:
+        fd = _new_log(self._path)
+        os.close(self._log_fd)
+        self._log_fd, self._log_end = fd, len(LOG_HEADER)
+
+    # ---- closing ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the log and release the folder; mutations are refused afterwards."""
+        with self._mutex:
+            if self._closed:
+                return
+            self._closed = True
+            os.close(self._log_fd)
+            os.close(self._lock_fd)  # releases the flock
+
+    def __enter__(self) -> DurableIndex:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"DurableIndex({str(self._path)!r}, version={self._version}, "
+            f"snapshot_version={self._snapshot_version}, ads={len(self._index)})"
+        )

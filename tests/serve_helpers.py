@@ -1,0 +1,159 @@
+"""A tiny served world on disk, and real servers on free loopback ports (in a thread or a child
+process), for the serving tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import torch
+
+ADMIN, READ = "admin-secret", "read-secret"
+
+
+@dataclass
+class World:
+    root: Path
+    data: Path  # dataset folder (features under data/features)
+    model: Path  # checkpoint
+    snapshot: Path  # index snapshot the serving folders start from
+
+
+def build_world(root: Path) -> World:
+    """Tiny marketplace, features with real text embeddings, an untrained tiny moe, an index."""
+    from m31.data import dataset
+    from m31.index import AdIndex
+    from m31.model import Catalog, model_preset
+    from m31.model.train import build_model, encode_ads, save_checkpoint, vocab_sizes
+    from m31.pipeline import features_for
+    from m31.world.config import preset
+    from m31.world.generate import generate
+
+    data = root / "world"
+    ds, _ = generate(preset("tiny").with_overrides(n_impressions=10_000), seed=7)
+    dataset.save(ds, data)
+    feats = features_for(data)
+    torch.manual_seed(0)
+    sizes = vocab_sizes(feats)
+    model = build_model(
+        model_preset("tiny", "moe"), sizes, feats.text_emb.shape[1], feats.cooc_emb.shape[1]
+    ).eval()
+    ckpt = save_checkpoint(root / "runs" / "moe.pt", model, feats, [])
+    g, x, b = encode_ads(model, Catalog.from_features(feats))
+    snapshot = AdIndex.from_table(ds.ads, g, x, b).save(root / "index")
+    return World(root, data, ckpt, snapshot)
+
+
+def fresh_state(world: World, name: str) -> Path:
+    """A new serving folder (snapshot + empty log) made from the world's snapshot."""
+    from m31.index import AdIndex, DurableIndex
+
+    state = world.root / name
+    DurableIndex.create(state, AdIndex.load(world.snapshot)).close()
+    return state
+
+
+def free_socket() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+class ThreadServer:
+    """uvicorn serving an app in a background thread of this process."""
+
+    def __init__(self, app) -> None:
+        import uvicorn
+
+        self.sock = free_socket()
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
+        )
+
+    def __enter__(self) -> ThreadServer:
+        self.thread.start()
+        wait_ready(self.url)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.sock.close()
+
+
+def wait_ready(url: str, timeout: float = 120.0, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health/ready", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} not ready after {timeout} s")
+
+
+class ProcessServer:
+    """`m31 serve` in a child process (so that it can be killed with SIGKILL)."""
+
+    def __init__(self, world: World, state: Path, *extra: str) -> None:
+        sock = free_socket()
+        self.port = sock.getsockname()[1]
+        sock.close()  # the child binds it; a race with another binder is unlikely on loopback
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = [
+            sys.executable, "-m", "m31.cli", "serve",
+            "--index", str(state), "--model", str(world.model), "--data", str(world.data),
+            "--port", str(self.port), *extra,
+        ]  # fmt: skip
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> ProcessServer:
+        env = {**os.environ, "M31_ADMIN_TOKEN": ADMIN}
+        state = Path(self.args[self.args.index("--index") + 1])
+        self.log = state.with_name(state.name + ".log").open("a")
+        self.proc = subprocess.Popen(self.args, env=env, stdout=self.log, stderr=self.log)
+        wait_ready(self.url, proc=self.proc)
+        return self
+
+    def kill(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
+        self.log.close()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def new_ad(ad_id: int, tag: str, **over) -> dict:
+    ad = {
+        "ad_id": ad_id,
+        "advertiser_id": 5,
+        "objective": "clicks",
+        "format": "video",
+        "topic": 1,
+        "category": 0,
+        "text": f"Trail running shoes, model {ad_id}",
+        "tags": [tag],
+    }
+    return {**ad, **over}

@@ -1,0 +1,376 @@
+"""The HTTP service on a real uvicorn server on loopback: answers, batching, auth, bad input,
+overload, ad management with versions, and durability across SIGKILL."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import random
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+from serve_helpers import (
+    ADMIN,
+    READ,
+    ProcessServer,
+    ThreadServer,
+    World,
+    build_world,
+    fresh_state,
+    new_ad,
+)
+
+from m31.client import Client, ServiceError
+from m31.engine import AdRequest
+from m31.serve.app import ServeConfig, Service, create_app
+from m31.serve.loadtest import _metric
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> World:
+    return build_world(tmp_path_factory.mktemp("served"))
+
+
+def config(world: World, state, **over) -> ServeConfig:
+    return ServeConfig(
+        index=state, model=world.model, data=world.data, **{"admin_token": ADMIN, **over}
+    )
+
+
+@pytest.fixture(scope="module")
+def server(world):
+    """One server for the read-mostly tests (loaded through its lifespan, as `m31 serve` is)."""
+    app = create_app(config(world, fresh_state(world, "shared"), max_queue_delay_ms=5.0))
+    with ThreadServer(app) as s:
+        yield s
+
+
+def users_and_time(world: World, n: int, seed: int = 0):
+    import pyarrow.parquet as pq
+
+    ids = pq.read_table(world.data / "users.parquet").column("user_id").to_numpy()
+    meta = json.loads((world.data / "meta.json").read_text())
+    rng = np.random.default_rng(seed)
+    return [int(u) for u in rng.choice(ids, n)], int(meta["time_range"][1])
+
+
+def test_results_equal_the_engine(world, server):
+    users, ts = users_and_time(world, 6)
+    requests = [
+        {"user_id": u, "ts": ts, "surface": s, "platform": p, "k": k}
+        for u, s, p, k in zip(
+            users,
+            ["feed", "reels", "stories", "search", "marketplace", "feed"],
+            ["ios", "android", "web", "ios", "android", "web"],
+            [10, 50, 1, 100, 7, 2000],
+            strict=True,
+        )
+    ]
+    requests[1]["filter"] = {"eq": ["format", "video"]}
+    requests[2]["exclude_advertisers"] = [1, 2, 3]
+    with Client(server.url) as c:
+        got = c.retrieve(requests)
+    svc = Service.load(config(world, fresh_state(world, "direct")))
+    want = svc.retriever.retrieve(
+        [
+            AdRequest(
+                r["user_id"],
+                r["ts"],
+                r["surface"],
+                r["platform"],
+                filter=r.get("filter"),
+                exclude_advertisers=tuple(r.get("exclude_advertisers", ())),
+            )
+            for r in requests
+        ],
+        k=2000,
+    )
+    svc.store.close()
+    assert got["index_version"] == want.version
+    for r, a, b in zip(requests, got["results"], want.results, strict=True):
+        assert a["ad_ids"] == b.ad_ids[: r["k"]].tolist()
+        np.testing.assert_allclose(a["scores"], b.scores[: r["k"]], rtol=1e-6)
+    assert set(got["timings_ms"]) >= {"encode", "mask", "score_topk", "total"}
+
+
+def test_concurrent_requests_are_batched(world, server):
+    users, ts = users_and_time(world, 48, seed=1)
+    before = httpx.get(f"{server.url}/metrics").text
+
+    def one(u):
+        body = {"requests": [{"user_id": u, "ts": ts, "surface": "feed", "platform": "ios"}]}
+        return httpx.post(f"{server.url}/v1/retrieve", json=body, timeout=60).json()
+
+    with concurrent.futures.ThreadPoolExecutor(24) as pool:
+        answers = list(pool.map(one, users))
+    after = httpx.get(f"{server.url}/metrics").text
+    calls = _metric(after, "m31_device_calls") - _metric(before, "m31_device_calls")
+    assert all(len(a["results"][0]["ad_ids"]) == 100 for a in answers)
+    assert 0 < calls < len(users), f"{calls} device calls for {len(users)} requests"
+    assert max(a["batch_requests"] for a in answers) > 1
+    assert _metric(after, "m31_batch_requests_count") >= calls
+    assert _metric(after, "m31_index_ads") > 0 and "m31_queue_depth" in after
+
+
+def test_bad_input_is_4xx(world, server):
+    users, _ = users_and_time(world, 1)
+    ok = {"user_id": users[0], "surface": "feed", "platform": "ios"}
+    url = f"{server.url}/v1/retrieve"
+
+    def post(body, **kw):
+        return httpx.post(url, json=body, **kw) if "content" not in kw else httpx.post(url, **kw)
+
+    cases = {
+        "malformed JSON": post(None, content=b'{"requests": [', headers={"content-type": "application/json"}),
+        "wrong type": post({"requests": [{**ok, "user_id": "seven"}]}),
+        "unknown key": post({"requests": [{**ok, "colour": "red"}]}),
+        "unknown filter field": post({"requests": [{**ok, "filter": {"eq": ["colour", "red"]}}]}),
+        "bad filter shape": post({"requests": [{**ok, "filter": {"eq": 3}}]}),
+        "k = 0": post({"requests": [{**ok, "k": 0}]}),
+        "k too large": post({"requests": [{**ok, "k": 100_000}]}),
+        "no requests": post({"requests": []}),
+        "unknown user": post({"requests": [{**ok, "user_id": 10**9}]}),
+        "both user kinds": post({"requests": [{**ok, "user": {"country": "US", "age": 3, "gender": "F"}}]}),
+        "unknown country": post({"requests": [{"user": {"country": "XX", "age": 30, "gender": "F"}, "surface": "feed", "platform": "ios"}]}),
+        "surface": post({"requests": [{**ok, "surface": "tv"}]}),
+    }  # fmt: skip
+    for what, r in cases.items():
+        assert r.status_code == 422, (what, r.status_code, r.text)
+        assert r.json()["detail"], what
+    assert "colour" in cases["unknown filter field"].json()["detail"]
+    big = {"requests": [ok], "pad": "x" * (17 << 20)}
+    assert post(big).status_code == 413
+    assert httpx.get(f"{server.url}/v1/ads/123456789").status_code == 404
+
+
+def test_auth(world, server):
+    ad = new_ad(900_001, "auth")
+    r = httpx.put(f"{server.url}/v1/ads", json={"ads": [ad]})
+    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+    bad = {"Authorization": "Bearer nope"}
+    assert httpx.put(f"{server.url}/v1/ads", json={"ads": [ad]}, headers=bad).status_code == 401
+    assert httpx.delete(f"{server.url}/v1/ads/1").status_code == 401
+    assert httpx.patch(f"{server.url}/v1/ads/1", json={"status": "paused"}).status_code == 401
+    assert httpx.post(f"{server.url}/v1/admin/snapshot").status_code == 401
+    # A read token protects the read endpoints; health and metrics stay open.
+    app = create_app(config(world, fresh_state(world, "auth"), read_token=READ))
+    with ThreadServer(app) as s:
+        users, _ = users_and_time(world, 1)
+        body = {"requests": [{"user_id": users[0], "surface": "feed", "platform": "ios"}]}
+        assert httpx.post(f"{s.url}/v1/retrieve", json=body).status_code == 401
+        with Client(s.url, token=READ) as c:
+            assert len(c.retrieve(body["requests"])["results"]) == 1
+        assert httpx.get(f"{s.url}/metrics").status_code == 200
+    # Without an admin token ad management is off.
+    app = create_app(config(world, fresh_state(world, "noadmin"), admin_token=None))
+    with ThreadServer(app) as s:
+        r = httpx.put(f"{s.url}/v1/ads", json={"ads": [ad]}, headers={"Authorization": "Bearer x"})
+        assert r.status_code == 403 and "disabled" in r.json()["detail"]
+
+
+def test_overload_and_deadlines(world):
+    app = create_app(config(world, fresh_state(world, "overload"), max_batch_size=1, max_queue=2))
+    users, _ = users_and_time(world, 64, seed=2)
+    with ThreadServer(app) as s:
+
+        def one(u):
+            body = {
+                "requests": [{"user_id": u, "surface": "feed", "platform": "ios", "k": 4000}],
+                "timeout_ms": 60_000,  # generous: this part is about the bounded queue
+            }
+            return httpx.post(f"{s.url}/v1/retrieve", json=body, timeout=60)
+
+        with concurrent.futures.ThreadPoolExecutor(32) as pool:
+            codes = [r.status_code for r in pool.map(one, users)]
+        assert 429 in codes and 200 in codes and set(codes) <= {200, 429}, codes
+        text = httpx.get(f"{s.url}/metrics").text
+        assert 'status="429"' in text
+        # A deadline that cannot be met is answered at once (503 or 504), never a hang.
+        body = {
+            "requests": [{"user_id": users[0], "surface": "feed", "platform": "ios"}],
+            "timeout_ms": 1,  # below the time of one batch
+        }
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            start = time.monotonic()
+            rs = list(pool.map(lambda _: httpx.post(f"{s.url}/v1/retrieve", json=body), range(8)))
+        assert time.monotonic() - start < 10
+        assert {r.status_code for r in rs} & {503, 504}, [r.status_code for r in rs]
+
+
+def tagged(client: Client, user: int, tag: str, k: int = 50, **kw) -> dict:
+    req = {"user_id": user, "surface": "feed", "platform": "ios", "k": k,
+           "filter": {"contains": ["tags", tag]}}  # fmt: skip
+    return client.retrieve([req], **kw)
+
+
+def test_ad_management_and_versions(world, server):
+    users, _ = users_and_time(world, 1)
+    with Client(server.url, admin_token=ADMIN) as c:
+        v0 = c.retrieve([{"user_id": users[0], "surface": "feed", "platform": "ios"}])[
+            "index_version"
+        ]
+        out = c.upsert([new_ad(800_000 + i, "mgmt") for i in range(3)])
+        assert out["index_version"] > v0
+        got = tagged(c, users[0], "mgmt", min_version=out["index_version"])
+        assert sorted(got["results"][0]["ad_ids"]) == [800_000, 800_001, 800_002]
+        assert got["index_version"] >= out["index_version"]
+        assert c.get_ad(800_001)["attributes"]["tags"] == ["mgmt"]
+        v = c.pause(800_001)["index_version"]
+        assert 800_001 not in tagged(c, users[0], "mgmt", min_version=v)["results"][0]["ad_ids"]
+        v = c.resume(800_001)["index_version"]
+        assert 800_001 in tagged(c, users[0], "mgmt", min_version=v)["results"][0]["ad_ids"]
+        v = c.delete(800_002)["index_version"]
+        assert sorted(tagged(c, users[0], "mgmt", min_version=v)["results"][0]["ad_ids"]) == [
+            800_000,
+            800_001,
+        ]
+        with pytest.raises(ServiceError) as e:
+            c.delete(800_002)
+        assert e.value.status == 404
+        with pytest.raises(ServiceError) as e:
+            tagged(c, users[0], "mgmt", min_version=v + 1000)
+        assert e.value.status == 409
+        with pytest.raises(ServiceError) as e:
+            c.upsert([new_ad(1, "x", topic=10**6)])
+        assert e.value.status == 422 and "ads[0].topic" in str(e.value.detail)
+        with pytest.raises(ServiceError) as e:  # duplicate ids in one batch: nothing applied
+            c.upsert([new_ad(800_010, "dup"), new_ad(800_010, "dup")])
+        assert e.value.status == 422
+        assert tagged(c, users[0], "dup")["results"][0]["ad_ids"] == []
+        with pytest.raises(ServiceError) as e:
+            c.update(800_000)
+        assert e.value.status == 422
+        v = c.snapshot()["index_version"]
+        assert tagged(c, users[0], "mgmt", min_version=v)["results"][0]["ad_ids"]
+
+
+def test_concurrent_updates_and_queries_stay_consistent(world):
+    """Ad i is upserted at version v_i; a query answered at version V sees exactly the ads
+    with v_i <= V, whatever the interleaving."""
+    app = create_app(config(world, fresh_state(world, "consistency")))
+    users, _ = users_and_time(world, 1)
+    versions: dict[int, int] = {}
+    done = threading.Event()
+    seen: list[tuple[int, list[int], int]] = []
+    with ThreadServer(app) as s:
+
+        def writer():
+            with Client(s.url, admin_token=ADMIN) as c:
+                for i in range(30):
+                    versions[700_000 + i] = c.upsert([new_ad(700_000 + i, "cons")])["index_version"]
+            done.set()
+
+        def reader():
+            last = 0
+            with Client(s.url) as c:
+                while not done.is_set():
+                    floor = max(versions.values(), default=0)
+                    out = tagged(c, users[0], "cons", k=100, min_version=floor)
+                    assert out["index_version"] >= max(floor, last)
+                    last = out["index_version"]
+                    seen.append((out["index_version"], out["results"][0]["ad_ids"], floor))
+
+        threads = [threading.Thread(target=writer)] + [
+            threading.Thread(target=reader) for _ in range(3)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    assert len(seen) > 10
+    for version, ids, _ in seen:
+        assert sorted(ids) == sorted(a for a, v in versions.items() if v <= version)
+
+
+def test_sigkill_loses_no_acknowledged_upsert(world):
+    state = fresh_state(world, "killed")
+    acked: list[list[int]] = []
+    rng = random.Random(0)
+    for round_ in range(3):
+        server = ProcessServer(world, state).start()
+        stop = threading.Event()
+        inflight: list[list[int]] = []
+
+        def stream(server=server, stop=stop, inflight=inflight, round_=round_):
+            with Client(server.url, admin_token=ADMIN, timeout=10) as c:
+                for n in range(10_000):
+                    if stop.is_set():
+                        return
+                    ids = [600_000 + round_ * 100_000 + n * 10 + j for j in range(5)]
+                    inflight[:] = [ids]
+                    try:
+                        c.upsert([new_ad(i, f"kill{round_}") for i in ids])
+                    except (httpx.HTTPError, ServiceError):
+                        return  # the server died under this call: not acknowledged
+                    acked.append(ids)
+
+        t = threading.Thread(target=stream)
+        t.start()
+        deadline = time.monotonic() + 120  # the first upsert loads the text encoder
+        while len(acked) < 3 * (round_ + 1) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(rng.random() * 0.5)  # then kill at a random moment of the stream
+        server.kill()
+        stop.set()
+        t.join(30)
+        assert acked, "no upsert was acknowledged before the kill"
+        # Restart on the same folder: every acknowledged batch is there, the one in flight
+        # entirely or not at all.
+        server = ProcessServer(world, state).start()
+        try:
+            with Client(server.url) as c:
+                for ids in acked:
+                    for i in ids:
+                        assert c.get_ad(i)["attributes"]["tags"], i
+                for ids in inflight:
+                    present = []
+                    for i in ids:
+                        try:
+                            c.get_ad(i)
+                            present.append(True)
+                        except ServiceError:
+                            present.append(False)
+                    assert all(present) or not any(present), present
+        finally:
+            server.stop()
+
+
+def test_cli_serve_query_and_loadtest(world, tmp_path):
+    """`m31 serve` on a plain snapshot makes its serving folder; `m31 query` and
+    `m31 loadtest` talk to it."""
+    from typer.testing import CliRunner
+
+    from m31.cli import app
+
+    snapshot = tmp_path / "index"
+    import shutil
+
+    shutil.copytree(world.snapshot, snapshot)
+    server = ProcessServer(world, snapshot).start()
+    try:
+        assert (tmp_path / "index.serving" / "wal.log").is_file()
+        users, _ = users_and_time(world, 1)
+        runner = CliRunner()
+        out = runner.invoke(
+            app, ["query", "--url", server.url, "--user-id", str(users[0]), "--k", "5"]
+        )
+        assert out.exit_code == 0, out.output
+        assert "index version" in out.output and out.output.count("\n") >= 8
+        bad = runner.invoke(app, ["query", "--url", server.url, "--user-id", "999999999"])
+        assert bad.exit_code == 2 and "unknown user" in bad.output
+        rows = tmp_path / "load.json"
+        out = runner.invoke(
+            app,
+            ["loadtest", "--url", server.url, "--data", str(world.data), "--concurrency", "1,4",
+             "--duration", "1", "--out", str(rows)],
+        )  # fmt: skip
+        assert out.exit_code == 0, out.output
+        got = json.loads(rows.read_text())
+        assert [r["concurrency"] for r in got] == [1, 4]
+        assert all(r["calls"] > 0 and r["errors"] == 0 and r["ads_scored_per_s"] > 0 for r in got)
+        assert got[1]["requests_per_device_call"] >= 1
+    finally:
+        server.stop()
