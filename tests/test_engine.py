@@ -187,3 +187,31 @@ def test_nothing_eligible_and_k_above_eligible(world):
     late = ds.meta["time_range"][1]
     out = engine.retrieve([AdRequest(0, late, "feed", "ios")], 100_000)
     assert 0 < len(out.results[0].ad_ids) < ds.ads.num_rows
+
+
+def test_ad_encoder_matches_the_catalogue_encoding(world):
+    """A catalogue ad sent as a new ad encodes like the catalogue does when its co-engagement
+    embedding is the cold-start zero."""
+    from m31.engine.ad_encoder import AdEncoder, NewAd
+
+    ds, feats, model, _ = world
+    encoder = AdEncoder(model, feats)
+    rows = [0, 5, 17]
+    ads = ds.ads.take(rows).to_pylist()
+    new = [
+        NewAd(a["ad_id"], a["advertiser_id"], a["objective"], a["format"], a["topic"],
+              a["category"], a["text"], a["quality"])
+        for a in ads
+    ]  # fmt: skip
+    catalog = Catalog.from_features(feats).take(torch.tensor(rows))
+    catalog.cooc_emb = torch.zeros_like(catalog.cooc_emb)
+    with torch.no_grad():
+        want = model.encode_ads(catalog)
+    got = encoder.encode(new)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+    bad = dataclasses.replace(new[0], format="hologram")
+    with pytest.raises(ValueError, match=r"ads\[1\]\.format"):
+        encoder.encode([new[0], bad])
+    with pytest.raises(ValueError, match=r"ads\[0\]\.topic"):
+        encoder.encode([dataclasses.replace(new[0], topic=10**6)])

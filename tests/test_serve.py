@@ -6,12 +6,15 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import random
+import shutil
 import threading
 import time
 
 import httpx
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
+import torch
 from serve_helpers import (
     ADMIN,
     READ,
@@ -49,8 +52,6 @@ def server(world):
 
 
 def users_and_time(world: World, n: int, seed: int = 0):
-    import pyarrow.parquet as pq
-
     ids = pq.read_table(world.data / "users.parquet").column("user_id").to_numpy()
     meta = json.loads((world.data / "meta.json").read_text())
     rng = np.random.default_rng(seed)
@@ -346,8 +347,6 @@ def test_cli_serve_query_and_loadtest(world, tmp_path):
     from m31.cli import app
 
     snapshot = tmp_path / "index"
-    import shutil
-
     shutil.copytree(world.snapshot, snapshot)
     server = ProcessServer(world, snapshot).start()
     try:
@@ -374,3 +373,28 @@ def test_cli_serve_query_and_loadtest(world, tmp_path):
         assert got[1]["requests_per_device_call"] >= 1
     finally:
         server.stop()
+
+
+def test_new_ads_are_encoded_with_the_real_text_encoder(world):
+    """The ad tower sees a new ad's text through the same sentence encoder as the catalogue."""
+    from m31.engine.ad_encoder import AdEncoder, NewAd
+    from m31.model import Catalog
+    from m31.model.train import load_checkpoint
+    from m31.pipeline import features_for
+
+    feats = features_for(world.data)
+    model, _ = load_checkpoint(world.model, feats)
+    rows = [3, 11]
+    ads = pq.read_table(world.data / "ads.parquet").take(rows).to_pylist()
+    new = [
+        NewAd(a["ad_id"], a["advertiser_id"], a["objective"], a["format"], a["topic"],
+              a["category"], a["text"], a["quality"])
+        for a in ads
+    ]  # fmt: skip
+    assert feats.config.text_embeddings and np.abs(feats.text_emb[rows]).sum() > 0
+    catalog = Catalog.from_features(feats).take(torch.tensor(rows))
+    catalog.cooc_emb = torch.zeros_like(catalog.cooc_emb)
+    with torch.no_grad():
+        want = model.encode_ads(catalog)
+    for a, b in zip(AdEncoder(model, feats).encode(new), want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
