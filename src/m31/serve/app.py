@@ -17,6 +17,7 @@ reads one consistent version, at least the `min_version` it asks for.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import logging
 import time
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
+import pyarrow.parquet as pq
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -86,11 +88,25 @@ class Service:
 
         feats = features_for(Path(config.data))
         model, _ = load_checkpoint(Path(config.model), feats, device=config.device)
+        users = pq.read_table(Path(config.data) / "users.parquet")  # targeting: country, age…
         store = DurableIndex.open(config.index, device=config.device)
-        from m31.data import dataset
-
-        users = dataset.load(Path(config.data)).users
-        retriever = Retriever(model, feats, store.index, users)
+        try:
+            if store.index.dim_g != model.G or store.index.dim_x != model.D:
+                raise ValueError(
+                    f"{config.index}: index vectors are G = {store.index.dim_g}, "
+                    f"D = {store.index.dim_x}; the model's are G = {model.G}, D = {model.D}"
+                )
+            digest = hashlib.sha256(Path(config.model).read_bytes()).hexdigest()[:16]
+            made_by = store.index.model_hash
+            if made_by is not None and made_by != digest:
+                log.warning(
+                    "the index was made by checkpoint %s, not %s (%s): scores mix two models",
+                    made_by, digest, config.model,
+                )  # fmt: skip
+            retriever = Retriever(model, feats, store.index, users)
+        except BaseException:
+            store.close()
+            raise
         return cls(retriever, store, AdEncoder(model, feats, embedding_cache_dir()))
 
     # -- retrieval: one call per batch of HTTP calls ------------------------------------------
