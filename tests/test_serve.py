@@ -116,6 +116,13 @@ def test_concurrent_requests_are_batched(world, server):
     assert _metric(after, "m31_index_ads") > 0 and "m31_queue_depth" in after
 
 
+def nested(depth: int) -> dict:
+    f = {"eq": ["status", "active"]}
+    for _ in range(depth):
+        f = {"not": f}
+    return f
+
+
 def test_bad_input_is_4xx(world, server):
     users, _ = users_and_time(world, 1)
     ok = {"user_id": users[0], "surface": "feed", "platform": "ios"}
@@ -137,11 +144,22 @@ def test_bad_input_is_4xx(world, server):
         "both user kinds": post({"requests": [{**ok, "user": {"country": "US", "age": 3, "gender": "F"}}]}),
         "unknown country": post({"requests": [{"user": {"country": "XX", "age": 30, "gender": "F"}, "surface": "feed", "platform": "ios"}]}),
         "surface": post({"requests": [{**ok, "surface": "tv"}]}),
+        "int64 overflow": post({"requests": [{**ok, "exclude_ads": [2**64]}]}),
+        "deep filter": post({"requests": [{**ok, "filter": nested(900)}]}),
+        "deep filter at the limit + 1": post({"requests": [{**ok, "filter": nested(33)}]}),
     }  # fmt: skip
+    text = json.dumps({"requests": [{**ok, "filter": "HERE"}]})
+    deep = b'{"not": ' * 5000 + b'{"eq": ["status", "active"]}' + b"}" * 5000
+    deep = post(None, content=text.replace('"HERE"', deep.decode()).encode(),
+                headers={"content-type": "application/json"})  # fmt: skip
+    assert deep.status_code == 400, deep.text  # beyond the JSON parser's depth
     for what, r in cases.items():
         assert r.status_code == 422, (what, r.status_code, r.text)
         assert r.json()["detail"], what
     assert "colour" in cases["unknown filter field"].json()["detail"]
+    assert "deeper than 32" in cases["deep filter"].json()["detail"]
+    limit = post({"requests": [{**ok, "filter": nested(32)}]})
+    assert limit.status_code == 200 and limit.json()["results"][0]["ad_ids"], limit.text
     big = {"requests": [ok], "pad": "x" * (17 << 20)}
     assert post(big).status_code == 413
     assert httpx.get(f"{server.url}/v1/ads/123456789").status_code == 404

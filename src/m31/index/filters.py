@@ -342,23 +342,35 @@ class AttributeTable:
         return pa.Table.from_arrays(arrays, schema=arrow_schema(self.schema))
 
 
+MAX_DEPTH = 32  # nesting of all/any/not: deeper trees are refused, not recursed into
+
+
 def compile_filter(expr: Any, schema: Mapping[str, str]) -> Mask:
     """Validate `expr` once against `schema`; return table -> bool mask [N] on its device."""
-    return _compile(expr, check_schema(schema), "filter")
+    return _compile(expr, check_schema(schema), "filter", 0)
 
 
-def _compile(node: Any, schema: dict[str, str], path: str) -> Mask:
+def _short(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def _compile(node: Any, schema: dict[str, str], path: str, depth: int) -> Mask:
+    if depth > MAX_DEPTH:
+        raise FilterError(f"{path}: nested deeper than {MAX_DEPTH} levels")
     if not isinstance(node, Mapping) or len(node) != 1:
-        raise FilterError(f"{path}: expected an object with exactly one operator, got {node!r}")
+        raise FilterError(
+            f"{path}: expected an object with exactly one operator, got {_short(node)}"
+        )
     ((op, arg),) = node.items()
     where = f"{path}.{op}"
     if op in ("all", "any"):
         if not isinstance(arg, list | tuple):
-            raise FilterError(f"{where}: expected a list of filters, got {arg!r}")
-        parts = [_compile(child, schema, f"{where}[{i}]") for i, child in enumerate(arg)]
+            raise FilterError(f"{where}: expected a list of filters, got {_short(arg)}")
+        parts = [_compile(child, schema, f"{where}[{i}]", depth + 1) for i, child in enumerate(arg)]
         return _all(parts) if op == "all" else _any(parts)
     if op == "not":
-        inner = _compile(arg, schema, where)
+        inner = _compile(arg, schema, where, depth + 1)
         return lambda table: ~inner(table)
     if op in _ARITY:
         return _predicate(op, arg, schema, where)

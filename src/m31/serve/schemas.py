@@ -5,7 +5,7 @@ Unknown keys are rejected (a misspelt field is an error, not a silently ignored 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -20,7 +20,9 @@ Surface = Literal[SURFACES]  # type: ignore[valid-type]
 Platform = Literal[PLATFORMS]  # type: ignore[valid-type]
 Gender = Literal[GENDERS]  # type: ignore[valid-type]
 Status = Literal[STATUSES]  # type: ignore[valid-type]
-Int64 = Field(ge=-(2**63), le=2**63 - 1)
+# Every integer that reaches an array or a column is an int64: larger ones are a 422, not an
+# overflow deep inside.
+I64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 
 
 class Strict(BaseModel):
@@ -28,7 +30,7 @@ class Strict(BaseModel):
 
 
 class EngagementIn(Strict):
-    ad_id: int = Int64
+    ad_id: I64
     ts: int = Field(ge=0, le=2**62, description="Unix seconds")
     surface: Surface
 
@@ -39,15 +41,15 @@ class UserIn(Strict):
     country: str = Field(max_length=64)
     age: int = Field(ge=0, lt=150)
     gender: Gender
-    cohort: int | None = Field(None, description="default: the country's most common cohort")
+    cohort: I64 | None = Field(None, description="default: the country's most common cohort")
     history: list[EngagementIn] = Field(default_factory=list, max_length=MAX_LIST)
-    organic_topics: list[int] = Field(default_factory=list, max_length=MAX_LIST)
+    organic_topics: list[I64] = Field(default_factory=list, max_length=MAX_LIST)
 
 
 class RetrieveRequest(Strict):
     """One ad request: a user (`user_id` of a stored user, or `user` inline) in a context."""
 
-    user_id: int | None = Int64
+    user_id: I64 | None = None
     user: UserIn | None = None
     ts: int | None = Field(
         None, ge=0, le=2**62, description="Unix seconds; default: now on the server"
@@ -59,8 +61,8 @@ class RetrieveRequest(Strict):
     filter: dict[str, Any] | None = Field(
         None, description='filter tree over ad attributes, e.g. {"eq": ["format", "video"]}'
     )
-    exclude_ads: list[int] = Field(default_factory=list, max_length=MAX_LIST)
-    exclude_advertisers: list[int] = Field(default_factory=list, max_length=MAX_LIST)
+    exclude_ads: list[I64] = Field(default_factory=list, max_length=MAX_LIST)
+    exclude_advertisers: list[I64] = Field(default_factory=list, max_length=MAX_LIST)
 
 
 class RetrieveBody(Strict):
@@ -89,8 +91,8 @@ class Attributes(Strict):
     """Eligibility attributes of an ad; null = open (no restriction)."""
 
     status: Status = "active"
-    schedule_start: int | None = Field(None, description="Unix seconds, eligible from")
-    schedule_end: int | None = Field(None, description="Unix seconds, eligible strictly before")
+    schedule_start: I64 | None = Field(None, description="Unix seconds, eligible from")
+    schedule_end: I64 | None = Field(None, description="Unix seconds, eligible strictly before")
     target_countries: list[str] = Field(default_factory=list, max_length=MAX_LIST)
     target_age_min: int | None = Field(None, ge=0, le=150)
     target_age_max: int | None = Field(None, ge=0, le=150)
@@ -103,13 +105,13 @@ class Attributes(Strict):
 class AdIn(Attributes):
     """A new or replaced ad: what the ad tower reads, and its attributes."""
 
-    ad_id: int = Int64
-    advertiser_id: int = Int64
-    campaign_id: int | None = None
+    ad_id: I64
+    advertiser_id: I64
+    campaign_id: I64 | None = None
     objective: Literal[OBJECTIVES]  # type: ignore[valid-type]
     format: Literal[FORMATS]  # type: ignore[valid-type]
-    topic: int = Field(ge=0)
-    category: int = Field(ge=0)
+    topic: int = Field(ge=0, le=2**31)
+    category: int = Field(ge=0, le=2**31)
     quality: float = Field(0.0, ge=-100, le=100, allow_inf_nan=False)
     text: str = Field(max_length=4000)
 
@@ -122,8 +124,8 @@ class AttributesPatch(Strict):
     """The attributes to change; those left out keep their values."""
 
     status: Status | None = None
-    schedule_start: int | None = None
-    schedule_end: int | None = None
+    schedule_start: I64 | None = None
+    schedule_end: I64 | None = None
     target_countries: list[str] | None = Field(None, max_length=MAX_LIST)
     target_age_min: int | None = Field(None, ge=0, le=150)
     target_age_max: int | None = Field(None, ge=0, le=150)
