@@ -1,4 +1,5 @@
-"""Property-based fuzzing of the HTTP API from its own OpenAPI schema: no input gives a 5xx.
+"""Property-based fuzzing of the HTTP API from its own OpenAPI schema: no input gives a 5xx
+(beyond the documented 503/504 of a retrieve call whose deadline cannot be met).
 
 Schemathesis generates bodies, paths and parameters from /openapi.json (valid ones and, in its
 negative phase, ones that break the schema) and calls the real server on loopback, with and
@@ -42,7 +43,10 @@ def fuzz(operation, mode, failures: list[str], statuses: dict[int, int]) -> None
         for headers in ({"Authorization": f"Bearer {ADMIN}"}, {}):
             response = case.call(headers=headers, timeout=60)
             statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
-            if response.status_code >= 500:
+            # 503 and 504 are the documented answers of a retrieve call whose deadline
+            # (timeout_ms, which the fuzzer sets as low as 1 ms) cannot be or was not met.
+            documented = operation.path == "/v1/retrieve" and response.status_code in (503, 504)
+            if response.status_code >= 500 and not documented:
                 failures.append(
                     f"{operation.method.upper()} {case.formatted_path} ({mode.value}) "
                     f"body={str(case.body)[:300]} -> {response.status_code}: "

@@ -1,32 +1,74 @@
 """`score_topk`: the public dispatcher of the exhaustive score·filter·top-K pass (DESIGN §5).
 
 Shapes: B requests, N ads, E experts, G gate-key dim, D value dim, K results.
+
+Implementations of one contract (exact top-K, ties to the lower row):
+* `torch`  — the chunked plain-PyTorch reference (`torch_score_topk`), the definition of correct;
+* `cpu`    — blocked bf16 products, fused gate and a threshold top-K (`cpu_score_topk`);
+* `triton` — the fused GPU kernel (`triton_score_topk`); on CPU only under `TRITON_INTERPRET=1`.
+`kernel="auto"` takes triton for CUDA tensors and cpu otherwise. An 8-bit table
+(`m31.ops.quant.Int8Table`) is scored as its dequantized table.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import torch
 
+from m31.ops.quant import Int8Table
 from m31.ops.torch_score_topk import NO_ROW, torch_score_topk
 
-KERNELS = ("torch",)
+KERNELS = ("torch", "cpu", "triton")
+
+
+def available_kernels(device: torch.device | str = "cpu") -> tuple[str, ...]:
+    """The implementations that can run on `device` in this process."""
+    device = torch.device(device)
+    names = ["torch"]
+    if device.type == "cpu":
+        names.append("cpu")
+    triton_ok = importlib.util.find_spec("triton") is not None
+    if triton_ok and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+        names.append("triton")
+    return tuple(names)
+
+
+def _pick(kernel: str, device: torch.device) -> str:
+    if kernel not in ("auto", *KERNELS):
+        raise ValueError(f"unknown kernel {kernel!r}; choose auto or one of {', '.join(KERNELS)}")
+    available = available_kernels(device)
+    if kernel == "auto":
+        return (
+            "triton"
+            if device.type == "cuda" and "triton" in available
+            else ("cpu" if device.type == "cpu" else "torch")
+        )
+    if kernel not in available:
+        raise ValueError(
+            f"kernel {kernel!r} cannot run on {device} here (available: {', '.join(available)})"
+        )
+    return kernel
 
 
 def score_topk(
     query: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    ad_table: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    ad_table: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | Int8Table,
     mask: torch.Tensor | None,
     k: int,
     kernel: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-K eligible ads of each request under the DESIGN §2 score, exact, ties to the lower row.
 
-    query = (q [B, E, G], v [B, E, D], p [B, E]); ad_table = (g [N, G], x [N, D], b [N]);
-    mask: bool [N] or [B, N] or None. Returns (scores [B, min(k, N)] fp32, rows [B, min(k, N)]
-    int64), best first; a request with fewer eligible ads than that ends in rows NO_ROW (-1).
+    query = (q [B, E, G], v [B, E, D], p [B, E]); ad_table = (g [N, G], x [N, D], b [N]) or an
+    `Int8Table`; mask: bool [N] or [B, N] or None. Returns (scores [B, min(k, N)] fp32,
+    rows [B, min(k, N)] int64), best first; a request with fewer eligible ads than that ends in
+    rows NO_ROW (-1). `kernel`: auto, or one of KERNELS (see the module docstring).
     """
     q, v, p = query
-    g, x, b = ad_table
+    quantized = isinstance(ad_table, Int8Table)
+    g, x, b = (ad_table.g, ad_table.x, ad_table.b) if quantized else ad_table
     if k <= 0:
         raise ValueError(f"k must be positive, got {k}")
     if q.dim() != 3 or v.dim() != 3 or p.dim() != 2:
@@ -50,9 +92,20 @@ def score_topk(
         raise ValueError(
             f"mask must be bool [{n_ads}] or [{n_req}, {n_ads}], got {mask.dtype} {tuple(mask.shape)}"
         )
-    if kernel not in ("auto", *KERNELS):
-        raise ValueError(f"unknown kernel {kernel!r}; choose auto or one of {', '.join(KERNELS)}")
+    name = _pick(kernel, g.device)
+    if name == "triton":
+        from m31.ops import triton_score_topk as tr
+
+        if quantized:
+            return tr.triton_score_topk_int8(q, v, p, ad_table, mask, k)
+        return tr.triton_score_topk(q, v, p, g, x, b, mask, k)
+    if quantized:  # the 8-bit table's score is the score of its dequantized table
+        g, x, b = ad_table.dequantize()
+    if name == "cpu":
+        from m31.ops.cpu_score_topk import cpu_score_topk
+
+        return cpu_score_topk(q, v, p, g, x, b, mask, k)
     return torch_score_topk(q, v, p, g, x, b, mask, k)
 
 
-__all__ = ["KERNELS", "NO_ROW", "score_topk"]
+__all__ = ["KERNELS", "NO_ROW", "available_kernels", "score_topk"]

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Serving figures of docs/SERVING.md: the demo index behind `m31 serve`, with dynamic batching
+# (batches of up to 64 requests) and without (batches of 1), loaded by `m31 loadtest` at
+# concurrency 1, 8 and 64 on loopback. Needs `make demo` first (data/demo).
+#   scripts/serve_load.sh [DEMO_DIR] [SECONDS]     (about 2 minutes with 10 s per level)
+set -euo pipefail
+DEMO=${1:-data/demo}
+SECONDS_PER_LEVEL=${2:-10}
+M31=${M31:-.venv/bin/m31}
+PORT=${PORT:-8731}
+OUT=${OUT:-runs/serve}
+mkdir -p "$OUT"
+state=$(mktemp -d)
+trap 'kill "$server" 2>/dev/null || true; rm -rf "$state"' EXIT
+
+for batch in 64 1; do
+  rm -rf "$state/serving"
+  "$M31" serve --index "$DEMO/index" --state "$state/serving" --model "$DEMO/runs/moe.pt" \
+    --data "$DEMO/world" --port "$PORT" --max-batch-size "$batch" --max-queue 4096 \
+    --timeout-ms 30000 >"$OUT/server-batch$batch.log" 2>&1 &
+  server=$!
+  until curl -sf "http://127.0.0.1:$PORT/health/ready" >/dev/null; do
+    kill -0 "$server" || { cat "$OUT/server-batch$batch.log"; exit 1; }
+    sleep 0.5
+  done
+  echo "## max batch size $batch"
+  "$M31" loadtest --url "http://127.0.0.1:$PORT" --data "$DEMO/world" --concurrency 1,8,64 \
+    --duration "$SECONDS_PER_LEVEL" --out "$OUT/load-batch$batch.json"
+  kill "$server"
+  wait "$server" || true
+done

@@ -1,0 +1,526 @@
+"""Exhaustive score·gate·filter·top-K on CPU: bf16 products, proven bounds, exact fp32 rescoring.
+
+Shapes: B requests, N ads, E experts, G gate-key dim, D value dim, K results, n ads per block,
+S (request, ad) pairs that survive a filter.
+
+Same contract as `torch_score_topk` (DESIGN §2): (scores [B, K'] fp32, rows [B, K'] int64) with
+K' = min(k, N), best first, ties to the lower row; a request with fewer eligible ads ends in rows
+NO_ROW and scores -inf. The returned scores are fp32 evaluations of the §2 formula.
+
+How (the ad table is streamed once, in blocks of n ads, after a few shorter warm-up blocks, that
+`threads` worker threads take in turn; each worker runs torch on one core, and the matrix
+products release the GIL):
+
+1. Affinity filter (dense, one bf16 matrix product per block). `Â = v̂ x_blkᵀ` [B·E, n], with
+   fp32 accumulation (oneDNN / cpublas) and the result rounded to bf16. A score is a convex
+   combination of the expert affinities plus the bias, s ≤ max_e A_e + b, so with a bound on the
+   rounding (it needs the ads' norms ‖x‖, one more pass over the block) this gives an upper bound
+   U ≥ s for every pair from one reduction over E. Ineligible pairs and pairs with U below the
+   request's running threshold τ stop here: about 90% of them over a pass on random data at
+   N = 1 M, more the sharper the gate (the K-th best score then sits near the best affinity).
+2. Gate (sparse, fp32, survivors only). `L̂ = q̂ g_blkᵀ` [B·E, n] (bf16; with one request, only
+   for the surviving ads), gathered with Â for the survivors into [E, S]; softmax over E, weighted
+   sum and bias in fp32 give s̃, and the bound ε below gives ℓ = s̃ - ε ≤ s ≤ h = s̃ + ε. Pairs
+   with h < τ stop here.
+3. Threshold top-K. The workers share, per request r, the K largest ℓ seen so far; τ_r is the
+   K-th of them (K eligible ads score at least that much, so τ_r ≤ s_K, the K-th best score) and
+   rises after every batch of step 2, so a threshold found by one worker prunes the other's blocks.
+   Each worker keeps its surviving (request, row, h) and drops the entries with h < τ_r whenever
+   its buffer has doubled.
+4. Exact finish. The final candidates (h ≥ τ) are rescored in fp32 with the §2 formula and an
+   exact stable top-K (ties to the lower row) picks the result.
+
+Why the result is exact. Let s_K be the K-th best fp32 score of eligible ads for a request. Every
+bound used holds for the fp32 score s (not only the real-valued one), and τ ≤ s_K at all times.
+An ad with s ≥ s_K has U ≥ s ≥ τ and h ≥ s ≥ τ, so no filter ever drops it; step 4 therefore sees
+every ad that scores at least s_K, including every ad tied with the K-th, and its exact sort gives
+the same top K as sorting all N scores. What can still differ from `torch_score_topk` is the last
+bits of an fp32 score, since the two evaluate the same formula in a different order (each within
+about (G + D + E)·2⁻²⁴ of the real value, relative to the terms' magnitudes): two ads whose fp32
+scores are that close may come in the other order. Assumed: finite inputs, no bf16 subnormals in
+the products (AVX-512 bf16 dot products flush them), products accumulated in fp32.
+
+The bounds (u: unit roundoff of the product dtype, 2⁻⁸ for bf16 and 0 for fp32 products;
+γ_k = k·2⁻²⁴/(1 - k·2⁻²⁴), fp32 accumulation of k terms; δq_e = q̂_e - q_e/√G and δv_e = v̂_e - v_e
+the rounding of the query, measured exactly once per call; C-S is Cauchy–Schwarz):
+
+* Affinity: |Â_e - A_e| ≤ ‖δv_e‖‖x‖ + γ_D‖v̂_e‖‖x‖ + u'|Â_e|, u' = u/(1 - u) (query rounding by
+  C-S, accumulation, output rounding relative to the stored value).
+* U: as Â ↦ Â + u'|Â| is increasing, max_e A_e ≤ M̂ + u'|M̂| + (δV + γ_D V̂)‖x‖ with M̂ = max_e Â_e,
+  δV = max_e ‖δv_e‖, V̂ = max_e ‖v̂_e‖. The fp32 evaluation of s is a weighted sum with weights
+  ≥ 0 that add to 1 within (E + 8)·2⁻²⁴, of affinities within γ_D V̂‖x‖ of A, so it too stays
+  below max_e A_e + b up to a further c·V̂‖x‖ + 2⁻²³|b| with c = 2γ_D + 4κ (κ below).
+* Gate: if every logit is off by at most η, the softmax weights' ratios to the exact ones lie in
+  [e^(-2η), e^(2η)], so |Σ_e (w̃_e - w_e) A_e| ≤ (e^(2η) - 1) Σ_e w̃_e |A_e|. Here
+  η = ‖δq‖‖g‖ + (2γ_G + 2⁻²³) Q̂ ‖g‖ + u'Λ̂ + 2⁻²¹(Λ̂ + P), with Q̂ = max_e ‖q̂_e‖, Λ̂ = max_e |L̂_e|,
+  P = max_e |p_e|: rounding of q (C-S), accumulation and the division by √G on both sides, output
+  rounding, and the fp32 additions of p on both sides.
+* Total, with m = Σ_e w̃_e |Â_e| and a = (δV + 2γ_D V̂)‖x‖:
+  |s̃ - s| ≤ ε = (1 + 2⁻¹⁰)·[(e^(2η) - 1)(m(1 + u') + a) + a + u'm + κ(2m + |s̃| + |b|)],
+  κ = (2E + 64)·2⁻²⁴ covering the fp32 softmax, products, sums, division and bias on both sides
+  and the rounding of the bound arithmetic itself.
+
+The bounds are worst cases (typically 5-20× the actual error), which only costs extra survivors.
+fp32 (or fp16) tables take the same path with fp32 products (u = 0): a quarter of the product
+rate, but tighter bounds; measured 1.3× slower than bf16 at N = 200 K, B = 1 and 64.
+
+Where the time goes (N = 1 M, E = 8, G = D = 64, K = 100, one core): at B = 64 the two bf16
+products take 40% (they run near the core's bf16 peak), the rest of step 1 (max over E,
+threshold, extracting the survivors) about 20%, gathering and bounding the ~11% of pairs that
+survive it about a third; at B = 1 the pass is bound by reading the table (products and norms).
+The survival rate is highest early in the pass, while τ is still low, and on small tables (where
+the K-th score is not far in the tail): below roughly 100-200 K ads a compiled dense scorer wins.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from m31.ops.torch_score_topk import NO_ROW
+
+_U32 = 2.0**-24  # fp32 unit roundoff
+_BF16_U = 2.0**-8  # bf16 unit roundoff (8 significant bits, round to nearest)
+# B·E·n elements per block (a bf16 product of 2 MiB). A sweep of blocks of 2^9..2^17 ads at
+# B = 1, 16, 64 on the 2-core development machine favoured this size (65,536 ads at B = 1, 8,192 at
+# B = 16, 2,048 at B = 64); smaller blocks pay per-op overhead, larger ones leave the caches.
+_TILE = 1 << 20
+_MIN_BLOCK, _MAX_BLOCK = 512, 65_536
+# survivors gathered before the sparse gate step runs: amortises per-op overhead, stays in L2
+_REFINE_PAIRS = 16_384
+_RESCORE_PAIRS = 1 << 15  # (request, candidate) pairs per chunk of the exact rescoring
+_SLACK = 2.0**-20  # relative slack for the fp32 arithmetic of the filters themselves
+
+
+def _gamma(terms: int) -> float:
+    """Error bound of an fp32 sum of `terms` products, relative to the sum of magnitudes."""
+    return terms * _U32 / (1 - terms * _U32)
+
+
+def _product_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.bfloat16 if t.dtype == torch.bfloat16 else torch.float32
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Per-call constants: the rounded query in the product dtypes and the bound coefficients."""
+
+    n_req: int
+    n_exp: int
+    k: int
+    qh: torch.Tensor | None  # [B·E, G] q/√G in g's product dtype; None when G = 0
+    vh: torch.Tensor  # [B·E, D] v in x's product dtype
+    p_t: torch.Tensor  # [E, B] fp32 gate priors
+    p_abs_max: float
+    coef: torch.Tensor  # [B, 3] per request: coefficient of ‖g‖ in η, constant of η, ‖x‖ in a
+    eta_l: float  # coefficient of Λ̂ in η
+    u_a: float  # u' of the affinity product
+    u_scan: float  # u'' = u'/(1 - u')
+    kappa: float
+    u_x: float  # coefficient of ‖x‖ in U (all requests)
+
+
+def _plan(q, v, p, g, x, k) -> _Plan:
+    n_req, n_exp, gdim = q.shape
+    ddim = v.shape[2]
+    q64, v64 = q.double(), v.double()
+    gd, xd = _product_dtype(g), _product_dtype(x)
+    u_l = _BF16_U / (1 - _BF16_U) if gd == torch.bfloat16 else 0.0
+    u_a = _BF16_U / (1 - _BF16_U) if xd == torch.bfloat16 else 0.0
+    kappa = (2 * n_exp + 64) * _U32
+    if gdim:
+        qs = (q.float() / math.sqrt(gdim)).to(gd)  # [B, E, G]
+        dq = (qs.double() - q64 / math.sqrt(gdim)).norm(dim=2).amax(1)  # [B]
+        q_norm = qs.double().norm(dim=2).amax(1)  # [B]
+        eta_g = dq + (2 * _gamma(gdim) + 2 * _U32) * q_norm
+        qh = qs.reshape(n_req * n_exp, gdim).contiguous()
+    else:
+        eta_g, qh = torch.zeros(n_req, dtype=torch.float64), None
+    vh = v.float().to(xd)  # [B, E, D]
+    dv = (vh.double() - v64).norm(dim=2).amax(1)  # [B]
+    v_norm = vh.double().norm(dim=2).amax(1)  # [B]
+    p32 = p.float()
+    return _Plan(
+        n_req=n_req,
+        n_exp=n_exp,
+        k=k,
+        qh=qh,
+        vh=vh.reshape(n_req * n_exp, ddim).contiguous(),
+        p_t=p32.T.contiguous(),
+        p_abs_max=float(p32.abs().max()),
+        coef=torch.stack(
+            [eta_g, 2.0**-21 * p32.double().abs().amax(1), dv + 2 * _gamma(ddim) * v_norm], dim=1
+        ).float(),
+        eta_l=u_l + 2.0**-21,
+        u_a=u_a,
+        u_scan=u_a / (1 - u_a),
+        kappa=kappa,
+        u_x=float((dv + (2 * _gamma(ddim) + 4 * kappa) * v_norm).max()) * (1 + _SLACK),
+    )
+
+
+class _Threshold:
+    """τ [B], shared by the workers: the K-th largest lower bound ℓ seen so far per request.
+
+    It keeps the K largest ℓ of each request ([B, K]); K eligible ads score at least their ℓ, so
+    τ ≤ s_K at all times. τ only rises, so a stale read is still a valid threshold.
+    `for_refine` and `for_scan` are τ lowered by the slack the fp32 arithmetic of the two filters
+    needs (the scan also moves the output rounding u'|M̂| of U over to τ's side).
+    """
+
+    def __init__(self, n_req: int, k: int, u_scan: float):
+        self._lock = threading.Lock()
+        self._u_scan = u_scan
+        self._top = torch.full((n_req, k), -math.inf)  # [B, K] largest ℓ
+        self.tau = self.for_refine = self.for_scan = self._top[:, -1]
+
+    def offer(self, req: torch.Tensor, lower: torch.Tensor) -> None:
+        """Merge the lower bounds ℓ [P] of pairs of requests req [P] (each pair offered once)."""
+        with self._lock:
+            n_req, k = self._top.shape
+            merged = torch.cat([self._top, _pad_by_request(lower, req, n_req)], dim=1)
+            self._top = merged.topk(k, dim=1).values
+            self.tau = self._top[:, -1]
+            self.for_refine = self.tau - _SLACK * self.tau.abs()
+            self.for_scan = self.tau - (self._u_scan + _SLACK) * self.tau.abs()
+
+
+def _pad_by_request(values: torch.Tensor, req: torch.Tensor, n_req: int) -> torch.Tensor:
+    """[B, width]: the values [P] of each request (req [P]) in its row, padded with -inf."""
+    counts = torch.bincount(req, minlength=n_req)  # [B]
+    order = torch.argsort(req, stable=True)
+    req_sorted = req[order]
+    pos = torch.arange(len(req)) - (torch.cumsum(counts, 0) - counts)[req_sorted]
+    padded = torch.full((n_req, int(counts.max()) if len(req) else 0), -math.inf)
+    padded[req_sorted, pos] = values[order]
+    return padded
+
+
+def _row_norms(t: torch.Tensor) -> torch.Tensor:
+    """Upper bounds on the rows' Euclidean norms, fp32 [n] (bf16 norms are rounded, so inflate)."""
+    if t.dtype == torch.bfloat16:
+        return t.norm(dim=1).float().mul_(1 + 2 * _BF16_U)
+    return t.float().norm(dim=1).mul_(1 + 2.0**-20)
+
+
+def _expert_index(req: torch.Tensor, col: torch.Tensor, n_exp: int, width: int) -> torch.Tensor:
+    """[E, S] flat positions of pairs (req [S], col [S]) in a [B·E, width] product, one per expert."""
+    return (req * (n_exp * width) + col)[None, :] + (torch.arange(n_exp) * width)[:, None]
+
+
+def _affinity_offset(plan: _Plan, x_norm: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Step 1's per-ad offset'' [n]: keep a pair when M̂ ≥ τ'' - offset'' (τ'' = `for_scan`).
+
+    U = M̂ + u'|M̂| + offset with offset = b + u_x‖x‖ + 2⁻²³|b|. With T = τ - offset, U ≥ τ
+    implies M̂ ≥ T - u''|T| (u'' = u'/(1 - u')), and |T| ≤ |τ| + |offset|: so moving τ and offset
+    each by u''|·| (plus slack for the fp32 rounding of this arithmetic) gives a test that never
+    drops a pair with U ≥ τ and needs no pass over |M̂|.
+    """
+    offset = torch.add(bias, x_norm, alpha=plan.u_x).add_(bias.abs(), alpha=2.0**-22)  # [n]
+    return offset.add_(offset.abs(), alpha=plan.u_scan + _SLACK)
+
+
+def _gate_bounds(plan: _Plan, req, gate, aff, g_norm, x_norm, bias):
+    """Step 2 for pairs (request req [S]): s̃ [S] and ε [S] with |s̃ - s| ≤ ε for the fp32 score s.
+
+    gate: L̂ [E, S] (None when G = 0) and aff: Â [E, S] in the product dtype; g_norm, x_norm: upper
+    bounds on ‖g‖, ‖x‖ [S]; bias: b [S] fp32. Consumes (overwrites) its arguments.
+    """
+    logits = plan.p_t.index_select(1, req)  # [E, S] priors
+    if gate is None:
+        lam = torch.zeros(len(req))
+    else:
+        gate = gate.float()
+        lam = gate.abs().amax(0)  # [S] Λ̂
+        logits = gate.add_(logits)
+    aff = aff.float()  # [E, S]
+    if float(lam.max()) + plan.p_abs_max + math.log(plan.n_exp) >= 80:  # exp or Σ could overflow
+        logits.sub_(logits.amax(0))
+    weights = logits.exp_()  # [E, S] unnormalised softmax
+    den = weights.sum(0)  # [S]
+    approx = (weights * aff).sum(0).div_(den).add_(bias)  # [S] s̃
+    mag = weights.mul_(aff.abs_()).sum(0).div_(den)  # [S] m = Σ w̃|Â|
+    coef = plan.coef.index_select(0, req)  # [S, 3]
+    eta = torch.addcmul(coef[:, 1], coef[:, 0], g_norm).add_(lam, alpha=plan.eta_l)  # [S] η
+    a = x_norm.mul_(coef[:, 2])  # [S]
+    eps = torch.add(a, mag, alpha=1 + plan.u_a).mul_(torch.expm1(eta.mul_(2))).add_(a)
+    eps.add_(mag, alpha=plan.u_a + 2 * plan.kappa).add_(bias.abs_(), alpha=plan.kappa)
+    eps.add_(approx.abs(), alpha=plan.kappa).mul_(1 + 2.0**-10)  # [S] ε
+    return approx, eps
+
+
+class _Worker:
+    """Scans blocks of ads for one thread and keeps that thread's candidates."""
+
+    def __init__(self, plan: _Plan, table, mask, shared: _Threshold, block: int):
+        self.plan, self.shared = plan, shared
+        self.g, self.x, self.b = table
+        self.mask = mask
+        n_rows = plan.n_req * plan.n_exp
+        self.a_buf = torch.empty(n_rows * block, dtype=plan.vh.dtype)
+        self.l_buf = None if plan.qh is None else torch.empty(n_rows * block, dtype=plan.qh.dtype)
+        self.pending: list[tuple[torch.Tensor, ...]] = []
+        self.n_pending = 0
+        self.cands: list[tuple[torch.Tensor, ...]] = []  # (req, row, upper bound h)
+        self.n_cands = 0
+        self.cap = max(8 * plan.n_req * plan.k, 1 << 15)
+        self.block = block
+
+    def scan(self, lo: int, hi: int) -> None:
+        """Step 1 on ads [lo, hi): the affinity bound U, eligibility, gather the survivors."""
+        plan, n = self.plan, hi - lo
+        n_req, n_exp = plan.n_req, plan.n_exp
+        xb = self.x[lo:hi].to(plan.vh.dtype)
+        aff = torch.mm(plan.vh, xb.T, out=self.a_buf[: n_req * n_exp * n].view(-1, n))  # [B·E, n]
+        best = aff.view(n_req, n_exp, n).amax(1)  # [B, n] M̂
+        x_norm = _row_norms(xb)  # [n]
+        bias = self.b[lo:hi].float()  # [n]
+        offset = _affinity_offset(plan, x_norm, bias)  # [n]
+        mask = self.mask
+        if mask is not None and mask.dim() == 1:
+            offset.masked_fill_(~mask[lo:hi], -math.inf)  # threshold +inf (or nan: τ = -inf) fails
+        keep = best >= self.shared.for_scan[:, None] - offset  # [B, n]
+        if mask is not None and mask.dim() == 2:
+            keep &= mask[:, lo:hi]
+        req, ad = keep.nonzero().unbind(1)  # [S], [S]
+        if len(req) == 0:
+            return
+        index = _expert_index(req, ad, n_exp, n)  # [E, S] positions in the [B·E, n] products
+        gate, g_norm = None, torch.zeros(len(req))
+        if plan.qh is not None:
+            gb = self.g[lo:hi]
+            if n_req == 1 and 2 * len(ad) < n:
+                # one request: gate logits of its surviving ads only, in order
+                gb = gb.index_select(0, ad).to(plan.qh.dtype)  # [S, G]
+                gate = torch.mm(plan.qh, gb.T)  # [E, S] L̂: one request, one column per survivor
+                g_norm = _row_norms(gb)
+            else:
+                gb = gb.to(plan.qh.dtype)
+                logits = torch.mm(plan.qh, gb.T, out=self.l_buf[: n_req * n_exp * n].view(-1, n))
+                gate = logits.take(index)  # [E, S] L̂
+                g_norm = _row_norms(gb).index_select(0, ad)
+        gathered = aff.take(index)  # [E, S] Â
+        self.pending.append(
+            (
+                req,
+                ad + lo,
+                gate,
+                gathered,
+                g_norm,
+                x_norm.index_select(0, ad),
+                bias.index_select(0, ad),
+            )
+        )
+        self.n_pending += len(req)
+        if self.n_pending >= _REFINE_PAIRS or hi - lo < self.block:
+            self.refine()  # after a short (warm-up) block at once: τ is what prunes the next
+
+    def refine(self) -> None:
+        """Step 2 on the gathered survivors: s̃ ± ε in fp32; keep the pairs with h ≥ τ."""
+        if not self.pending:
+            return
+        plan = self.plan
+        req, row, gate, aff, g_norm, x_norm, bias = (
+            None if parts[0] is None else torch.cat(parts, dim=-1)
+            for parts in zip(*self.pending, strict=True)
+        )
+        self.pending, self.n_pending = [], 0
+        approx, eps = _gate_bounds(plan, req, gate, aff, g_norm, x_norm, bias)  # [S], [S]
+        lower, upper = approx - eps, approx + eps
+        keep = torch.nonzero(upper >= self.shared.for_refine.index_select(0, req)).squeeze(1)
+        req, row = req.index_select(0, keep), row.index_select(0, keep)
+        lower, upper = lower.index_select(0, keep), upper.index_select(0, keep)
+        promote = torch.nonzero(lower > self.shared.tau.index_select(0, req)).squeeze(1)
+        if len(promote):
+            self.shared.offer(req.index_select(0, promote), lower.index_select(0, promote))
+        self.cands.append((req, row, upper))
+        self.n_cands += len(req)
+        if self.n_cands > self.cap:
+            self.prune()
+            self.cap = max(self.cap, 2 * self.n_cands)
+
+    def prune(self) -> None:
+        """Step 3: drop the candidates whose upper bound fell below τ."""
+        req, row, upper = (torch.cat(parts) for parts in zip(*self.cands, strict=True))
+        keep = torch.nonzero(upper >= self.shared.for_refine.index_select(0, req)).squeeze(1)
+        self.cands = [tuple(t.index_select(0, keep) for t in (req, row, upper))]
+        self.n_cands = len(keep)
+
+    def finish(self) -> None:
+        self.refine()
+        if self.cands:
+            self.prune()
+
+
+def _spans(n_ads: int, block: int) -> list[tuple[int, int]]:
+    """Ad ranges [lo, hi) to scan: blocks of `block` ads after a warm-up of shorter ones.
+
+    τ starts at -inf, so every eligible pair of the first blocks goes through the gate step; the
+    warm-up (block/16, /16, /8, /8, /4, /4, /2, /2, each worker taking the next) raises τ on
+    fewer pairs. At B = 1, N = 1 M this cuts the pairs gated by 30%.
+    """
+    sizes = [block >> shift for shift in (4, 4, 3, 3, 2, 2, 1, 1) if block >> shift >= 64]
+    spans, lo = [], 0
+    for size in [*sizes, *[block] * math.ceil(n_ads / block)]:
+        if lo >= n_ads:
+            break
+        spans.append((lo, min(lo + size, n_ads)))
+        lo += size
+    return spans
+
+
+@contextmanager
+def _single_threaded(restore: int) -> Iterator[None]:
+    """Run this thread's torch ops on one core (the OpenMP thread count is per thread)."""
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(restore)
+
+
+def _exact_topk(q, v, p, g, x, b, req, row, n_req: int, k_out: int):
+    """Step 4: fp32 §2 scores of the candidates (req [S], row [S]), exact top k_out per request."""
+    # by request, then row, so that the stable sort below puts tied ads in row order
+    order = torch.argsort(req * g.shape[0] + row)
+    req, row = req[order], row[order]
+    counts = torch.bincount(req, minlength=n_req)  # [B]
+    width = max(int(counts.max()) if len(req) else 0, k_out)
+    pos = torch.arange(len(req)) - (torch.cumsum(counts, 0) - counts)[req]
+    rows = torch.zeros(n_req, width, dtype=torch.long)  # [B, C]
+    rows[req, pos] = row
+    valid = torch.zeros(n_req, width, dtype=torch.bool)
+    valid[req, pos] = True
+    q, v, p = q.float(), v.float(), p.float()
+    gdim = q.shape[2]
+    scores = torch.full((n_req, width), -math.inf)  # [B, C]
+    step = max(1, _RESCORE_PAIRS // max(n_req, 1))
+    for lo in range(0, width, step):
+        r = rows[:, lo : lo + step]  # [B, c]
+        xc, bc = x[r].float(), b[r].float()  # [B, c, D], [B, c]
+        logit = p[:, None, :]  # [B, 1, E]
+        if gdim:
+            logit = torch.einsum("beg,bcg->bce", q, g[r].float()) / math.sqrt(gdim) + logit
+        w = torch.softmax(logit.expand(-1, r.shape[1], -1), dim=-1)  # [B, c, E]
+        s = (w * torch.einsum("bed,bcd->bce", v, xc)).sum(-1) + bc  # [B, c]
+        scores[:, lo : lo + step] = s.masked_fill(~valid[:, lo : lo + step], -math.inf)
+    scores, pick = torch.sort(scores, dim=1, descending=True, stable=True)
+    scores, rows = scores[:, :k_out], rows.gather(1, pick[:, :k_out])
+    return scores, rows.masked_fill(scores == -math.inf, NO_ROW)
+
+
+def _check(q, v, p, g, x, b, mask, k) -> None:
+    if k <= 0:
+        raise ValueError(f"k must be positive, got {k}")
+    if q.dim() != 3 or v.dim() != 3 or p.dim() != 2:
+        raise ValueError(
+            f"query must be q [B, E, G], v [B, E, D], p [B, E]; got {tuple(q.shape)}, {tuple(v.shape)}, {tuple(p.shape)}"
+        )
+    n_req, n_exp = p.shape
+    if q.shape[:2] != (n_req, n_exp) or v.shape[:2] != (n_req, n_exp) or n_exp == 0:
+        raise ValueError(
+            f"q, v and p disagree on B or E (E must be ≥ 1): {tuple(q.shape)}, {tuple(v.shape)}, {tuple(p.shape)}"
+        )
+    n_ads = g.shape[0] if g.dim() == 2 else -1
+    if g.shape != (n_ads, q.shape[2]) or x.shape != (n_ads, v.shape[2]) or b.shape != (n_ads,):
+        raise ValueError(
+            f"ad table must be g [N, {q.shape[2]}], x [N, {v.shape[2]}], b [N]; "
+            f"got {tuple(g.shape)}, {tuple(x.shape)}, {tuple(b.shape)}"
+        )
+    if mask is not None and (
+        mask.dtype != torch.bool or mask.shape not in ((n_ads,), (n_req, n_ads))
+    ):
+        raise ValueError(
+            f"mask must be bool [{n_ads}] or [{n_req}, {n_ads}], got {mask.dtype} {tuple(mask.shape)}"
+        )
+    for name, t in {"q": q, "v": v, "p": p, "g": g, "x": x, "b": b}.items():
+        if not t.is_floating_point() or t.device.type != "cpu":
+            raise ValueError(
+                f"{name} must be a floating-point CPU tensor, got {t.dtype} on {t.device}"
+            )
+
+
+def cpu_score_topk(
+    q: torch.Tensor,
+    v: torch.Tensor,
+    p: torch.Tensor,
+    g: torch.Tensor,
+    x: torch.Tensor,
+    b: torch.Tensor,
+    mask: torch.Tensor | None,
+    k: int,
+    *,
+    block: int | None = None,
+    threads: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scores [B, K'] fp32, rows [B, K'] int64), K' = min(k, N): the contract of `torch_score_topk`.
+
+    q [B, E, G], v [B, E, D], p [B, E]; g [N, G], x [N, D], b [N] (bf16 tables take the fast bf16
+    products, others fp32 ones); mask bool [N] or [B, N] or None. `block`: ads per block (default:
+    about 2²⁰ / (B·E), so a block's products stay in cache); `threads`: worker threads that split
+    the blocks, each running torch on one core (default: torch.get_num_threads()). torch's thread
+    count is set to 1 in those threads for the call (the MKL part of that setting is process-wide)
+    and restored afterwards.
+    """
+    _check(q, v, p, g, x, b, mask, k)
+    if block is not None and block <= 0:
+        raise ValueError(f"block must be positive, got {block}")
+    if threads is not None and threads <= 0:
+        raise ValueError(f"threads must be positive, got {threads}")
+    n_req, n_exp = p.shape
+    n_ads = g.shape[0]
+    k_out = min(k, n_ads)
+    if n_req == 0 or n_ads == 0:
+        return torch.full((n_req, k_out), -math.inf), torch.full((n_req, k_out), NO_ROW)
+    g, x, b = g.contiguous(), x.contiguous(), b.contiguous()
+    plan = _plan(q, v, p, g, x, k_out)
+    if block is None:
+        block = 1 << round(math.log2(max(_TILE / (n_req * n_exp), 1)))
+        block = min(max(block, _MIN_BLOCK), _MAX_BLOCK)
+    block = min(block, n_ads)
+    spans = _spans(n_ads, block)
+    n_workers = min(threads or torch.get_num_threads(), len(spans))
+    todo: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
+    for span in spans:
+        todo.put(span)
+    shared = _Threshold(n_req, k_out, plan.u_scan)
+    workers = [_Worker(plan, (g, x, b), mask, shared, block) for _ in range(n_workers)]
+    caller_threads = torch.get_num_threads()
+
+    errors: list[BaseException] = []
+
+    def run(worker: _Worker) -> None:
+        try:
+            with _single_threaded(caller_threads):
+                while True:
+                    try:
+                        lo, hi = todo.get_nowait()
+                    except queue.Empty:
+                        break
+                    worker.scan(lo, hi)
+                worker.finish()
+        except BaseException as err:  # re-raised in the caller below
+            errors.append(err)
+
+    pool = [threading.Thread(target=run, args=(w,)) for w in workers[1:]]
+    for t in pool:
+        t.start()
+    run(workers[0])
+    for t in pool:
+        t.join()
+    if errors:
+        raise errors[0]
+    parts = [w.cands[0] for w in workers if w.cands]
+    if not parts:
+        return torch.full((n_req, k_out), -math.inf), torch.full((n_req, k_out), NO_ROW)
+    req, row, upper = (torch.cat(t) for t in zip(*parts, strict=True))
+    keep = upper >= shared.for_refine[req]
+    # the finish is small: one core avoids waking a thread team (costly on a busy machine)
+    with _single_threaded(caller_threads):
+        return _exact_topk(q, v, p, g, x, b, req[keep], row[keep], n_req, k_out)

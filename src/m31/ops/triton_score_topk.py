@@ -1,0 +1,580 @@
+"""Fused score·gate·filter·top-K in Triton (DESIGN §2, §5, §6): one pass over the ad table per
+batch of requests; no B×N score matrix ever reaches memory.
+
+Shapes: B requests, N ads, E experts, G gate-key dim, D value dim, K results, C candidate slots
+per request; a tile is BB requests × BN ads; EP, GP, DP are E, G, D padded to powers of two
+(GP, DP ≥ 16 and BB·EP ≥ 16 because tl.dot needs every dim ≥ 16; padding is masked to zero).
+
+Exact top-K by threshold (DESIGN §5):
+1. Seed. A fixed-seed uniform sample of the table (`_SAMPLE_ROWS` ads, not a strided one, which
+   aliases with periodic eligibility such as "every other ad") is scored with the fp32 reference.
+   τ[r] is the j-th best eligible sample score, j chosen so that about `_TARGET_PER_K`·K ads of
+   the table pass, and j ≥ `_MIN_SAMPLE_RANK` so that the survivor count is a stable estimate.
+2. Scan. The kernel streams the table once; every eligible (request, ad) score ≥ τ[r] is appended
+   to the request's candidate buffer [B, C] through an atomic counter, which keeps counting past
+   C, so it ends as the exact number of survivors.
+3. Sort. Each buffer is sorted by (score desc, row asc): ties go to the lower row.
+4. Check. A request with fewer survivors than min(K, its eligible ads) (τ too high) is scanned
+   again with a lower τ (a sample rank `_LOWER_FACTOR` times deeper, at last -inf); one whose
+   survivors overflowed C again with C = its exact count. All ads scoring ≥ τ are in the buffer,
+   so the result is the exact top-K of the kernel's scores, ties included.
+
+Scores are those of the bf16 query and table: q, v and float tables are rounded to bf16, the dot
+products accumulate in fp32, and the gate runs in fp32 with exp2. The scale log2(e)/√G is applied
+to the fp32 gate dot product (one FMA with the prior p·log2(e)) rather than folded into the bf16
+query, so the kernel scores exactly the bf16-rounded query at no extra instruction. When E = 1
+or G = 0 the gate does not depend on the ad; it is folded into one value vector per request
+(Σ_e softmax(p)_e v_e, in fp32, then bf16) and each tile is a single [BB, D] × [D, BN] product.
+
+8-bit tables (`Int8Table`): int8 rows convert to bf16 in registers (exact), and the per-row
+scales multiply the fp32 dot products, so the kernel scores the dequantized table.
+
+Tiles by batch size (`_pick_tiles`), 8 warps. DESIGN §6 measured the two gate layouts on an
+H200 as sketches; the sizes here are the largest that ptxas (Triton 3.6, sm_90) compiles
+without register spills at G = D = 64, and are not yet timed on a GPU:
+* gate folded away (E = 1 or G = 0): BB = B rounded up to a power of two in [16, 64], BN = 128.
+* B·EP ≤ 64 after rounding B up to a power of two ("stacked"): all experts of the BB requests as
+  one [BB·EP, ·] product, softmax by reshaping to [BB, EP, BN]; BN = 128. Small batches are
+  bound by streaming the table, and this layout reached 90% of the memory limit at B = 1
+  (BB = 2, E = 8).
+* larger batches ("online"): experts walked one at a time with an online softmax (as flash
+  attention walks keys), every product a plain [BB, BN] tile; BB = 64, BN = 64. The sketch ran
+  fastest at BB = 64, BN = 128 (84 G pairs/s at B = 64 and 512), but with the candidate append
+  and the ad tile kept across request tiles BN = 128 spills.
+Each program owns one BN-run of ads, loads it once and loops over all request tiles, so the
+table is read once per batch; the ad axis is grid axis 0 (axes 1 and 2 stop at 65,535).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from m31.ops.quant import Int8Table
+from m31.ops.torch_score import score
+from m31.ops.torch_score_topk import NO_ROW, torch_score_topk
+
+_LOG2E = 1.4426950408889634
+_MAX_DIM = 256  # largest G or D: one program holds a [256, BN] tile of each in registers
+_SAMPLE_ROWS = 32_768  # ads scored by the reference to seed τ
+_TARGET_PER_K = 3  # survivors aimed at: about 3·K of the table (DESIGN §5 suggests 2–4)
+# τ never sits above the 32nd best sample score: the survivor count then has a relative spread
+# of about 1/√32 ≈ 18%, so a buffer of twice the estimate overflows about once in 10^6 requests.
+_MIN_SAMPLE_RANK = 32
+_CAPACITY_FACTOR = 2
+_LOWER_FACTOR = 8  # a τ that let fewer than K through moves to an 8× deeper sample rank
+_SAMPLE_CHUNK = 1 << 24  # elements of one [B, S, E] reference intermediate while seeding
+# Dot operands are bf16. Triton 3.6's interpreter multiplies bf16 bit patterns as integers in
+# tl.dot, so there they are fp32, which holds every bf16 value exactly: the same products.
+_DOT_TYPE = tl.float32 if triton.knobs.runtime.interpret else tl.bfloat16
+
+
+# fmt: off
+@triton.jit
+def _stacked_scores(
+    q_ptr, v_ptr, p_ptr, req0, n_req, gate_dim, value_dim, g_t, x_t, gate_col,
+    BB: tl.constexpr, E: tl.constexpr, EP: tl.constexpr, GP: tl.constexpr, DP: tl.constexpr,
+    BN: tl.constexpr, DOT: tl.constexpr,
+):
+    """[BB, BN] scores (before scale and bias): every expert of BB requests in one product."""
+    m = tl.arange(0, BB * EP)  # stacked row m is expert m % EP of request req0 + m // EP
+    req = req0 + m // EP
+    exp_ok = (m % EP) < E
+    ok = (req < n_req) & exp_ok
+    qrow = req.to(tl.int64) * E + m % EP  # row in the [B·E, ·] query
+    gc = tl.arange(0, GP)
+    dc = tl.arange(0, DP)
+    q_mask = ok[:, None] & (gc[None, :] < gate_dim)
+    v_mask = ok[:, None] & (dc[None, :] < value_dim)
+    qs = tl.load(q_ptr + qrow[:, None] * gate_dim + gc[None, :], mask=q_mask, other=0.0)
+    vs = tl.load(v_ptr + qrow[:, None] * value_dim + dc[None, :], mask=v_mask, other=0.0)
+    prior = tl.load(p_ptr + qrow, mask=ok, other=0.0)
+    prior = tl.where(exp_ok, prior, float("-inf"))  # padded experts get zero weight
+    logit = tl.dot(qs.to(DOT), g_t) * gate_col[None, :] + prior[:, None]  # [BB·EP, BN], log2
+    logit = tl.reshape(logit, (BB, EP, BN))
+    w = tl.exp2(logit - tl.max(logit, axis=1)[:, None, :])  # [BB, EP, BN]
+    aff = tl.reshape(tl.dot(vs.to(DOT), x_t), (BB, EP, BN))
+    return tl.sum(w * aff, axis=1) / tl.sum(w, axis=1)
+
+
+@triton.jit
+def _online_scores(
+    q_ptr, v_ptr, p_ptr, req, req_ok, gate_dim, value_dim, g_t, x_t, gate_col,
+    E: tl.constexpr, GP: tl.constexpr, DP: tl.constexpr, DOT: tl.constexpr,
+):
+    """[BB, BN] scores (before scale and bias): experts one at a time, online softmax."""
+    gc = tl.arange(0, GP)
+    dc = tl.arange(0, DP)
+    qrow = req.to(tl.int64) * E  # row of expert 0 in the [B·E, ·] query
+    q_ptrs = q_ptr + qrow[:, None] * gate_dim + gc[None, :]  # [BB, GP]
+    v_ptrs = v_ptr + qrow[:, None] * value_dim + dc[None, :]  # [BB, DP]
+    q_mask = req_ok[:, None] & (gc[None, :] < gate_dim)
+    v_mask = req_ok[:, None] & (dc[None, :] < value_dim)
+    # expert 0 seeds the running max `top`, the weight sum `den` and the weighted affinity `num`
+    q_e = tl.load(q_ptrs, mask=q_mask, other=0.0).to(DOT)
+    p_e = tl.load(p_ptr + qrow, mask=req_ok, other=0.0)
+    top = tl.dot(q_e, g_t) * gate_col[None, :] + p_e[:, None]  # [BB, BN], log2 units
+    num = tl.dot(tl.load(v_ptrs, mask=v_mask, other=0.0).to(DOT), x_t)  # [BB, BN]
+    den = tl.zeros_like(num) + 1.0
+    for e in range(1, E):
+        q_e = tl.load(q_ptrs + e * gate_dim, mask=q_mask, other=0.0).to(DOT)
+        p_e = tl.load(p_ptr + qrow + e, mask=req_ok, other=0.0)
+        logit = tl.dot(q_e, g_t) * gate_col[None, :] + p_e[:, None]
+        aff = tl.dot(tl.load(v_ptrs + e * value_dim, mask=v_mask, other=0.0).to(DOT), x_t)
+        # One exponential per expert instead of two: whichever of (running max, new logit) is
+        # smaller is the one rescaled by 2^-|difference|; the larger enters with weight 1.
+        t = tl.exp2(-tl.abs(logit - top))
+        up = logit > top
+        num = tl.where(up, num * t + aff, num + t * aff)
+        den = tl.where(up, den * t + 1.0, den + t)
+        top = tl.maximum(top, logit)
+    return num / den
+
+
+@triton.jit
+def _score_topk_kernel(
+    q_ptr, v_ptr, p_ptr,  # query [B·E, G] bf16, [B·E, D] bf16, [B·E] fp32 prior·log2(e)
+    g_ptr, x_ptr, b_ptr, g_scale_ptr, x_scale_ptr,  # ad rows; the scales only when QUANT
+    bits_ptr, tau_ptr, count_ptr, cand_score_ptr, cand_row_ptr,  # [(B,) W], [B], [B], [B, C] x2
+    n_req, n_ads, gate_dim, value_dim, stride_g, stride_x, stride_bits, capacity,
+    gate_scale,  # log2(e) / √G
+    BB: tl.constexpr, BN: tl.constexpr, E: tl.constexpr, EP: tl.constexpr, GP: tl.constexpr,
+    DP: tl.constexpr, HAS_GATE: tl.constexpr, STACKED: tl.constexpr, QUANT: tl.constexpr,
+    MASK_MODE: tl.constexpr,  # 0: no mask, 1: one [N] mask, 2: a [B, N] mask
+    DOT: tl.constexpr,  # dot operand type: bf16 (fp32 under the interpreter, see _DOT_TYPE)
+):
+    # 64-bit rows: N·stride passes 2^31 long before N does
+    rows = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)  # [BN]
+    row_ok = rows < n_ads
+    # the ad tile: loaded once, transposed to [dim, BN], reused by every request tile
+    dc = tl.arange(0, DP)
+    x_mask = (dc[:, None] < value_dim) & row_ok[None, :]
+    x_t = tl.load(x_ptr + rows[None, :] * stride_x + dc[:, None], mask=x_mask, other=0)
+    x_t = x_t.to(DOT)  # [DP, BN]; exact for int8
+    bias = tl.load(b_ptr + rows, mask=row_ok, other=0.0)  # [BN]
+    if QUANT:
+        x_scale = tl.load(x_scale_ptr + rows, mask=row_ok, other=0.0)  # [BN]
+    if HAS_GATE:
+        gc = tl.arange(0, GP)
+        g_mask = (gc[:, None] < gate_dim) & row_ok[None, :]
+        g_t = tl.load(g_ptr + rows[None, :] * stride_g + gc[:, None], mask=g_mask, other=0)
+        g_t = g_t.to(DOT)  # [GP, BN]
+        if QUANT:
+            gate_col = tl.load(g_scale_ptr + rows, mask=row_ok, other=0.0) * gate_scale
+        else:
+            gate_col = tl.zeros((BN,), tl.float32) + gate_scale
+    word = rows >> 5  # eligibility of ad a is bit a % 32 of int32 word a // 32
+    bit = (rows & 31).to(tl.int32)
+    if MASK_MODE == 1:
+        words = tl.load(bits_ptr + word, mask=row_ok, other=0)
+        shared_ok = ((words >> bit) & 1) != 0  # [BN]
+
+    # a while loop, not range(0, n_req, BB): Triton 3.6's interpreter fails on a runtime range
+    # bound under numpy >= 2.4 (triton-lang/triton#9171); both compile to the same loop
+    req0 = 0
+    while req0 < n_req:
+        req = req0 + tl.arange(0, BB)  # [BB]
+        req_ok = req < n_req
+        if HAS_GATE:
+            if STACKED:
+                s = _stacked_scores(
+                    q_ptr, v_ptr, p_ptr, req0, n_req, gate_dim, value_dim, g_t, x_t, gate_col,
+                    BB, E, EP, GP, DP, BN, DOT,
+                )
+            else:
+                s = _online_scores(
+                    q_ptr, v_ptr, p_ptr, req, req_ok, gate_dim, value_dim, g_t, x_t, gate_col,
+                    E, GP, DP, DOT,
+                )
+        else:
+            v_ptrs = v_ptr + req.to(tl.int64)[:, None] * value_dim + dc[None, :]
+            v_mask = req_ok[:, None] & (dc[None, :] < value_dim)
+            s = tl.dot(tl.load(v_ptrs, mask=v_mask, other=0.0).to(DOT), x_t)  # [BB, BN]
+        if QUANT:
+            s = s * x_scale[None, :]
+        s = s + bias[None, :]
+
+        if MASK_MODE == 0:
+            eligible = req_ok[:, None] & row_ok[None, :]
+        elif MASK_MODE == 1:
+            eligible = req_ok[:, None] & shared_ok[None, :]
+        else:
+            word_ptrs = bits_ptr + req.to(tl.int64)[:, None] * stride_bits + word[None, :]
+            words = tl.load(word_ptrs, mask=req_ok[:, None] & row_ok[None, :], other=0)
+            eligible = ((words >> bit[None, :]) & 1) != 0
+        tau = tl.load(tau_ptr + req, mask=req_ok, other=float("inf"))
+        keep = eligible & (s >= tau[:, None])  # [BB, BN]
+
+        # append the survivors: one atomic per request reserves a run of slots, and each
+        # survivor's slot in it is the number of survivors before it in its row of the tile
+        keep_i = keep.to(tl.int32)
+        n_keep = tl.sum(keep_i, axis=1)  # [BB]
+        base = tl.atomic_add(count_ptr + req, n_keep, mask=req_ok & (n_keep > 0), sem="relaxed")
+        slot = base[:, None] + tl.cumsum(keep_i, axis=1) - keep_i  # [BB, BN]
+        store = keep & (slot < capacity)  # the count goes on past C: a retry needs it
+        offs = req.to(tl.int64)[:, None] * capacity + slot
+        tl.store(cand_score_ptr + offs, s, mask=store)
+        row_ids = tl.broadcast_to(rows.to(tl.int32)[None, :], (BB, BN))
+        tl.store(cand_row_ptr + offs, row_ids, mask=store)
+        req0 += BB
+# fmt: on
+
+
+class _Tiles(NamedTuple):
+    bb: int
+    bn: int
+    stacked: bool
+
+
+_NUM_WARPS = 8  # with 4, ptxas (sm_90) spills registers in most of the layouts below
+
+
+def _pick_tiles(n_req: int, n_exp_padded: int, dim_padded: int, has_gate: bool) -> _Tiles:
+    """Tile shape by batch size (the reasons are in the module docstring). Past a padded G or D
+    of 64 the tiles shrink with it, as larger ones spill registers on sm_90."""
+    bb = triton.next_power_of_2(n_req)
+    shrink = max(1, dim_padded // 64)
+    if not has_gate:
+        return _Tiles(min(64, max(16, bb)), max(16, 128 // shrink), False)
+    if bb * n_exp_padded <= 64:  # BB·EP ≥ 16 rows for tl.dot
+        return _Tiles(max(bb, 16 // n_exp_padded), max(16, 128 // shrink), True)
+    return _Tiles(max(16, min(64, bb) // shrink), 64, False)
+
+
+class _Query(NamedTuple):
+    """The query as the kernel reads it; with the gate folded away, E = 1 and q, p are unused."""
+
+    q: torch.Tensor  # [B, E, G] bf16
+    v: torch.Tensor  # [B, E, D] bf16
+    p: torch.Tensor  # [B, E] fp32, times log2(e)
+    has_gate: bool
+
+    def take(self, idx: torch.Tensor) -> _Query:
+        return _Query(self.q[idx], self.v[idx], self.p[idx], self.has_gate)
+
+
+class _Table(NamedTuple):
+    """The ad table as the kernel reads it: bf16 or int8 rows with unit column stride."""
+
+    g: torch.Tensor  # [N, G] bf16 or int8 (unused without the gate)
+    x: torch.Tensor  # [N, D] bf16 or int8
+    b: torch.Tensor  # [N] fp32
+    g_scale: torch.Tensor | None  # [N] fp32 for int8 tables
+    x_scale: torch.Tensor | None  # [N] fp32 for int8 tables
+
+
+def _prepare_query(q: torch.Tensor, v: torch.Tensor, p: torch.Tensor) -> _Query:
+    n_exp, gate_dim = q.shape[1], q.shape[2]
+    if gate_dim == 0 or n_exp == 1:  # the gate is softmax(p) for every ad: fold it into v
+        w = torch.softmax(p.float(), dim=1)  # [B, E]
+        v1 = torch.einsum("be,bed->bd", w, v.float())[:, None, :]  # [B, 1, D]
+        n_req = v1.shape[0]
+        unused_q, unused_p = v1.new_zeros(n_req, 1, 0), v1.new_zeros(n_req, 1)
+        return _Query(unused_q.to(torch.bfloat16), v1.to(torch.bfloat16), unused_p, False)
+    return _Query(
+        q.to(torch.bfloat16).contiguous(),
+        v.to(torch.bfloat16).contiguous(),
+        (p.float() * _LOG2E).contiguous(),
+        True,
+    )
+
+
+def _rows_unit_stride(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    t = t.to(dtype)
+    return t if t.shape[1] == 0 or t.stride(1) == 1 else t.contiguous()
+
+
+def _pack_mask(mask: torch.Tensor) -> torch.Tensor:
+    """bool [..., N] -> int32 [..., ceil(N / 32)]: bit j of word w is ad 32·w + j."""
+    n_ads = mask.shape[-1]
+    n_words = -(-n_ads // 32)
+    bits = torch.zeros(*mask.shape[:-1], n_words * 32, dtype=torch.bool, device=mask.device)
+    bits[..., :n_ads] = mask
+    bits = bits.view(*mask.shape[:-1], n_words, 32)
+    weight = torch.ones(32, dtype=torch.int64, device=mask.device) << torch.arange(
+        32, device=mask.device
+    )
+    words = torch.empty(*mask.shape[:-1], n_words, dtype=torch.int32, device=mask.device)
+    step = max(1, _SAMPLE_CHUNK // (32 * max(1, math.prod(mask.shape[:-1]))))
+    for lo in range(0, n_words, step):  # chunks keep the int64 intermediate small
+        w = (bits[..., lo : lo + step, :].long() * weight).sum(-1)  # [..., step] in [0, 2^32)
+        words[..., lo : lo + step] = torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)
+    return words
+
+
+class _Seed(NamedTuple):
+    """What the sample says about each request, to place and later lower τ."""
+
+    sample: torch.Tensor  # [B, S] eligible sample scores, descending, -inf after the eligible
+    n_sample: torch.Tensor  # [B] eligible ads in the sample
+    n_eligible: torch.Tensor  # [B] eligible ads in the table
+
+
+def _seed(q, v, p, fp32_rows, n_ads, mask, sample_rows) -> _Seed:
+    """Score a fixed-seed uniform sample of the table with the fp32 reference."""
+    n_req, n_exp = p.shape
+    device = q.device
+    if n_ads <= sample_rows:
+        idx = torch.arange(n_ads, device=device)
+    else:
+        gen = torch.Generator(device=device).manual_seed(0)
+        idx = torch.randint(n_ads, (sample_rows,), generator=gen, device=device).sort().values
+    g_s, x_s, b_s = fp32_rows(idx)
+    if mask is None:
+        n_eligible = torch.full((n_req,), n_ads, device=device)
+    else:
+        n_eligible = mask.sum(-1).expand(n_req)
+    step = max(1, _SAMPLE_CHUNK // (len(idx) * n_exp))
+    sample = []
+    for lo in range(0, n_req, step):
+        s = score(q[lo : lo + step], v[lo : lo + step], p[lo : lo + step], g_s, x_s, b_s)
+        if mask is not None:
+            m = mask[idx] if mask.dim() == 1 else mask[lo : lo + step, idx]
+            s = s.masked_fill(~m, float("-inf"))
+        sample.append(torch.sort(s, dim=1, descending=True).values)
+    sample = torch.cat(sample)  # [B, S]
+    n_sample = torch.isfinite(sample).sum(1)
+    return _Seed(sample, n_sample, n_eligible)
+
+
+def _threshold(seed: _Seed, rank: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(τ [B], estimated survivors [B]) at the given sample rank (1 = the best sample score)."""
+    placed = rank <= seed.n_sample
+    at = (rank.clamp(max=seed.sample.shape[1]) - 1).clamp(min=0)
+    tau = torch.where(placed, seed.sample.gather(1, at[:, None])[:, 0], float("-inf"))
+    estimate = rank * seed.n_eligible / seed.n_sample.clamp(min=1)
+    return tau, torch.where(placed, estimate, seed.n_eligible.float())
+
+
+def _capacity(estimate: torch.Tensor, n_eligible: torch.Tensor) -> int:
+    """Candidate slots per request: twice the largest estimate, never more than can survive."""
+    cap = torch.minimum((_CAPACITY_FACTOR * estimate).ceil(), n_eligible.float())
+    return max(1, int(cap.max()))
+
+
+def _scan(query: _Query, table: _Table, bits, tau, capacity: int):
+    """One kernel pass: (survivor counts [B] int32, scores [B, C] fp32, rows [B, C] int32)."""
+    n_req, n_exp, gate_dim = query.q.shape
+    n_ads, value_dim = table.x.shape
+    device = table.x.device
+    exp_pad = triton.next_power_of_2(n_exp)
+    gate_pad = max(16, triton.next_power_of_2(gate_dim))
+    value_pad = max(16, triton.next_power_of_2(value_dim))
+    tiles = _pick_tiles(n_req, exp_pad, max(gate_pad, value_pad), query.has_gate)
+    counts = torch.zeros(n_req, dtype=torch.int32, device=device)
+    cand_score = torch.empty(n_req, capacity, dtype=torch.float32, device=device)
+    cand_row = torch.empty(n_req, capacity, dtype=torch.int32, device=device)
+    quant = table.x_scale is not None
+    mask_mode = 0 if bits is None else (1 if bits.dim() == 1 else 2)
+    bits = counts if bits is None else bits  # an unread stand-in pointer when there is no mask
+    _score_topk_kernel[(triton.cdiv(n_ads, tiles.bn),)](
+        query.q, query.v, query.p,
+        table.g, table.x, table.b,
+        table.g_scale if quant else table.b, table.x_scale if quant else table.b,
+        bits, tau, counts, cand_score, cand_row,
+        n_req, n_ads, gate_dim, value_dim,
+        table.g.stride(0), table.x.stride(0), bits.stride(0) if mask_mode == 2 else 0, capacity,
+        _LOG2E / math.sqrt(gate_dim) if query.has_gate else 1.0,
+        BB=tiles.bb, BN=tiles.bn, E=n_exp, EP=exp_pad,
+        GP=gate_pad, DP=value_pad,
+        HAS_GATE=query.has_gate, STACKED=tiles.stacked, QUANT=quant, MASK_MODE=mask_mode,
+        DOT=_DOT_TYPE,
+        num_warps=_NUM_WARPS,
+    )  # fmt: skip
+    return counts, cand_score, cand_row
+
+
+def _exact_top(counts, cand_score, cand_row, k_out: int, n_ads: int):
+    """Sort each request's survivors by (score desc, row asc) and keep the first k_out."""
+    width = int(counts.max()) if counts.numel() else 0
+    slot = torch.arange(width, device=counts.device)
+    filled = slot[None, :] < counts[:, None].long()  # [b, width]
+    s = cand_score[:, :width].masked_fill(~filled, float("-inf"))
+    r = cand_row[:, :width].long().masked_fill(~filled, n_ads)  # empty slots sort last
+    r, order = torch.sort(r, dim=1)  # row order first, so the stable sort below breaks ties by row
+    s, order = torch.sort(s.gather(1, order), dim=1, descending=True, stable=True)
+    r = r.gather(1, order)
+    if width < k_out:
+        s = torch.cat([s, s.new_full((s.shape[0], k_out - width), float("-inf"))], dim=1)
+        r = torch.cat([r, r.new_full((r.shape[0], k_out - width), NO_ROW)], dim=1)
+    s, r = s[:, :k_out], r[:, :k_out]
+    return s, r.masked_fill(s == float("-inf"), NO_ROW)
+
+
+def _check(q, v, p, g, x, b, mask, k, scales=()) -> None:
+    if not isinstance(k, int) or k <= 0:
+        raise ValueError(f"k must be a positive int, got {k!r}")
+    if q.dim() != 3 or v.dim() != 3 or p.dim() != 2:
+        raise ValueError(
+            f"query must be q [B, E, G], v [B, E, D], p [B, E]; got {tuple(q.shape)}, {tuple(v.shape)}, {tuple(p.shape)}"
+        )
+    n_req, n_exp = p.shape
+    if q.shape[:2] != (n_req, n_exp) or v.shape[:2] != (n_req, n_exp):
+        raise ValueError(
+            f"q, v and p disagree on B or E: {tuple(q.shape)}, {tuple(v.shape)}, {tuple(p.shape)}"
+        )
+    if n_exp < 1:
+        raise ValueError("the query needs at least one expert (E >= 1)")
+    if not all(t.is_floating_point() for t in (q, v, p)):
+        raise ValueError(f"query must be floating point, got {q.dtype}, {v.dtype}, {p.dtype}")
+    n_ads = x.shape[0] if x.dim() == 2 else -1
+    if g.shape != (n_ads, q.shape[2]) or x.shape != (n_ads, v.shape[2]) or b.shape != (n_ads,):
+        raise ValueError(
+            f"ad table must be g [N, {q.shape[2]}], x [N, {v.shape[2]}], b [N]; "
+            f"got {tuple(g.shape)}, {tuple(x.shape)}, {tuple(b.shape)}"
+        )
+    if v.shape[2] < 1 or max(q.shape[2], v.shape[2]) > _MAX_DIM:
+        raise ValueError(
+            f"need 1 <= D <= {_MAX_DIM} and G <= {_MAX_DIM}, got G = {q.shape[2]}, D = {v.shape[2]}"
+        )
+    if n_ads >= 2**31:
+        raise ValueError(f"ad rows are stored as int32: N must be below 2^31, got {n_ads}")
+    if mask is not None and (
+        mask.dtype != torch.bool or mask.shape not in ((n_ads,), (n_req, n_ads))
+    ):
+        raise ValueError(
+            f"mask must be bool [{n_ads}] or [{n_req}, {n_ads}], got {mask.dtype} {tuple(mask.shape)}"
+        )
+    devices = {t.device for t in (q, v, p, g, x, b, *scales, *([] if mask is None else [mask]))}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    if devices.pop().type != "cuda" and not triton.knobs.runtime.interpret:
+        raise ValueError(
+            "the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1 set before triton is imported)"
+        )
+
+
+def _score_topk(query: _Query, table: _Table, seed: _Seed, mask, k, tau, capacity):
+    """The scan-check loop of the module docstring (steps 2–4) over a prepared query and table."""
+    n_req, n_ads = query.v.shape[0], table.x.shape[0]
+    k_out = min(k, n_ads)
+    device = table.x.device
+    scores = torch.full((n_req, k_out), float("-inf"), device=device)
+    rows = torch.full((n_req, k_out), NO_ROW, dtype=torch.long, device=device)
+    bits = None if mask is None else _pack_mask(mask)
+    need = seed.n_eligible.clamp(max=k_out)  # [B] results each request must get
+
+    rank = (_TARGET_PER_K * k_out * seed.n_sample / seed.n_eligible.clamp(min=1)).ceil().long()
+    rank = rank.clamp(min=_MIN_SAMPLE_RANK)  # [B] the sample rank τ sits at
+    threshold, estimate = _threshold(seed, rank)
+    if tau is not None:
+        threshold = torch.as_tensor(tau, dtype=torch.float32, device=device).expand(n_req).clone()
+    cap = _capacity(estimate, seed.n_eligible) if capacity is None else capacity
+    pending = torch.arange(n_req, device=device)  # requests still to scan
+    while len(pending):
+        req_bits = bits if bits is None or bits.dim() == 1 else bits[pending]
+        counts, cand_score, cand_row = _scan(
+            query.take(pending), table, req_bits, threshold[pending].contiguous(), cap
+        )
+        too_few = counts < need[pending]  # τ too high
+        overflow = counts > cap
+        done = ~(too_few | overflow)
+        top_s, top_r = _exact_top(counts[done], cand_score[done], cand_row[done], k_out, n_ads)
+        scores[pending[done]], rows[pending[done]] = top_s, top_r
+        if bool((threshold[pending[too_few]] == float("-inf")).any()):
+            raise ValueError("some scores are NaN: check the query and the ad table")
+
+        # overflow: the same τ again, with room for the exact count
+        room = torch.where(overflow, counts.float(), 0.0)  # [len(pending)]
+        # τ too high: a deeper sample rank (τ never rises), -inf once past the sample
+        lower = pending[too_few]
+        rank[lower] *= _LOWER_FACTOR
+        deeper, estimate = _threshold(seed, rank)
+        threshold[lower] = torch.minimum(deeper[lower], threshold[lower])
+        expected = torch.minimum(_CAPACITY_FACTOR * estimate[lower], seed.n_eligible[lower].float())
+        room[too_few] = torch.maximum(room[too_few], expected)
+        pending = pending[~done]
+        cap = max(1, int(room.max().ceil())) if len(pending) else cap
+    return scores, rows
+
+
+def triton_score_topk(
+    q: torch.Tensor,
+    v: torch.Tensor,
+    p: torch.Tensor,
+    g: torch.Tensor,
+    x: torch.Tensor,
+    b: torch.Tensor,
+    mask: torch.Tensor | None,
+    k: int,
+    *,
+    _tau: torch.Tensor | float | None = None,
+    _capacity: int | None = None,
+    _sample_rows: int = _SAMPLE_ROWS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scores [B, K'] fp32, rows [B, K'] int64), K' = min(k, N), best first, exact.
+
+    The contract of `torch_score_topk`: q [B, E, G], v [B, E, D], p [B, E]; g [N, G], x [N, D],
+    b [N] (any float dtype; a bf16 g and x are read in place, others are converted to bf16 on
+    every call, so keep the table in bf16); mask bool [N] or [B, N] or None. Ties go to the lower
+    row; requests with fewer eligible ads end with rows NO_ROW and scores -inf. The private
+    arguments exist for tests of the retry paths: `_tau` replaces the seeded thresholds
+    (a float or [B]), `_capacity` the first buffer size, `_sample_rows` the sample size.
+    """
+    _check(q, v, p, g, x, b, mask, k)
+    if not all(t.is_floating_point() for t in (g, x, b)):
+        raise ValueError(
+            f"ad table must be floating point (an Int8Table goes to triton_score_topk_int8), "
+            f"got {g.dtype}, {x.dtype}, {b.dtype}"
+        )
+    n_req, n_ads = p.shape[0], x.shape[0]
+    if n_req == 0 or n_ads == 0:
+        return torch_score_topk(q, v, p, g, x, b, mask, k)  # empty: nothing to launch
+    query = _prepare_query(q, v, p)
+    x_k = _rows_unit_stride(x, torch.bfloat16)
+    g_k = _rows_unit_stride(g, torch.bfloat16) if query.has_gate else x_k  # unread without gate
+    table = _Table(g_k, x_k, b.float().contiguous(), None, None)
+
+    def fp32_rows(idx):
+        return g[idx].float(), x[idx].float(), b[idx].float()
+
+    seed = _seed(q, v, p, fp32_rows, n_ads, mask, _sample_rows)
+    return _score_topk(query, table, seed, mask, k, _tau, _capacity)
+
+
+def triton_score_topk_int8(
+    q: torch.Tensor,
+    v: torch.Tensor,
+    p: torch.Tensor,
+    table: Int8Table,
+    mask: torch.Tensor | None,
+    k: int,
+    *,
+    _tau: torch.Tensor | float | None = None,
+    _capacity: int | None = None,
+    _sample_rows: int = _SAMPLE_ROWS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`triton_score_topk` on an 8-bit table: the exact top-K of the §2 score of
+    `table.dequantize()` (up to fp32 rounding), reading one byte per ad dimension."""
+    if not isinstance(table, Int8Table):
+        raise ValueError(f"table must be an Int8Table, got {type(table).__name__}")
+    if table.g.dtype != torch.int8 or table.x.dtype != torch.int8:
+        raise ValueError(f"Int8Table g and x must be int8, got {table.g.dtype}, {table.x.dtype}")
+    _check(q, v, p, table.g, table.x, table.b, mask, k, scales=(table.g_scale, table.x_scale))
+    n_req, n_ads = p.shape[0], table.num_ads
+    if table.g_scale.shape != (n_ads,) or table.x_scale.shape != (n_ads,):
+        raise ValueError(
+            f"Int8Table scales must be [{n_ads}], got {tuple(table.g_scale.shape)}, {tuple(table.x_scale.shape)}"
+        )
+    if n_req == 0 or n_ads == 0:
+        return torch_score_topk(q, v, p, *table.dequantize(), mask, k)  # empty: nothing to launch
+    kernel_table = _Table(
+        _rows_unit_stride(table.g, torch.int8),
+        _rows_unit_stride(table.x, torch.int8),
+        table.b.float().contiguous(),
+        table.g_scale.float().contiguous(),
+        table.x_scale.float().contiguous(),
+    )
+
+    def fp32_rows(idx):
+        return Int8Table(*(t[idx] for t in table)).dequantize()
+
+    seed = _seed(q, v, p, fp32_rows, n_ads, mask, _sample_rows)
+    return _score_topk(_prepare_query(q, v, p), kernel_table, seed, mask, k, _tau, _capacity)
+
+
+__all__ = ["triton_score_topk", "triton_score_topk_int8"]

@@ -1,0 +1,214 @@
+"""`m31 bench` on the CPU at tiny shapes: its CSV, the check, the engine and the baselines."""
+
+import csv
+import importlib.util
+
+import pytest
+import torch
+
+from m31.bench import (
+    VARIANTS,
+    CheckRow,
+    EngineTiming,
+    Timing,
+    acceptance,
+    canonical_cases,
+    check_topk,
+    chunk_size,
+    chunked_topk,
+    compiled_gate_scores,
+    gate_scores,
+    main,
+    random_query,
+    random_table,
+    ratios,
+    two_tower_topk,
+)
+from m31.ops import NO_ROW, score
+from m31.ops.torch_score_topk import torch_score_topk
+
+CPU = torch.device("cpu")
+
+
+def read_csv(path):
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+def test_timings_csv(tmp_path):
+    variants = [v for v in VARIANTS if v != "compile"]  # compile: test_compile_baseline
+    argv = ["--device", "cpu", "--n", "5000", "--batches", "1,3", "--k", "100,1000"]
+    argv += ["--variants", ",".join(variants), "--repeat", "2", "--budget", "0.5"]
+    assert main([*argv, "--out", str(tmp_path)]) == 0
+    rows = read_csv(tmp_path / "bench.csv")
+    assert list(rows[0]) == list(Timing.__dataclass_fields__)
+    assert [(int(r["b"]), int(r["k"]), r["variant"]) for r in rows] == [
+        (b, k, v) for b in (1, 3) for k in (100, 1000) for v in variants
+    ]
+    have_faiss = importlib.util.find_spec("faiss") is not None
+    for r in rows:
+        if r["variant"] == "faiss" and not have_faiss:
+            assert r["status"] == "skipped" and "faiss" in r["note"]
+            continue
+        assert r["status"] == "ok", r
+        assert (int(r["n"]), int(r["e"]), int(r["g"]), int(r["d"])) == (5000, 8, 64, 64)
+        for col in ("median_ms", "ads_per_s", "pairs_per_s", "gb_per_s", "limit_pairs_per_s"):
+            assert float(r[col]) > 0, (col, r)
+        assert float(r["pairs_per_s"]) == pytest.approx(int(r["b"]) * float(r["ads_per_s"]))
+        assert float(r["ads_per_s"]) == pytest.approx(5000 / (float(r["median_ms"]) / 1e3))
+        assert 1 <= int(r["repeats"]) <= 2
+        assert r["bound"] in ("memory", "compute")
+        if r["variant"] == "kernel-int8":
+            assert r["table"] == "int8"
+            assert 0.5 < float(r["recall_vs_bf16"]) <= 1.0
+    md = (tmp_path / "bench.md").read_text()
+    assert "| N | B | K | variant |" in md and "vs two-tower" in md and "time / K=100" in md
+    assert (tmp_path / "bench.png").stat().st_size > 0 or "no PNG" in md
+
+
+def test_check_passes(tmp_path):
+    assert main(["--device", "cpu", "--check", "--quick", "--out", str(tmp_path)]) == 0
+    rows = read_csv(tmp_path / "check.csv")
+    assert list(rows[0]) == list(CheckRow.__dataclass_fields__)
+    assert {r["status"] for r in rows} == {"ok"}  # --quick: no case is too large to run
+    ran = {(r["kernel"], r["table"]) for r in rows if r["status"] == "ok"}
+    assert {("torch", "bf16"), ("torch", "int8"), ("cpu", "bf16"), ("cpu", "int8")} <= ran
+    assert "recall@100 of the 8-bit table" in (tmp_path / "check.md").read_text()
+
+
+def test_check_topk_catches_wrong_results():
+    query = random_query(3, 4, 16, 16, CPU, seed=1)
+    table, mask = random_table(500, 16, 16, CPU, seed=2)
+    ref = torch_score_topk(*query, *table, mask, 20)
+    assert check_topk(ref, ref, query, table, mask) is None
+    dense = score(*query, *table)  # [B, N]
+    s, r = (t.clone() for t in ref)
+    r[0, 5] = int(dense[0].masked_fill(~mask, float("inf")).argmin())  # eligible, not top K
+    assert "not its row's score" in check_topk((s, r), ref, query, table, mask)
+    s, r = (t.clone() for t in ref)
+    r[0, 5] = int((~mask).nonzero()[0])
+    assert "ineligible" in check_topk((s, r), ref, query, table, mask)
+    s, r = (t.clone() for t in ref)
+    r[1, 2] = r[1, 3]  # a row twice
+    assert "twice" in check_topk((s, r), ref, query, table, mask)
+    s, r = (t.clone() for t in ref)
+    s[2] = s[2] + 0.5  # scores that are not the rows' scores
+    assert check_topk((s, r), ref, query, table, mask) is not None
+    s, r = (t.clone() for t in ref)
+    r[0, -1], s[0, -1] = NO_ROW, float("-inf")  # a result dropped
+    assert "NO_ROW" in check_topk((s, r), ref, query, table, mask)
+
+
+@pytest.mark.parametrize("chunk", [5000, 1024, 333])
+def test_eager_and_two_tower_baselines_are_top_k(chunk):
+    """The baselines compute the problem they are timed on (within bf16 rounding)."""
+    query = random_query(3, 8, 64, 64, CPU, seed=3)
+    table, mask = random_table(5000, 64, 64, CPU, seed=4)
+    eager = chunked_topk(gate_scores, query, table, mask, 100, chunk)
+    ref = torch_score_topk(*query, *table, mask, 100)
+    assert check_topk(eager, ref, query, table, mask) is None
+    s, r = two_tower_topk(query, table, mask, 100)
+    assert mask[r].all() and (s[:, 1:] <= s[:, :-1]).all()
+    u = query[1][:, 0, :].to(torch.bfloat16).float()
+    dense = (u @ table[1].float().T).masked_fill(~mask, float("-inf"))  # [B, N]
+    assert torch.allclose(s, dense.topk(100, dim=1).values, atol=2e-2)
+
+
+@pytest.mark.slow
+def test_compile_baseline(tmp_path):
+    query = random_query(2, 8, 64, 64, CPU, seed=5)
+    table, mask = random_table(3000, 64, 64, CPU, seed=6)
+    got = chunked_topk(compiled_gate_scores(), query, table, mask, 50, 1000)
+    ref = torch_score_topk(*query, *table, mask, 50)
+    assert check_topk(got, ref, query, table, mask) is None
+    argv = ["--device", "cpu", "--n", "3000", "--batches", "2", "--variants", "compile"]
+    assert main([*argv, "--repeat", "1", "--out", str(tmp_path)]) == 0
+    (row,) = read_csv(tmp_path / "bench.csv")
+    assert row["status"] == "ok" and float(row["pairs_per_s"]) > 0
+
+
+def test_engine(tmp_path):
+    argv = ["--device", "cpu", "--engine", "--engine-n", "20000", "--engine-batches", "1,3"]
+    assert main([*argv, "--repeat", "1", "--out", str(tmp_path)]) == 0
+    assert not (tmp_path / "bench.csv").exists()  # --engine alone runs the engine alone
+    rows = read_csv(tmp_path / "engine.csv")
+    assert list(rows[0]) == list(EngineTiming.__dataclass_fields__)
+    assert [int(r["b"]) for r in rows] == [1, 3]
+    for r in rows:
+        assert (int(r["n"]), int(r["e"]), int(r["g"]), int(r["d"])) == (20_000, 8, 64, 64)
+        for col in ("median_ms", "ads_per_s", "encode_ms", "mask_ms", "score_topk_ms"):
+            assert float(r[col]) > 0, (col, r)
+        assert float(r["pairs_per_s"]) == pytest.approx(int(r["b"]) * float(r["ads_per_s"]))
+        # the engine's own parts fit in the wall time of the call
+        parts = sum(float(r[c]) for c in ("encode_ms", "mask_ms", "score_topk_ms"))
+        assert parts <= 1.5 * float(r["median_ms"])
+
+
+def test_chunk_size_and_canonical_plan():
+    cuda = torch.device("cuda")  # only its type is read: no GPU needed
+    assert chunk_size(10_000_000, 1, cuda) == 10_000_000
+    assert chunk_size(10_000_000, 64, cuda) == 500_000
+    assert chunk_size(10_000_000, 512, cuda) == 62_500
+    assert chunk_size(100_000_000, 64, cuda) == 500_000  # same shape: compiled once
+    assert chunk_size(1_000_003, 64, cuda) == (1 << 25) // 64  # a prime: ragged last chunk
+    cases = canonical_cases()
+    at_10m = {(c.b, c.k) for c in cases if c.n == 10_000_000 and c.variant == "kernel"}
+    assert at_10m == {(b, k) for b in (1, 64, 512) for k in (100, 1000)}
+    assert {c.b for c in cases if c.variant == "kernel-int8"} == {1, 64}
+    assert {c.n for c in cases if c.b == 64 and c.k == 100 and c.variant == "reference"} == {
+        1_000_000,
+        10_000_000,
+        100_000_000,
+    }
+
+
+def test_bad_arguments():
+    with pytest.raises(SystemExit):
+        main(["--variants", "kernel,bogus"])
+    with pytest.raises(SystemExit):
+        main(["--canonical", "--n", "1000"])
+    with pytest.raises(SystemExit):
+        main(["--n", "0"])
+
+
+def test_acceptance_and_ratios():
+    n = 10_000_000
+
+    def row(b, k, variant, ms, recall=None):
+        t = ms / 1e3
+        shape = {"n": n, "b": b, "k": k, "e": 8, "g": 64, "d": 64}
+        rates = {"median_ms": ms, "ads_per_s": n / t, "pairs_per_s": b * n / t}
+        return Timing(
+            "NVIDIA H200",
+            **shape,
+            variant=variant,
+            impl="",
+            table="",
+            **rates,
+            recall_vs_bf16=recall,
+        )
+
+    rows = [
+        row(1, 100, "kernel", 0.7),  # 14.3 G ads/s
+        row(1, 1000, "kernel", 1.2),  # 1.71x K = 100
+        row(64, 100, "kernel", 5.0),  # 128 G pairs/s
+        row(64, 100, "compile", 40.0),
+        row(64, 1000, "kernel", 6.0),  # 1.2x
+        row(64, 100, "kernel-int8", 4.0, recall=0.995),
+    ]
+    assert acceptance(rows) == [
+        "PASS  B = 1 ≥ 12 G ads/s: 14.3 G",
+        "FAIL  B = 64 ≥ 150 G pairs/s: 128 G",
+        "FAIL  B = 1: K = 1000 ≤ 1.5x K = 100: 1.71x",
+        "PASS  B = 64: K = 1000 ≤ 1.5x K = 100: 1.20x",
+        "info  B = 64 K = 100: 8-bit recall@K vs bf16 0.9950",
+    ]
+    by_shape = {(e["b"], e["k"]): e for e in ratios(rows)}
+    assert by_shape[(64, 100)] == {
+        "n": n,
+        "b": 64,
+        "k": 100,
+        "vs compile": 8.0,
+        "int8 vs bf16": 1.25,
+    }
+    assert by_shape[(64, 1000)]["time / K=100"] == pytest.approx(1.2)
