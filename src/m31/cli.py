@@ -461,6 +461,9 @@ def serve_cmd(
             "without one, reads are open)."
         ),
     ] = None,
+    access_log: Annotated[
+        bool, typer.Option(help="Log every HTTP call (off: /metrics counts them).")
+    ] = False,
 ) -> None:
     """Serve retrieval and ad management over HTTP (FastAPI on uvicorn)."""
     import logging
@@ -497,7 +500,7 @@ def serve_cmd(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if config.admin_token is None:
         typer.echo("no admin token: ad management endpoints answer 403", err=True)
-    uvicorn.run(create_app(config), host=host, port=port, log_level="info")
+    uvicorn.run(create_app(config), host=host, port=port, log_level="info", access_log=access_log)
 
 
 @app.command("query")
