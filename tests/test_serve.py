@@ -162,6 +162,17 @@ def test_bad_input_is_4xx(world, server):
     assert limit.status_code == 200 and limit.json()["results"][0]["ad_ids"], limit.text
     big = {"requests": [ok], "pad": "x" * (17 << 20)}
     assert post(big).status_code == 413
+
+    def chunks():  # no content-length: the limit is enforced while the body streams in
+        yield b'{"requests": [], "pad": "'
+        for _ in range(17):
+            yield b"x" * (1 << 20)
+        yield b'"}'
+
+    r = post(None, content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413, r.text
+    assert post({"requests": [ok] * 1025}).status_code == 422  # more requests than one call takes
+    assert 'status="413"' in httpx.get(f"{server.url}/metrics").text
     assert httpx.get(f"{server.url}/v1/ads/123456789").status_code == 404
 
 

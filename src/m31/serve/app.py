@@ -190,6 +190,42 @@ async def require_read(
     _check_token(request, credentials, "read")
 
 
+class BodyLimit:
+    """ASGI middleware: a body over `max_bytes` is a 413, whether it declares its length or
+    arrives in chunks. The body is read (up to the limit) before the app runs, then handed on."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def _too_large(self, scope, receive, send) -> None:
+        response = JSONResponse(
+            {"detail": f"body larger than {self.max_bytes} bytes"}, status_code=413
+        )
+        await response(scope, receive, send)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            return await self._too_large(scope, receive, send)
+        body, more = bytearray(), True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return None
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.max_bytes:
+                return await self._too_large(scope, receive, send)
+        pending = [{"type": "http.request", "body": bytes(body), "more_body": False}]
+
+        async def replay():
+            return pending.pop() if pending else await receive()
+
+        return await self.app(scope, replay, send)
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
@@ -304,16 +340,13 @@ def create_app(config: ServeConfig, service: Service | None = None) -> FastAPI:
             raise HTTPException(503, detail, {"Retry-After": "1"})
         return app.state.service
 
+    # Added first, so inside `count`: refused bodies show in the metrics too.
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+
     @app.middleware("http")
-    async def limits_and_metrics(request: Request, call_next):
+    async def count(request: Request, call_next):
         start = time.perf_counter()
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > config.max_body_bytes):
-            response = JSONResponse(
-                {"detail": f"body larger than {config.max_body_bytes} bytes"}, status_code=413
-            )
-        else:
-            response = await call_next(request)
+        response = await call_next(request)
         route = request.scope.get("route")
         path = route.path if route is not None else "unmatched"
         metrics.requests.labels(path, str(response.status_code)).inc()
