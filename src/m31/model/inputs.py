@@ -94,6 +94,31 @@ class Requests:
         return Requests(**{f.name: getattr(self, f.name)[lo:hi] for f in fields(self)})
 
 
+def _requests(
+    demographics: dict[str, np.ndarray],
+    ts: np.ndarray,
+    context: dict[str, np.ndarray],
+    items: np.ndarray,
+    hist_surface: np.ndarray,
+    hist_ts: np.ndarray,
+    organic: np.ndarray,
+) -> Requests:
+    """Requests from arrays: demographics (cohort, age_bucket, gender, country codes) [B],
+    context (surface, hour, platform) [B], right-aligned histories [B, L] padded with -1."""
+
+    def t(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+
+    return Requests(
+        **{k: t(v) for k, v in demographics.items()},
+        **{k: t(v) for k, v in context.items()},
+        hist_item=t(items),
+        hist_surface=t(np.maximum(hist_surface, 0)),
+        hist_time=t(time_buckets(ts[:, None] - hist_ts, items >= 0)),
+        organic=t(organic),
+    )
+
+
 def make_requests(
     feats: Features,
     user: np.ndarray,
@@ -109,23 +134,9 @@ def make_requests(
     items, hist_surface, hist_ts, _ = feats.history(user, ts, max_len)
     organic, _ = feats.organic_history(user, ts)
     u = feats.users
-
-    def t(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
-
-    return Requests(
-        cohort=t(u["cohort"][user]),
-        age_bucket=t(u["age_bucket"][user]),
-        gender=t(u["gender"][user]),
-        country=t(u["country"][user]),
-        surface=t(surface),
-        hour=t(hour),
-        platform=t(platform),
-        hist_item=t(items),
-        hist_surface=t(np.maximum(hist_surface, 0)),
-        hist_time=t(time_buckets(ts[:, None] - hist_ts, items >= 0)),
-        organic=t(organic),
-    )
+    demographics = {k: u[k][user] for k in ("cohort", "age_bucket", "gender", "country")}
+    context = {"surface": surface, "hour": hour, "platform": platform}
+    return _requests(demographics, ts, context, items, hist_surface, hist_ts, organic)
 
 
 def inline_requests(
@@ -164,22 +175,11 @@ def inline_requests(
         if len(topics):
             org[i, -len(topics) :] = topics
 
-    def t(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
-
-    return Requests(
-        cohort=t(cohort),
-        age_bucket=t(age_bucket),
-        gender=t(gender),
-        country=t(country),
-        surface=t(surface),
-        hour=t(hour),
-        platform=t(platform),
-        hist_item=t(items),
-        hist_surface=t(np.maximum(hist_surface, 0)),
-        hist_time=t(time_buckets(ts[:, None] - hist_ts, items >= 0)),
-        organic=t(org),
-    )
+    demographics = {
+        "cohort": cohort, "age_bucket": age_bucket, "gender": gender, "country": country
+    }  # fmt: skip
+    context = {"surface": surface, "hour": hour, "platform": platform}
+    return _requests(demographics, ts, context, items, hist_surface, hist_ts, org)
 
 
 def concat_requests(parts: list[Requests], order: np.ndarray) -> Requests:
