@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from m31.data.schema import FORMATS, OBJECTIVES
+from m31.engine.retriever import one_of
 from m31.features import Features
 from m31.model import Catalog, RetrievalModel
 
@@ -49,14 +50,8 @@ class AdEncoder:
     def check(self, ads: Sequence[NewAd], where: str = "ads") -> None:
         """Raise ValueError naming the first bad field (`where[i].field`)."""
         for i, a in enumerate(ads):
-            if a.objective not in OBJECTIVES:
-                raise ValueError(
-                    f"{where}[{i}].objective: {a.objective!r} is not one of {', '.join(OBJECTIVES)}"
-                )
-            if a.format not in FORMATS:
-                raise ValueError(
-                    f"{where}[{i}].format: {a.format!r} is not one of {', '.join(FORMATS)}"
-                )
+            one_of(f"{where}[{i}].objective", a.objective, OBJECTIVES, ValueError)
+            one_of(f"{where}[{i}].format", a.format, FORMATS, ValueError)
             if not 0 <= a.topic < self.n_topics:
                 raise ValueError(f"{where}[{i}].topic: {a.topic} is outside 0..{self.n_topics - 1}")
             if not 0 <= a.category < self.n_categories:

@@ -29,6 +29,12 @@ class RequestError(ValueError):
     """A request the engine cannot answer; the message names the field."""
 
 
+def one_of(field: str, value, allowed: Sequence[str], error: type[Exception] = RequestError):
+    """Raise `error` naming `field` unless `value` is in the closed vocabulary `allowed`."""
+    if value not in allowed:
+        raise error(f"{field}: {value!r} is not one of {', '.join(allowed)}")
+
+
 @dataclass(frozen=True)
 class Engagement:
     ad_id: int
@@ -138,17 +144,13 @@ class Retriever:
             raise RequestError(
                 f"{where}.country: unknown country {u.country!r} (known: {known}, …)"
             )
-        if u.gender not in GENDERS:
-            raise RequestError(f"{where}.gender: {u.gender!r} is not one of {', '.join(GENDERS)}")
+        one_of(f"{where}.gender", u.gender, GENDERS)
         if not 0 <= u.age < 150:
             raise RequestError(f"{where}.age: {u.age} is not an age")
         if u.cohort is not None and u.cohort not in self._cohorts:
             raise RequestError(f"{where}.cohort: unknown cohort {u.cohort}")
         for j, e in enumerate(u.history):
-            if e.surface not in SURFACES:
-                raise RequestError(
-                    f"{where}.history[{j}].surface: {e.surface!r} is not one of {', '.join(SURFACES)}"
-                )
+            one_of(f"{where}.history[{j}].surface", e.surface, SURFACES)
         bad = [t for t in u.organic_topics if not 0 <= t < self._n_topics]
         if bad:
             raise RequestError(
@@ -201,14 +203,8 @@ class Retriever:
         Returns the compiled filters, one per request (None where there is none).
         """
         for i, r in enumerate(requests):
-            if r.surface not in SURFACES:
-                raise RequestError(
-                    f"requests[{i}].surface: {r.surface!r} is not one of {', '.join(SURFACES)}"
-                )
-            if r.platform not in PLATFORMS:
-                raise RequestError(
-                    f"requests[{i}].platform: {r.platform!r} is not one of {', '.join(PLATFORMS)}"
-                )
+            one_of(f"requests[{i}].surface", r.surface, SURFACES)
+            one_of(f"requests[{i}].platform", r.platform, PLATFORMS)
             if r.hour is not None and not 0 <= r.hour < 24:
                 raise RequestError(f"requests[{i}].hour: {r.hour} is not an hour of day")
             if (r.user_id is None) == (r.user is None):
