@@ -233,7 +233,7 @@ def test_int8_recall_against_bf16():
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"k": 0}, "k must be a positive int"),
+        ({"k": 0}, "k must be positive"),
         ({"mask": torch.ones(3, dtype=torch.bool)}, "mask must be bool"),
         ({"mask": torch.ones(2, 9)}, "mask must be bool"),
         ({"g": torch.zeros(9, 5)}, "ad table must be"),

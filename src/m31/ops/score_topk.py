@@ -18,7 +18,7 @@ import os
 import torch
 
 from m31.ops.quant import Int8Table
-from m31.ops.torch_score_topk import NO_ROW, torch_score_topk
+from m31.ops.torch_score_topk import NO_ROW, check_args, torch_score_topk
 
 KERNELS = ("torch", "cpu", "triton")
 
@@ -69,29 +69,7 @@ def score_topk(
     q, v, p = query
     quantized = isinstance(ad_table, Int8Table)
     g, x, b = (ad_table.g, ad_table.x, ad_table.b) if quantized else ad_table
-    if k <= 0:
-        raise ValueError(f"k must be positive, got {k}")
-    if q.dim() != 3 or v.dim() != 3 or p.dim() != 2:
-        raise ValueError(
-            f"query must be q [B, E, G], v [B, E, D], p [B, E]; got {tuple(q.shape)}, {tuple(v.shape)}, {tuple(p.shape)}"
-        )
-    n_req, n_exp = p.shape
-    if q.shape[:2] != (n_req, n_exp) or v.shape[:2] != (n_req, n_exp):
-        raise ValueError(
-            f"q, v and p disagree on B or E: {tuple(q.shape)}, {tuple(v.shape)}, {tuple(p.shape)}"
-        )
-    n_ads = g.shape[0]
-    if g.shape[1] != q.shape[2] or x.shape != (n_ads, v.shape[2]) or b.shape != (n_ads,):
-        raise ValueError(
-            f"ad table must be g [N, {q.shape[2]}], x [N, {v.shape[2]}], b [N]; "
-            f"got {tuple(g.shape)}, {tuple(x.shape)}, {tuple(b.shape)}"
-        )
-    if mask is not None and (
-        mask.dtype != torch.bool or mask.shape not in ((n_ads,), (n_req, n_ads))
-    ):
-        raise ValueError(
-            f"mask must be bool [{n_ads}] or [{n_req}, {n_ads}], got {mask.dtype} {tuple(mask.shape)}"
-        )
+    check_args(q, v, p, g, x, b, mask, k)
     name = _pick(kernel, g.device)
     if name == "triton":
         from m31.ops import triton_score_topk as tr

@@ -17,6 +17,40 @@ from m31.ops.torch_score import score
 NO_ROW = -1
 
 
+def check_args(q, v, p, g, x, b, mask, k) -> tuple[int, int, int]:
+    """(B, E, N) of a score·top-K problem, or ValueError naming what is off. Every
+    implementation takes these shapes: q [B, E, G], v [B, E, D], p [B, E], g [N, G], x [N, D],
+    b [N], mask bool [N] or [B, N] or None, k a positive int."""
+    if not isinstance(k, int) or isinstance(k, bool) or k <= 0:
+        raise ValueError(f"k must be positive (an int), got {k!r}")
+    if q.dim() != 3 or v.dim() != 3 or p.dim() != 2:
+        raise ValueError(
+            "query must be q [B, E, G], v [B, E, D], p [B, E]; "
+            f"got {tuple(q.shape)}, {tuple(v.shape)}, {tuple(p.shape)}"
+        )
+    n_req, n_exp = p.shape
+    if q.shape[:2] != (n_req, n_exp) or v.shape[:2] != (n_req, n_exp):
+        raise ValueError(
+            f"q, v and p disagree on B or E: {tuple(q.shape)}, {tuple(v.shape)}, {tuple(p.shape)}"
+        )
+    if n_exp < 1:
+        raise ValueError("the query needs at least one expert (E >= 1)")
+    n_ads = x.shape[0] if x.dim() == 2 else -1
+    if g.shape != (n_ads, q.shape[2]) or x.shape != (n_ads, v.shape[2]) or b.shape != (n_ads,):
+        raise ValueError(
+            f"ad table must be g [N, {q.shape[2]}], x [N, {v.shape[2]}], b [N]; "
+            f"got {tuple(g.shape)}, {tuple(x.shape)}, {tuple(b.shape)}"
+        )
+    if mask is not None and (
+        mask.dtype != torch.bool or mask.shape not in ((n_ads,), (n_req, n_ads))
+    ):
+        raise ValueError(
+            f"mask must be bool [{n_ads}] or [{n_req}, {n_ads}], got {mask.dtype} "
+            f"{tuple(mask.shape)}"
+        )
+    return n_req, n_exp, n_ads
+
+
 def torch_score_topk(
     q: torch.Tensor,
     v: torch.Tensor,

@@ -56,7 +56,7 @@ import triton.language as tl
 
 from m31.ops.quant import Int8Table
 from m31.ops.torch_score import score
-from m31.ops.torch_score_topk import NO_ROW, torch_score_topk
+from m31.ops.torch_score_topk import NO_ROW, check_args, torch_score_topk
 
 _LOG2E = 1.4426950408889634
 _MAX_DIM = 256  # largest G or D: one program holds a [256, BN] tile of each in registers
@@ -406,39 +406,15 @@ def _exact_top(counts, cand_score, cand_row, k_out: int, n_ads: int):
 
 
 def _check(q, v, p, g, x, b, mask, k, scales=()) -> None:
-    if not isinstance(k, int) or k <= 0:
-        raise ValueError(f"k must be a positive int, got {k!r}")
-    if q.dim() != 3 or v.dim() != 3 or p.dim() != 2:
-        raise ValueError(
-            f"query must be q [B, E, G], v [B, E, D], p [B, E]; got {tuple(q.shape)}, {tuple(v.shape)}, {tuple(p.shape)}"
-        )
-    n_req, n_exp = p.shape
-    if q.shape[:2] != (n_req, n_exp) or v.shape[:2] != (n_req, n_exp):
-        raise ValueError(
-            f"q, v and p disagree on B or E: {tuple(q.shape)}, {tuple(v.shape)}, {tuple(p.shape)}"
-        )
-    if n_exp < 1:
-        raise ValueError("the query needs at least one expert (E >= 1)")
+    n_ads = check_args(q, v, p, g, x, b, mask, k)[2]
     if not all(t.is_floating_point() for t in (q, v, p)):
         raise ValueError(f"query must be floating point, got {q.dtype}, {v.dtype}, {p.dtype}")
-    n_ads = x.shape[0] if x.dim() == 2 else -1
-    if g.shape != (n_ads, q.shape[2]) or x.shape != (n_ads, v.shape[2]) or b.shape != (n_ads,):
-        raise ValueError(
-            f"ad table must be g [N, {q.shape[2]}], x [N, {v.shape[2]}], b [N]; "
-            f"got {tuple(g.shape)}, {tuple(x.shape)}, {tuple(b.shape)}"
-        )
     if v.shape[2] < 1 or max(q.shape[2], v.shape[2]) > _MAX_DIM:
         raise ValueError(
             f"need 1 <= D <= {_MAX_DIM} and G <= {_MAX_DIM}, got G = {q.shape[2]}, D = {v.shape[2]}"
         )
     if n_ads >= 2**31:
         raise ValueError(f"ad rows are stored as int32: N must be below 2^31, got {n_ads}")
-    if mask is not None and (
-        mask.dtype != torch.bool or mask.shape not in ((n_ads,), (n_req, n_ads))
-    ):
-        raise ValueError(
-            f"mask must be bool [{n_ads}] or [{n_req}, {n_ads}], got {mask.dtype} {tuple(mask.shape)}"
-        )
     devices = {t.device for t in (q, v, p, g, x, b, *scales, *([] if mask is None else [mask]))}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
