@@ -13,6 +13,8 @@ from m31.ops.cpu_score_topk import (
     _affinity_offset,
     _gate_bounds,
     _plan,
+    _row_norms,
+    _table_stats,
     _Threshold,
     cpu_score_topk,
 )
@@ -171,11 +173,11 @@ def test_the_affinity_filter_keeps_every_ad_that_reaches_the_threshold(n_exp, gd
     g, x, b = table
     plan = _plan(q, v, p, g, x, 1)
     best = (plan.vh @ x.T).view(64, n_exp, -1).amax(1)  # [B, N] M̂
-    offset = _affinity_offset(plan, x.float().norm(dim=1), b.float())
+    offset = _affinity_offset(plan, _row_norms(x), _table_stats(g, x, b).scan_bias)
     top_s, top_ad = score(*query, *table).max(dim=1)  # [B]
     tau = _Threshold(64, 1, plan.u_scan)
     tau.offer(torch.arange(64), top_s)
-    keep = best >= tau.for_scan[:, None] - offset  # [B, N]
+    keep = best + offset >= tau.for_scan[:, None]  # [B, N]
     assert keep[torch.arange(64), top_ad].all()
     assert keep.float().mean() < 0.5  # and it does filter
 
@@ -187,6 +189,28 @@ def test_threads_and_blocks_do_not_change_the_result():
     for threads, block in ((2, 700), (3, 256), (1, 5000)):
         got = cpu_score_topk(*query, *table, mask, 60, block=block, threads=threads)
         assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+
+
+def test_the_table_constants_follow_in_place_changes():
+    """The per-table constants are reused across calls, but not after the table changed in place."""
+    query, table = random_problem(3, 2000, 4, 8, 8, seed=5)
+    g, x, b = table
+    mask = make_mask("shared", 3, 2000, seed=6)
+    mask[:6] = True
+    assert_same(cpu_score_topk(*query, *table, mask, 20), full_sort(query, table, mask, 20))
+    before = _table_stats(g, x, b)
+    assert _table_stats(g, x, b) is before  # cached
+    # through a view: ads 0, 2, 4 become every request's best, which stale biases would filter out
+    b[::2][:3] = 50.0
+    x[1::3].mul_(4)
+    assert _table_stats(g, x, b) is not before
+    got = cpu_score_topk(*query, *table, mask, 20)
+    assert_same(got, full_sort(query, table, mask, 20))
+    assert (got[1][:, :3].sort(dim=1).values == torch.tensor([0, 2, 4])).all()
+    with torch.inference_mode():  # no version counter: never cached
+        frozen = tuple(t.clone() for t in table)
+    assert _table_stats(*frozen) is not _table_stats(*frozen)
+    assert_same(cpu_score_topk(*query, *frozen, mask, 20), full_sort(query, frozen, mask, 20))
 
 
 def test_empty_inputs():

@@ -14,14 +14,16 @@ products release the GIL):
 1. Affinity filter (dense, one bf16 matrix product per block). `Â = v̂ x_blkᵀ` [B·E, n], with
    fp32 accumulation (oneDNN / cpublas) and the result rounded to bf16. A score is a convex
    combination of the expert affinities plus the bias, s ≤ max_e A_e + b, so with a bound on the
-   rounding (it needs the ads' norms ‖x‖, one more pass over the block) this gives an upper bound
-   U ≥ s for every pair from one reduction over E. Ineligible pairs and pairs with U below the
-   request's running threshold τ stop here: about 90% of them over a pass on random data at
-   N = 1 M, more the sharper the gate (the K-th best score then sits near the best affinity).
-2. Gate (sparse, fp32, survivors only). `L̂ = q̂ g_blkᵀ` [B·E, n] (bf16; with one request, only
-   for the surviving ads), gathered with Â for the survivors into [E, S]; softmax over E, weighted
-   sum and bias in fp32 give s̃, and the bound ε below gives ℓ = s̃ - ε ≤ s ≤ h = s̃ + ε. Pairs
-   with h < τ stop here.
+   rounding (it needs the ads' norms ‖x‖: a pass over the table as long as the product's at B = 1,
+   so they are computed once per table and kept while the table is unchanged, see `_table_stats`)
+   this gives an upper bound U ≥ s for every pair from one reduction over E. Ineligible pairs and
+   pairs with U below the request's running threshold τ stop here: about 90% of them over a pass
+   on random data at N = 1 M, more the sharper the gate (the K-th best score then sits near the
+   best affinity).
+2. Gate (sparse, fp32, survivors only). `L̂ = g_blk q̂ᵀ` [n, B·E] (bf16; with one request, only
+   for the surviving ads), its rows gathered for the survivors into [S, E] and Â into [E, S];
+   softmax over E, weighted sum and bias in fp32 give s̃, and the bound ε below gives
+   ℓ = s̃ - ε ≤ s ≤ h = s̃ + ε. Pairs with h < τ stop here.
 3. Threshold top-K. The workers share, per request r, the K largest ℓ seen so far; τ_r is the
    K-th of them (K eligible ads score at least that much, so τ_r ≤ s_K, the K-th best score) and
    rises after every batch of step 2, so a threshold found by one worker prunes the other's blocks.
@@ -38,7 +40,8 @@ the same top K as sorting all N scores. What can still differ from `torch_score_
 bits of an fp32 score, since the two evaluate the same formula in a different order (each within
 about (G + D + E)·2⁻²⁴ of the real value, relative to the terms' magnitudes): two ads whose fp32
 scores are that close may come in the other order. Assumed: finite inputs, no bf16 subnormals in
-the products (AVX-512 bf16 dot products flush them), products accumulated in fp32.
+the products (AVX-512 bf16 dot products flush them), products accumulated in fp32, and a table
+that is only changed in place through torch between calls (its norms are kept, `_table_stats`).
 
 The bounds (u: unit roundoff of the product dtype, 2⁻⁸ for bf16 and 0 for fp32 products;
 γ_k = k·2⁻²⁴/(1 - k·2⁻²⁴), fp32 accumulation of k terms; δq_e = q̂_e - q_e/√G and δv_e = v̂_e - v_e
@@ -64,12 +67,15 @@ The bounds are worst cases (typically 5-20× the actual error), which only costs
 fp32 (or fp16) tables take the same path with fp32 products (u = 0): a quarter of the product
 rate, but tighter bounds; measured 1.3× slower than bf16 at N = 200 K, B = 1 and 64.
 
-Where the time goes (N = 1 M, E = 8, G = D = 64, K = 100, one core): at B = 64 the two bf16
-products take 40% (they run near the core's bf16 peak), the rest of step 1 (max over E,
-threshold, extracting the survivors) about 20%, gathering and bounding the ~11% of pairs that
-survive it about a third; at B = 1 the pass is bound by reading the table (products and norms).
-The survival rate is highest early in the pass, while τ is still low, and on small tables (where
-the K-th score is not far in the tail): below roughly 100-200 K ads a compiled dense scorer wins.
+Where the time goes (N = 1 M, E = 8, G = D = 64, K = 100, half eligible, one core): at B = 64
+the two bf16 products take 40% (about 200 GFLOP/s, near the core's bf16 rate), the rest of step 1
+(max over E, threshold, extracting the survivors) about 20%, gathering and bounding the ~11% of
+pairs that survive it most of the rest; at B = 1 the affinity product streams x from memory
+(~40%), and the gate logits of the ~8% surviving ads (a gather of their rows of g, bound by
+memory latency) and step 2 take most of the rest. The survival rate falls slowly over the pass as
+τ rises (at B = 1 from ~9% of the pairs a quarter of the way in to ~4% at the end; with τ known in
+advance the pass would take 20-30% less), and is higher on small tables (where the K-th score is
+not far in the tail): below roughly 100-200 K ads a compiled dense scorer wins.
 """
 
 from __future__ import annotations
@@ -77,6 +83,7 @@ from __future__ import annotations
 import math
 import queue
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -92,8 +99,9 @@ _BF16_U = 2.0**-8  # bf16 unit roundoff (8 significant bits, round to nearest)
 # B = 16, 2,048 at B = 64); smaller blocks pay per-op overhead, larger ones leave the caches.
 _TILE = 1 << 20
 _MIN_BLOCK, _MAX_BLOCK = 512, 65_536
-# survivors gathered before the sparse gate step runs: amortises per-op overhead, stays in L2
-_REFINE_PAIRS = 16_384
+# survivors gathered before the sparse gate step runs: amortises per-op overhead (65,536 measured
+# ~7% faster than 16,384 at B = 64, where a block has ~14 K survivors, and no different at B = 1, 16)
+_REFINE_PAIRS = 65_536
 _RESCORE_PAIRS = 1 << 15  # (request, candidate) pairs per chunk of the exact rescoring
 _SLACK = 2.0**-20  # relative slack for the fp32 arithmetic of the filters themselves
 
@@ -165,6 +173,60 @@ def _plan(q, v, p, g, x, k) -> _Plan:
     )
 
 
+@dataclass(frozen=True)
+class _TableStats:
+    """Per-ad constants of a table, fp32; no query changes them."""
+
+    per_ad: torch.Tensor  # [3, N]: ‖g‖ and ‖x‖ bounds and b, one gather for step 2's survivors
+    scan_bias: torch.Tensor  # [N] b + (u'' + 2⁻²¹ + slack)|b|: the bias part of step 1's offset
+
+    @property
+    def x_norm(self) -> torch.Tensor:
+        return self.per_ad[1]
+
+
+# The constants of the last few tables, by the tensors' identities. An entry serves a call only if
+# the same three tensor objects are alive and their version counters are unchanged: every in-place
+# torch op bumps them, also through a view (autograd trusts the same counters). Writes that bypass
+# torch (into a NumPy array sharing the memory) are not seen.
+_STATS: dict[tuple[int, int, int], tuple[tuple, tuple[int, ...], _TableStats]] = {}
+_STATS_LOCK = threading.Lock()
+_STATS_TABLES = 4
+
+
+def _table_stats(g: torch.Tensor, x: torch.Tensor, b: torch.Tensor) -> _TableStats:
+    """The constants of the table (g, x, b), computed once per table when it can be tracked.
+
+    The norms cost a pass over the table (as much as the affinity product at B = 1), and a serving
+    process scores the same index over and over."""
+    table = (g, x, b)
+    tracked = not any(t.is_inference() for t in table)  # inference tensors have no version
+    if tracked:
+        key, versions = tuple(map(id, table)), tuple(t._version for t in table)
+        with _STATS_LOCK:
+            for dead in [k for k, (refs, _, _) in _STATS.items() if any(r() is None for r in refs)]:
+                del _STATS[dead]
+            hit = _STATS.get(key)
+            if (
+                hit
+                and hit[1] == versions
+                and all(r() is t for r, t in zip(hit[0], table, strict=True))
+            ):
+                return hit[2]
+    u_a = _BF16_U / (1 - _BF16_U) if _product_dtype(x) == torch.bfloat16 else 0.0
+    bias = b.float()
+    stats = _TableStats(
+        per_ad=torch.stack([_row_norms(g), _row_norms(x), bias]),
+        scan_bias=bias.abs().mul_(u_a / (1 - u_a) + 2.0**-21 + _SLACK).add_(bias),
+    )
+    if tracked:
+        with _STATS_LOCK:
+            _STATS[key] = (tuple(weakref.ref(t) for t in table), versions, stats)
+            while len(_STATS) > _STATS_TABLES:
+                del _STATS[next(iter(_STATS))]  # the oldest
+    return stats
+
+
 class _Threshold:
     """τ [B], shared by the workers: the K-th largest lower bound ℓ seen so far per request.
 
@@ -193,6 +255,8 @@ class _Threshold:
 
 def _pad_by_request(values: torch.Tensor, req: torch.Tensor, n_req: int) -> torch.Tensor:
     """[B, width]: the values [P] of each request (req [P]) in its row, padded with -inf."""
+    if n_req == 1:
+        return values[None]
     counts = torch.bincount(req, minlength=n_req)  # [B]
     order = torch.argsort(req, stable=True)
     req_sorted = req[order]
@@ -214,16 +278,17 @@ def _expert_index(req: torch.Tensor, col: torch.Tensor, n_exp: int, width: int) 
     return (req * (n_exp * width) + col)[None, :] + (torch.arange(n_exp) * width)[:, None]
 
 
-def _affinity_offset(plan: _Plan, x_norm: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """Step 1's per-ad offset'' [n]: keep a pair when M̂ ≥ τ'' - offset'' (τ'' = `for_scan`).
+def _affinity_offset(plan: _Plan, x_norm: torch.Tensor, scan_bias: torch.Tensor) -> torch.Tensor:
+    """Step 1's per-ad offset'' [n]: keep a pair when M̂ + offset'' ≥ τ'' (τ'' = `for_scan`).
 
     U = M̂ + u'|M̂| + offset with offset = b + u_x‖x‖ + 2⁻²³|b|. With T = τ - offset, U ≥ τ
     implies M̂ ≥ T - u''|T| (u'' = u'/(1 - u')), and |T| ≤ |τ| + |offset|: so moving τ and offset
-    each by u''|·| (plus slack for the fp32 rounding of this arithmetic) gives a test that never
-    drops a pair with U ≥ τ and needs no pass over |M̂|.
+    each by u''|·| gives a test that never drops a pair with U ≥ τ and needs no pass over |M̂|.
+    offset'' = scan_bias + u_x(1 + u'' + slack)‖x‖ ≥ offset + u''|offset|, with room for the fp32
+    rounding of this arithmetic; fp32 rounding is monotone, so the rounded sum M̂ + offset'' is
+    ≥ τ'' whenever the exact one is.
     """
-    offset = torch.add(bias, x_norm, alpha=plan.u_x).add_(bias.abs(), alpha=2.0**-22)  # [n]
-    return offset.add_(offset.abs(), alpha=plan.u_scan + _SLACK)
+    return torch.add(scan_bias, x_norm, alpha=plan.u_x * (1 + plan.u_scan + _SLACK))
 
 
 def _gate_bounds(plan: _Plan, req, gate, aff, g_norm, x_norm, bias):
@@ -258,9 +323,11 @@ def _gate_bounds(plan: _Plan, req, gate, aff, g_norm, x_norm, bias):
 class _Worker:
     """Scans blocks of ads for one thread and keeps that thread's candidates."""
 
-    def __init__(self, plan: _Plan, table, mask, shared: _Threshold, block: int):
-        self.plan, self.shared = plan, shared
-        self.g, self.x, self.b = table
+    def __init__(
+        self, plan: _Plan, table, stats: _TableStats, mask, shared: _Threshold, block: int
+    ):
+        self.plan, self.shared, self.stats = plan, shared, stats
+        self.g, self.x = table
         self.mask = mask
         n_rows = plan.n_req * plan.n_exp
         self.a_buf = torch.empty(n_rows * block, dtype=plan.vh.dtype)
@@ -274,63 +341,52 @@ class _Worker:
 
     def scan(self, lo: int, hi: int) -> None:
         """Step 1 on ads [lo, hi): the affinity bound U, eligibility, gather the survivors."""
-        plan, n = self.plan, hi - lo
+        plan, stats, n = self.plan, self.stats, hi - lo
         n_req, n_exp = plan.n_req, plan.n_exp
         xb = self.x[lo:hi].to(plan.vh.dtype)
         aff = torch.mm(plan.vh, xb.T, out=self.a_buf[: n_req * n_exp * n].view(-1, n))  # [B·E, n]
         best = aff.view(n_req, n_exp, n).amax(1)  # [B, n] M̂
-        x_norm = _row_norms(xb)  # [n]
-        bias = self.b[lo:hi].float()  # [n]
-        offset = _affinity_offset(plan, x_norm, bias)  # [n]
-        mask = self.mask
-        if mask is not None and mask.dim() == 1:
-            offset.masked_fill_(~mask[lo:hi], -math.inf)  # threshold +inf (or nan: τ = -inf) fails
-        keep = best >= self.shared.for_scan[:, None] - offset  # [B, n]
-        if mask is not None and mask.dim() == 2:
-            keep &= mask[:, lo:hi]
+        offset = _affinity_offset(plan, stats.x_norm[lo:hi], stats.scan_bias[lo:hi])  # [n]
+        keep = torch.add(best, offset) >= self.shared.for_scan[:, None]  # [B, n]
+        if self.mask is not None:
+            keep &= self.mask[..., lo:hi]
         req, ad = keep.nonzero().unbind(1)  # [S], [S]
         if len(req) == 0:
             return
-        index = _expert_index(req, ad, n_exp, n)  # [E, S] positions in the [B·E, n] products
-        gate, g_norm = None, torch.zeros(len(req))
-        if plan.qh is not None:
-            gb = self.g[lo:hi]
-            if n_req == 1 and 2 * len(ad) < n:
-                # one request: gate logits of its surviving ads only, in order
-                gb = gb.index_select(0, ad).to(plan.qh.dtype)  # [S, G]
-                gate = torch.mm(plan.qh, gb.T)  # [E, S] L̂: one request, one column per survivor
-                g_norm = _row_norms(gb)
-            else:
-                gb = gb.to(plan.qh.dtype)
-                logits = torch.mm(plan.qh, gb.T, out=self.l_buf[: n_req * n_exp * n].view(-1, n))
-                gate = logits.take(index)  # [E, S] L̂
-                g_norm = _row_norms(gb).index_select(0, ad)
-        gathered = aff.take(index)  # [E, S] Â
-        self.pending.append(
-            (
-                req,
-                ad + lo,
-                gate,
-                gathered,
-                g_norm,
-                x_norm.index_select(0, ad),
-                bias.index_select(0, ad),
-            )
-        )
+        row = ad + lo
+        gate = None if plan.qh is None else self.gate_logits(lo, hi, req, ad)  # [S, E] L̂
+        # Â stays [B·E, n] for the max over E along rows; the take gathers E strided values
+        gathered = aff.take(_expert_index(req, ad, n_exp, n))  # [E, S] Â
+        self.pending.append((req, row, gate, gathered, stats.per_ad.index_select(1, row)))
         self.n_pending += len(req)
         if self.n_pending >= _REFINE_PAIRS or hi - lo < self.block:
             self.refine()  # after a short (warm-up) block at once: τ is what prunes the next
+
+    def gate_logits(self, lo: int, hi: int, req: torch.Tensor, ad: torch.Tensor) -> torch.Tensor:
+        """L̂ [S, E] of the surviving pairs (req [S], ad [S] in [0, hi - lo))."""
+        plan, n = self.plan, hi - lo
+        gb = self.g[lo:hi]
+        if plan.n_req == 1 and 2 * len(ad) < n:  # one request: only its surviving ads' logits
+            return torch.mm(gb.index_select(0, ad).to(plan.qh.dtype), plan.qh.T)
+        # Ads by rows, so that a pair's E logits are adjacent: one 2E-byte row gather per pair.
+        # (Gathering each request's surviving ads for a batch of small products measured no faster
+        # at B = 16 and 64: the gathers cost what the skipped multiply-adds saved.)
+        out = self.l_buf[: n * plan.n_req * plan.n_exp].view(n, -1)
+        logits = torch.mm(gb.to(plan.qh.dtype), plan.qh.T, out=out)  # [n, B·E]
+        return logits.view(n * plan.n_req, plan.n_exp).index_select(0, ad * plan.n_req + req)
 
     def refine(self) -> None:
         """Step 2 on the gathered survivors: s̃ ± ε in fp32; keep the pairs with h ≥ τ."""
         if not self.pending:
             return
         plan = self.plan
-        req, row, gate, aff, g_norm, x_norm, bias = (
-            None if parts[0] is None else torch.cat(parts, dim=-1)
-            for parts in zip(*self.pending, strict=True)
-        )
+        req, row, gates, affs, per_ad = zip(*self.pending, strict=True)
         self.pending, self.n_pending = [], 0
+        req, row, aff = torch.cat(req), torch.cat(row), torch.cat(affs, dim=1)  # aff [E, S]
+        gate = None  # [S, E] -> [E, S] fp32, in one copy
+        if gates[0] is not None:
+            gate = torch.cat(gates).T.to(torch.float32, memory_format=torch.contiguous_format)
+        g_norm, x_norm, bias = torch.cat(per_ad, dim=1).unbind(0)  # [S] each (fresh: overwritten)
         approx, eps = _gate_bounds(plan, req, gate, aff, g_norm, x_norm, bias)  # [S], [S]
         lower, upper = approx - eps, approx + eps
         keep = torch.nonzero(upper >= self.shared.for_refine.index_select(0, req)).squeeze(1)
@@ -480,6 +536,7 @@ def cpu_score_topk(
         return torch.full((n_req, k_out), -math.inf), torch.full((n_req, k_out), NO_ROW)
     g, x, b = g.contiguous(), x.contiguous(), b.contiguous()
     plan = _plan(q, v, p, g, x, k_out)
+    stats = _table_stats(g, x, b)
     if block is None:
         block = 1 << round(math.log2(max(_TILE / (n_req * n_exp), 1)))
         block = min(max(block, _MIN_BLOCK), _MAX_BLOCK)
@@ -490,7 +547,7 @@ def cpu_score_topk(
     for span in spans:
         todo.put(span)
     shared = _Threshold(n_req, k_out, plan.u_scan)
-    workers = [_Worker(plan, (g, x, b), mask, shared, block) for _ in range(n_workers)]
+    workers = [_Worker(plan, (g, x), stats, mask, shared, block) for _ in range(n_workers)]
     caller_threads = torch.get_num_threads()
 
     errors: list[BaseException] = []
