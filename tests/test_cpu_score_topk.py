@@ -7,6 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_score_topk import make_mask
 
 from m31.ops import NO_ROW, score
 from m31.ops.cpu_score_topk import (
@@ -30,17 +31,6 @@ def random_problem(n_req, n_ads, n_exp, gdim, ddim, seed, dtype=torch.bfloat16, 
     query = (r(n_req, n_exp, gdim) * scale, r(n_req, n_exp, ddim), r(n_req, n_exp) * scale)
     table = tuple(t.to(dtype) for t in (r(n_ads, gdim), r(n_ads, ddim), r(n_ads)))
     return query, table
-
-
-def make_mask(kind, n_req, n_ads, seed):
-    gen = torch.Generator().manual_seed(seed)
-    return {
-        "none": None,
-        "shared": torch.rand(n_ads, generator=gen) < 0.5,
-        "per-request": torch.rand(n_req, n_ads, generator=gen) < 0.5,
-        "nothing": torch.zeros(n_ads, dtype=torch.bool),
-        "everything": torch.ones(n_req, n_ads, dtype=torch.bool),
-    }[kind]
 
 
 def full_sort(query, table, mask, k):

@@ -22,6 +22,18 @@ def random_problem(n_req, n_ads, n_exp, gdim, ddim, seed, levels=None):
     return query, table
 
 
+def make_mask(kind, n_req, n_ads, seed):
+    """Eligibility of the kinds every implementation is tested on."""
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "none": None,
+        "shared": torch.rand(n_ads, generator=gen) < 0.5,
+        "per-request": torch.rand(n_req, n_ads, generator=gen) < 0.5,
+        "nothing": torch.zeros(n_ads, dtype=torch.bool),
+        "everything": torch.ones(n_req, n_ads, dtype=torch.bool),
+    }[kind]
+
+
 def full_sort(query, table, mask, k):
     """The definition: every score, ineligible ones dropped, stable sort (lower row first)."""
     s = score(*query, *table)  # [B, N]

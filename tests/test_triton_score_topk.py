@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from test_score_topk import full_sort
+from test_score_topk import full_sort, make_mask
 
 from m31.ops import NO_ROW, score
 from m31.ops.quant import Int8Table, quantize_ad_table
@@ -43,17 +43,6 @@ def problem(n_req, n_ads, n_exp, gdim, ddim, seed, levels=None):
     query = (r(n_req, n_exp, gdim), r(n_req, n_exp, ddim), r(n_req, n_exp))
     table = (r(n_ads, gdim), r(n_ads, ddim), r(n_ads))
     return query, table
-
-
-def make_mask(kind, n_req, n_ads, seed):
-    gen = torch.Generator().manual_seed(seed)
-    return {
-        "none": None,
-        "shared": torch.rand(n_ads, generator=gen) < 0.5,
-        "per-request": torch.rand(n_req, n_ads, generator=gen) < 0.5,
-        "nothing": torch.zeros(n_ads, dtype=torch.bool),
-        "everything": torch.ones(n_req, n_ads, dtype=torch.bool),
-    }[kind]
 
 
 def assert_exact(got, want):
