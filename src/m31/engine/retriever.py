@@ -281,10 +281,12 @@ class Retriever:
                 )
                 masks.append(view.eligible_mask(ctx, f))
             mask = torch.stack(masks) if masks else None  # [B, N]
-            t2 = time.perf_counter()
-            scores, top = score_topk((q, v, p), (view.g, view.x, view.b), mask, k)  # [B, K']
-            ids = torch.where(top == NO_ROW, NO_ROW, view.row_ids[top.clamp_min(0)])
-            version = view.version
+            table, row_ids, version = (view.g, view.x, view.b), view.row_ids, view.version
+        # The table's rows are write-once (see m31.index.ad_index), so scoring runs after the
+        # lock is released: mutations wait for the masks only, never for the pass.
+        t2 = time.perf_counter()
+        scores, top = score_topk((q, v, p), table, mask, k)  # [B, K']
+        ids = torch.where(top == NO_ROW, NO_ROW, row_ids[top.clamp_min(0)])
         t3 = time.perf_counter()
 
         scores, ids = scores.cpu().numpy(), ids.cpu().numpy()
