@@ -182,4 +182,5 @@ def run(
     )
     timings["total"] = time.perf_counter() - start
     log("wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()))
+    log(f"serve it: m31 serve --index {out / 'index'} --model {runs / 'moe.pt'}")
     return {"quality": quality, "funnel": funnel, "ads_per_s": ads_per_s, "timings": timings}
