@@ -90,7 +90,7 @@ from dataclasses import dataclass
 
 import torch
 
-from m31.ops.torch_score_topk import NO_ROW
+from m31.ops.torch_score_topk import NO_ROW, check_args
 
 _U32 = 2.0**-24  # fp32 unit roundoff
 _BF16_U = 2.0**-8  # bf16 unit roundoff (8 significant bits, round to nearest)
@@ -472,29 +472,7 @@ def _exact_topk(q, v, p, g, x, b, req, row, n_req: int, k_out: int):
 
 
 def _check(q, v, p, g, x, b, mask, k) -> None:
-    if k <= 0:
-        raise ValueError(f"k must be positive, got {k}")
-    if q.dim() != 3 or v.dim() != 3 or p.dim() != 2:
-        raise ValueError(
-            f"query must be q [B, E, G], v [B, E, D], p [B, E]; got {tuple(q.shape)}, {tuple(v.shape)}, {tuple(p.shape)}"
-        )
-    n_req, n_exp = p.shape
-    if q.shape[:2] != (n_req, n_exp) or v.shape[:2] != (n_req, n_exp) or n_exp == 0:
-        raise ValueError(
-            f"q, v and p disagree on B or E (E must be ≥ 1): {tuple(q.shape)}, {tuple(v.shape)}, {tuple(p.shape)}"
-        )
-    n_ads = g.shape[0] if g.dim() == 2 else -1
-    if g.shape != (n_ads, q.shape[2]) or x.shape != (n_ads, v.shape[2]) or b.shape != (n_ads,):
-        raise ValueError(
-            f"ad table must be g [N, {q.shape[2]}], x [N, {v.shape[2]}], b [N]; "
-            f"got {tuple(g.shape)}, {tuple(x.shape)}, {tuple(b.shape)}"
-        )
-    if mask is not None and (
-        mask.dtype != torch.bool or mask.shape not in ((n_ads,), (n_req, n_ads))
-    ):
-        raise ValueError(
-            f"mask must be bool [{n_ads}] or [{n_req}, {n_ads}], got {mask.dtype} {tuple(mask.shape)}"
-        )
+    check_args(q, v, p, g, x, b, mask, k)
     for name, t in {"q": q, "v": v, "p": p, "g": g, "x": x, "b": b}.items():
         if not t.is_floating_point() or t.device.type != "cpu":
             raise ValueError(
