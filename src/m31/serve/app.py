@@ -363,7 +363,7 @@ def create_app(config: ServeConfig, service: Service | None = None) -> FastAPI:
     def version_response(svc: Service, version: int) -> VersionResponse:
         return VersionResponse(index_version=version, ads=len(svc.store.index))
 
-    def to_engine(i: int, r: RetrieveRequest, now: int) -> AdRequest:
+    def to_engine(r: RetrieveRequest, now: int) -> AdRequest:
         user = None
         if r.user is not None:
             u = r.user
@@ -409,7 +409,7 @@ def create_app(config: ServeConfig, service: Service | None = None) -> FastAPI:
                 f"{body.min_version}",
             )
         now = int(time.time())
-        requests = [to_engine(i, r, now) for i, r in enumerate(body.requests)]
+        requests = [to_engine(r, now) for r in body.requests]
         try:
             svc.retriever.check(requests)  # a bad request fails alone, before batching
         except (RequestError, ValueError) as e:

@@ -54,14 +54,6 @@ class _Item:
     enqueued: float = field(default_factory=time.monotonic)
 
 
-@dataclass
-class BatchStats:
-    batches: int = 0  # device calls
-    items: int = 0  # HTTP calls answered
-    requests: int = 0
-    last_batch_s: float = 0.0
-
-
 class DynamicBatcher:
     """`run(payloads) -> results` is called off the loop with the payloads of one batch."""
 
@@ -82,13 +74,12 @@ class DynamicBatcher:
         self.max_queue_delay = max_queue_delay_ms / 1000
         self.max_queue = max_queue  # requests, not items
         self.on_batch = on_batch  # (batch size in requests, seconds) after each device call
-        self.stats = BatchStats()
         self._queue: deque[_Item] = deque()
         self._queued = 0  # requests waiting
         self._wake: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="m31-device")
-        self._batch_ema = 0.0  # seconds per batch, smoothed
+        self._batch_ema: float | None = None  # seconds per batch, smoothed
 
     @property
     def depth(self) -> int:
@@ -118,7 +109,7 @@ class DynamicBatcher:
         now = time.monotonic()
         if self._queued + size > self.max_queue:
             raise QueueFull(f"queue full ({self._queued} requests waiting, limit {self.max_queue})")
-        expected = (self._queued // self.max_batch_size + 1) * self._batch_ema
+        expected = (self._queued // self.max_batch_size + 1) * (self._batch_ema or 0.0)
         if expected > timeout_s:
             raise WouldMissDeadline(
                 f"expected wait {expected * 1000:.0f} ms exceeds the deadline "
@@ -195,12 +186,8 @@ class DynamicBatcher:
                         results.append(e)
         elapsed = time.monotonic() - start
         self._batch_ema = (
-            elapsed if not self.stats.batches else 0.8 * self._batch_ema + 0.2 * elapsed
+            elapsed if self._batch_ema is None else 0.8 * self._batch_ema + 0.2 * elapsed
         )
-        self.stats.batches += 1
-        self.stats.items += len(batch)
-        self.stats.requests += size
-        self.stats.last_batch_s = elapsed
         if self.on_batch is not None:
             self.on_batch(size, elapsed)
         for item, result in zip(batch, results, strict=True):
