@@ -5,7 +5,8 @@ Shapes: B requests, N rows of the ad table, E experts, G gate-key dim, D value d
 One call of `Retriever.retrieve` encodes the batch's requests once (user experts, context
 folded in; a user is either a stored user of the feature store or given inline), evaluates each request's eligibility into a bitmask over the index's rows, and runs
 the exhaustive score·filter·top-K pass (`m31.ops.score_topk`). Table and masks come from one
-`snapshot_view` of the index, so a batch is answered at one consistent version.
+`frozen_view` of the index, so a batch is answered at one consistent version, and mutations never
+wait for the masks or the pass.
 """
 
 from __future__ import annotations
@@ -264,26 +265,26 @@ class Retriever:
         q, v, p = self.model.encode_requests(inputs.to(self.device), self.catalog)  # [B, E, *]
         t1 = time.perf_counter()
 
-        with self.index.snapshot_view() as view:
-            masks = []
-            for r, row, f in zip(requests, rows, filters, strict=True):
-                who = self._targeting_of(r, row)
-                gender = who.get("gender")
-                ctx = RequestContext(
-                    country=who.get("country"),
-                    age=who.get("age"),
-                    gender=gender if gender in GENDERS else None,
-                    platform=r.platform,
-                    surface=r.surface,
-                    ts=r.ts,
-                    exclude_ads=r.exclude_ads,
-                    exclude_advertisers=r.exclude_advertisers,
-                )
-                masks.append(view.eligible_mask(ctx, f))
-            mask = torch.stack(masks) if masks else None  # [B, N]
-            table, row_ids, version = (view.g, view.x, view.b), view.row_ids, view.version
-        # The table's rows are write-once (see m31.index.ad_index), so scoring runs after the
-        # lock is released: mutations wait for the masks only, never for the pass.
+        # Masks are built from the view's own copy of the attributes and the table's rows are
+        # write-once (see m31.index.ad_index): no lock is held, so writers never wait for them.
+        view = self.index.frozen_view()
+        masks = []
+        for r, row, f in zip(requests, rows, filters, strict=True):
+            who = self._targeting_of(r, row)
+            gender = who.get("gender")
+            ctx = RequestContext(
+                country=who.get("country"),
+                age=who.get("age"),
+                gender=gender if gender in GENDERS else None,
+                platform=r.platform,
+                surface=r.surface,
+                ts=r.ts,
+                exclude_ads=r.exclude_ads,
+                exclude_advertisers=r.exclude_advertisers,
+            )
+            masks.append(view.eligible_mask(ctx, f))
+        mask = torch.stack(masks) if masks else None  # [B, N]
+        table, row_ids, version = (view.g, view.x, view.b), view.row_ids, view.version
         t2 = time.perf_counter()
         scores, top = score_topk((q, v, p), table, mask, k)  # [B, K']
         ids = torch.where(top == NO_ROW, NO_ROW, row_ids[top.clamp_min(0)])

@@ -8,7 +8,8 @@ rows; growth and compaction build new tensors. So the tensors `table()` hands ou
 afterwards, even while later mutations run, and a scorer may keep reading them after the lock is
 released (asynchronous GPU work included). Attributes do change in place, so a mask is always
 computed under the lock and returned as a fresh tensor; `snapshot_view()` holds the lock so that
-table and masks come from one version.
+table and masks come from one version. `frozen_view()` instead copies liveness and attributes
+(once per version, under the lock), so masks are built from one version while mutations proceed.
 
 Every mutation validates all of its input before touching anything, so a call that raises
 leaves the index exactly as it was.
@@ -16,6 +17,7 @@ leaves the index exactly as it was.
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -110,7 +112,8 @@ class AdRow(NamedTuple):
 
 @dataclass(frozen=True)
 class IndexView:
-    """One version of the index, valid while its `snapshot_view()` block is open."""
+    """One version of the index, valid while its `snapshot_view()` block is open (for good,
+    when it comes from `frozen_view()`)."""
 
     g: torch.Tensor  # [N, G]
     x: torch.Tensor  # [N, D]
@@ -200,6 +203,7 @@ class AdIndex:
         self._row_ids = torch.full((capacity,), -1, dtype=torch.int64, device=self.device)
         self._live = torch.zeros(capacity, dtype=torch.bool, device=self.device)  # [cap]
         self._attrs = AttributeTable(self._schema, self.device, capacity)
+        self._frozen: AdIndex | None = None  # copy of the last version `frozen_view` saw
 
     # ---- reading -------------------------------------------------------------------------
 
@@ -254,6 +258,27 @@ class AdIndex:
         with self._lock:
             g, x, b, row_ids, version = self.table()
             yield IndexView(g, x, b, row_ids, version, self._attrs, self)
+
+    def frozen_view(self) -> IndexView:
+        """A view that stays valid without the lock: its masks are built from a copy of the
+        liveness and attributes of its version, so mutations never wait for them.
+
+        The copy is made under the lock once per version (a mutation costs the next view one
+        copy of the attributes, not the build of every mask after it).
+        """
+        with self._lock:
+            frozen = self._frozen
+            if frozen is None or frozen._version != self._version:
+                n = self._n
+                frozen = copy.copy(self)  # shares the write-once table
+                frozen._lock = threading.RLock()
+                frozen._live = self._live[:n].clone()
+                frozen._attrs = self._attrs.take(torch.arange(n, device=self.device), n)
+                frozen._rows = dict(self._rows)
+                frozen._frozen = None
+                self._frozen = frozen
+            g, x, b, row_ids, version = frozen.table()
+            return IndexView(g, x, b, row_ids, version, frozen._attrs, frozen)
 
     def eligible_mask(
         self, request: RequestContext, filter_fn: Mask | Mapping | None = None
