@@ -1,6 +1,7 @@
 """Filter expressions over per-ad attributes, and the encoded attribute table they run on.
 
-Shapes: N rows, V words in one list field's vocabulary (Vcap: its allocated rows).
+Shapes: N rows (cap allocated), M entries of one list field: a (row, word) pair each (Mcap
+allocated), k rows in one call.
 
 A filter is a JSON boolean tree::
 
@@ -19,6 +20,7 @@ and a value the table has never seen simply matches nothing.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -26,6 +28,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import torch
+
+from m31.index.limits import COUNTRY_CODE, COUNTRY_FIELDS, MAX_VOCABULARY
 
 FieldKind = Literal["int", "float", "str", "str_list"]
 KINDS: tuple[str, ...] = ("int", "float", "str", "str_list")
@@ -152,19 +156,102 @@ def columns_from_arrow(table: pa.Table, schema: Mapping[str, str]) -> pa.Table:
     return pa.Table.from_arrays(arrays, schema=arrow_schema(schema))
 
 
+def _ranges(start: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """[sum(count)] int64: the ranges start[i] .. start[i] + count[i] - 1, one after another."""
+    total = int(count.sum())
+    first = torch.cumsum(count, 0) - count  # [k] where range i begins in the output
+    step = torch.arange(total, device=start.device)  # [total]
+    return torch.repeat_interleave(start - first, count, output_size=total) + step
+
+
+class _Lists:
+    """The sets of one str_list field in CSR form: the codes of each row are `count[row]`
+    consecutive entries of flat arrays, from `start[row]`. Memory grows with the entries (8
+    bytes each) and the rows (12 bytes each), whatever the size of the vocabulary.
+
+    A row's new set may be longer than its old one, so rewriting a row appends its new entries
+    and marks the old ones dead (code -1) rather than shifting every later row; once dead
+    entries are half of all, the next append that needs room drops them instead of growing.
+    """
+
+    def __init__(self, cap: int, device: torch.device):
+        self.codes = torch.zeros(0, dtype=torch.int32, device=device)  # [Mcap]
+        self.owner = torch.zeros(0, dtype=torch.int32, device=device)  # [Mcap] row of each
+        self.start = torch.zeros(cap, dtype=torch.int64, device=device)  # [cap]
+        self.count = torch.zeros(cap, dtype=torch.int32, device=device)  # [cap]
+        self.used = 0  # entries appended, live or dead: the next one goes here
+        self.dead = 0
+
+    def reserve_rows(self, cap: int, n: int) -> None:
+        for name in ("start", "count"):
+            old = getattr(self, name)
+            grown = torch.zeros(cap, dtype=old.dtype, device=old.device)  # [cap]
+            grown[:n] = old[:n]
+            setattr(self, name, grown)
+
+    def _make_room(self, m: int) -> None:
+        """Room for m more entries after `used`."""
+        if self.used + m <= len(self.codes):
+            return
+        if self.dead * 2 >= self.used:
+            alive = self.codes[: self.used] >= 0  # [M]
+            # Where each old entry lands, plus the end: rows keep their entries contiguous.
+            moved = torch.zeros(self.used + 1, dtype=torch.int64, device=alive.device)  # [M+1]
+            moved[1:] = torch.cumsum(alive, 0)
+            self.start = moved[self.start]
+            self.codes, self.owner = self.codes[: self.used][alive], self.owner[: self.used][alive]
+            self.used, self.dead = len(self.codes), 0
+        if self.used + m > len(self.codes):
+            size = max(self.used + m, 2 * len(self.codes))  # geometric: amortised O(1) copies
+            codes = torch.full((size,), -1, dtype=torch.int32, device=self.codes.device)
+            owner = torch.zeros(size, dtype=torch.int32, device=self.codes.device)
+            codes[: self.used], owner[: self.used] = (
+                self.codes[: self.used],
+                self.owner[: self.used],
+            )
+            self.codes, self.owner = codes, owner
+
+    def write(self, rows: torch.Tensor, codes: torch.Tensor, where: torch.Tensor) -> None:
+        """Set the sets of distinct rows [k]: entry j holds code codes[j] for row rows[where[j]];
+        (where, codes) pairs are distinct and grouped by `where` in ascending order."""
+        old = self.count[rows]  # [k]
+        if bool((old > 0).any()):
+            self.codes[_ranges(self.start[rows], old)] = -1  # a rewritten row loses its words
+            self.dead += int(old.sum())
+        m = len(codes)
+        self._make_room(m)
+        count = torch.bincount(where, minlength=len(rows)).to(torch.int32)  # [k]
+        self.codes[self.used : self.used + m] = codes.to(torch.int32)
+        self.owner[self.used : self.used + m] = rows[where].to(torch.int32)
+        self.start[rows] = self.used + torch.cumsum(count, 0) - count
+        self.count[rows] = count
+        self.used += m
+
+    def gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes [m], counts [k]) of rows [k]: their entries, row after row."""
+        count = self.count[rows]  # [k]
+        return self.codes[_ranges(self.start[rows], count)], count
+
+    def contains(self, code: int, n: int) -> torch.Tensor:
+        mask = torch.zeros(n, dtype=torch.bool, device=self.codes.device)  # [N]
+        mask[self.owner[: self.used][self.codes[: self.used] == code]] = True
+        return mask
+
+
 class AttributeTable:
     """Per-row attributes of N rows, encoded on one device so that filters are tensor ops.
 
     * int / float fields: values [cap] (int64 / float64) and a validity mask [cap];
     * str fields: int64 codes [cap] into the field's vocabulary (-1 = null), so eq / in compare
       integers;
-    * str_list fields: a membership matrix [Vcap, cap], word-major so that `contains` reads one
-      contiguous row of N bytes, and a non-empty flag [cap]. Lists are sets: order and repeats
-      are not kept, a list reads back sorted, and null reads back as the empty list.
+    * str_list fields: the codes of each row's words in CSR form (`_Lists`), so memory grows
+      with the words rows hold, not with vocabulary x rows; `contains` compares the flat codes
+      with one code and scatters the hits to their rows. Lists are sets: order and repeats are
+      not kept, a list reads back sorted, and null reads back as the empty list.
 
-    Vocabularies only grow (a code never changes meaning while the table lives). Dense
-    membership suits the small vocabularies of targeting (countries, platforms) and modest tag
-    sets.
+    Vocabularies only grow while the table lives (a code never changes meaning), a list
+    field's up to `MAX_VOCABULARY` values: a write beyond that is refused. `take` builds a new
+    table whose list vocabularies keep only the values its rows hold.
     """
 
     def __init__(self, schema: Mapping[str, str], device="cpu", capacity: int = 0):
@@ -172,12 +259,16 @@ class AttributeTable:
         self.device = torch.device(device)
         self._cap = int(capacity)
         self._n = 0
-        self._values: dict[str, torch.Tensor] = {}  # [cap] or [Vcap, cap] for lists
-        self._valid: dict[str, torch.Tensor] = {}  # [cap] numeric validity / list non-empty
+        self._values: dict[str, torch.Tensor] = {}  # [cap] of int, float and str fields
+        self._valid: dict[str, torch.Tensor] = {}  # [cap] validity of int and float fields
+        self._lists: dict[str, _Lists] = {}
         self._vocab: dict[str, dict[str, int]] = {}
         self._words: dict[str, list[str]] = {}
         for name, kind in self.schema.items():
-            self._values[name], self._valid[name] = self._alloc(kind, self._cap, 0)
+            if kind == "str_list":
+                self._lists[name] = _Lists(self._cap, self.device)
+            else:
+                self._values[name], self._valid[name] = self._alloc(kind, self._cap)
             if kind in ("str", "str_list"):
                 self._vocab[name], self._words[name] = {}, []
 
@@ -189,16 +280,14 @@ class AttributeTable:
         table.write(torch.arange(len(rows), device=table.device), columns_from_rows(rows, schema))
         return table
 
-    def _alloc(self, kind: str, cap: int, vcap: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _alloc(self, kind: str, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
         dev = self.device
         valid = torch.zeros(cap, dtype=torch.bool, device=dev)  # [cap]
         if kind == "int":
             return torch.zeros(cap, dtype=torch.int64, device=dev), valid
         if kind == "float":
             return torch.zeros(cap, dtype=torch.float64, device=dev), valid
-        if kind == "str":
-            return torch.full((cap,), -1, dtype=torch.int64, device=dev), valid
-        return torch.zeros(vcap, cap, dtype=torch.bool, device=dev), valid  # [Vcap, cap]
+        return torch.full((cap,), -1, dtype=torch.int64, device=dev), valid
 
     @property
     def n_rows(self) -> int:
@@ -214,25 +303,30 @@ class AttributeTable:
             return
         n = self._n
         for name, kind in self.schema.items():
-            old, old_valid = self._values[name], self._valid[name]
-            vcap = old.shape[0] if kind == "str_list" else 0
-            new, valid = self._alloc(kind, capacity, vcap)
-            new[..., :n] = old[..., :n]
-            valid[:n] = old_valid[:n]
+            if kind == "str_list":
+                self._lists[name].reserve_rows(capacity, n)
+                continue
+            new, valid = self._alloc(kind, capacity)
+            new[:n] = self._values[name][:n]
+            valid[:n] = self._valid[name][:n]
             self._values[name], self._valid[name] = new, valid
         self._cap = capacity
 
-    def _reserve_vocab(self, name: str) -> None:
-        member = self._values[name]  # [Vcap, cap]
-        need = len(self._words[name])
-        if need <= member.shape[0]:
-            return
-        vcap = max(8, member.shape[0])
-        while vcap < need:
-            vcap *= 2  # geometric, so a stream of new tags costs amortised O(1) copies
-        grown = torch.zeros(vcap, self._cap, dtype=torch.bool, device=self.device)
-        grown[: member.shape[0]] = member
-        self._values[name] = grown
+    def vocabulary_overflow(self, columns: pa.Table) -> tuple[str, int] | None:
+        """(field, row of `columns`) where writing `columns` would first take a list field past
+        `MAX_VOCABULARY` distinct values; None when everything fits. Changes nothing."""
+        for name in self._lists:
+            vocab = self._vocab[name]
+            col = columns.column(name).combine_chunks()
+            enc = pc.dictionary_encode(pc.list_flatten(col))
+            room = MAX_VOCABULARY - len(vocab)
+            new = [i for i, w in enumerate(enc.dictionary.to_pylist()) if w not in vocab]
+            if len(new) > room:
+                # The dictionary lists words in order of first appearance, so the new word that
+                # does not fit is new[room], and its first appearance is where the limit is hit.
+                entry = pc.index(enc.indices, new[room]).as_py()
+                return name, pc.list_parent_indices(col)[entry].as_py()
+        return None
 
     def _encode(self, name: str, words: pa.Array) -> np.ndarray:
         """Strings -> codes, adding unseen words to the vocabulary; null -> -1."""
@@ -249,9 +343,18 @@ class AttributeTable:
         return np.asarray(lut, dtype=np.int64)[idx]
 
     def write(self, rows: torch.Tensor, columns: pa.Table) -> None:
-        """Set distinct rows [n] (< capacity) from a table of `arrow_schema(self.schema)`."""
+        """Set distinct rows [n] (< capacity) from a table of `arrow_schema(self.schema)`.
+
+        Raises ValueError, changing nothing, if a list field would exceed `MAX_VOCABULARY`.
+        """
         if len(rows) == 0:
             return
+        overflow = self.vocabulary_overflow(columns)
+        if overflow is not None:
+            name, row = overflow
+            raise ValueError(
+                f"row {row}, attribute {name!r}: more than {MAX_VOCABULARY} distinct values"
+            )
         for name, kind in self.schema.items():
             col = columns.column(name).combine_chunks()
             if kind in ("int", "float"):
@@ -262,31 +365,51 @@ class AttributeTable:
             elif kind == "str":
                 self._values[name][rows] = torch.tensor(self._encode(name, col), device=self.device)
             else:
-                codes = torch.tensor(self._encode(name, pc.list_flatten(col)), device=self.device)
-                parent = pc.list_parent_indices(col).to_numpy(zero_copy_only=False)
-                self._reserve_vocab(name)
-                member = self._values[name]  # [Vcap, cap]
-                member[:, rows] = False  # a rewritten row loses its old words
-                member[codes, rows[torch.tensor(parent, device=self.device)]] = True
-                counts = np.bincount(parent, minlength=len(col))
-                self._valid[name][rows] = torch.tensor(counts > 0, device=self.device)
+                codes = self._encode(name, pc.list_flatten(col))  # [m]
+                where = pc.list_parent_indices(col).to_numpy(zero_copy_only=False)  # [m]
+                # One key per (row, code) pair: np.unique drops repeats and groups by row.
+                key = np.unique(where.astype(np.int64) * (len(self._words[name]) + 1) + codes)
+                where, codes = np.divmod(key, len(self._words[name]) + 1)
+                self._lists[name].write(
+                    rows,
+                    torch.tensor(codes, device=self.device),
+                    torch.tensor(where, device=self.device),
+                )
         self._n = max(self._n, int(rows.max()) + 1)
 
     def take(self, rows: torch.Tensor, capacity: int) -> AttributeTable:
-        """A new table whose row i is row rows[i] of this one (same vocabularies)."""
-        out = AttributeTable(self.schema, self.device, 0)
-        out._cap, out._n, k = capacity, len(rows), len(rows)
+        """A new table whose row i is row rows[i] of this one. str vocabularies are kept as
+        they are; a list field's keeps only the values the taken rows hold, so compaction
+        frees the values no row holds any more."""
+        out = AttributeTable(self.schema, self.device, capacity)
+        out._n, k = len(rows), len(rows)
         for name, kind in self.schema.items():
-            vcap = self._values[name].shape[0] if kind == "str_list" else 0
-            values, valid = self._alloc(kind, capacity, vcap)
-            values[..., :k] = self._values[name][..., rows]
-            valid[:k] = self._valid[name][rows]
-            out._values[name], out._valid[name] = values, valid
-            if name in self._vocab:
-                out._vocab[name], out._words[name] = (
-                    dict(self._vocab[name]),
-                    list(self._words[name]),
-                )
+            if kind != "str_list":
+                out._values[name][:k] = self._values[name][rows]
+                out._valid[name][:k] = self._valid[name][rows]
+                if name in self._vocab:
+                    out._vocab[name] = dict(self._vocab[name])
+                    out._words[name] = list(self._words[name])
+                continue
+            codes, count = self._lists[name].gather(rows)  # [m], [k]
+            held = torch.unique(codes)  # [V'] ascending, so words keep their relative order
+            renumber = torch.full(
+                (len(self._words[name]),), -1, dtype=torch.int32, device=self.device
+            )
+            renumber[held] = torch.arange(len(held), dtype=torch.int32, device=self.device)
+            words = [self._words[name][c] for c in held.tolist()]
+            out._words[name], out._vocab[name] = words, {w: c for c, w in enumerate(words)}
+            lists = _Lists(capacity, self.device)
+            lists.codes = renumber[codes]  # [m]
+            lists.owner = torch.repeat_interleave(
+                torch.arange(k, dtype=torch.int32, device=self.device),
+                count,
+                output_size=len(codes),
+            )  # [m]
+            lists.start[:k] = torch.cumsum(count, 0) - count
+            lists.count[:k] = count
+            lists.used = len(codes)
+            out._lists[name] = lists
         return out
 
     def numeric(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -306,17 +429,16 @@ class AttributeTable:
         code = self.code(name, word)
         if code is None:
             return torch.zeros(self._n, dtype=torch.bool, device=self.device)
-        return self._values[name][code, : self._n]
+        return self._lists[name].contains(code, self._n)
 
     def nonempty(self, name: str) -> torch.Tensor:
         """[N] bool: rows whose list field `name` is not empty."""
-        return self._valid[name][: self._n]
+        return self._lists[name].count[: self._n] > 0
 
     def to_arrow(self, rows: torch.Tensor | None = None) -> pa.Table:
         """The decoded attributes of `rows` (default all N rows) as `arrow_schema(self.schema)`."""
         if rows is None:
             rows = torch.arange(self._n, device=self.device)
-        k = len(rows)
         arrays = []
         for name, kind in self.schema.items():
             if kind in ("int", "float"):
@@ -329,16 +451,16 @@ class AttributeTable:
                 codes = self._values[name][rows].cpu().numpy()
                 arrays.append(words.take(pa.array(codes, mask=codes < 0)))
                 continue
-            member = self._values[name][: len(self._words[name])][:, rows]  # [V, k]
-            row, code = member.T.nonzero().cpu().numpy().T
+            codes, count = self._lists[name].gather(rows)  # [m], [k]
+            count = count.cpu().numpy()
+            held = words.take(pa.array(codes.cpu().numpy()))  # [m]
             # Each list comes out sorted, whatever order its words entered the vocabulary in.
-            rank = np.argsort(np.argsort(np.array(self._words[name], dtype=object)))
-            order = np.lexsort((rank[code], row))
-            row, code = row[order], code[order]
-            offsets = np.concatenate([[0], np.cumsum(np.bincount(row, minlength=k))])
-            arrays.append(
-                pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), words.take(pa.array(code)))
+            order = pc.sort_indices(
+                pa.table({"row": np.repeat(np.arange(len(count)), count), "word": held}),
+                [("row", "ascending"), ("word", "ascending")],
             )
+            offsets = np.concatenate([[0], np.cumsum(count)])
+            arrays.append(pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), held.take(order)))
         return pa.Table.from_arrays(arrays, schema=arrow_schema(self.schema))
 
 
@@ -433,6 +555,11 @@ def _predicate(op: str, arg: Any, schema: dict[str, str], where: str) -> Mask:
         if kind != "str_list":
             raise FilterError(f"{where}: 'contains' needs a list field, {field!r} is {kind}")
         word = _check_value("str", arg[1], where)
+        if field in COUNTRY_FIELDS and not re.fullmatch(COUNTRY_CODE, word):
+            raise FilterError(
+                f"{where}: {field!r} holds ISO 3166-1 alpha-2 codes (two uppercase letters), "
+                f"got {word!r}"
+            )
         return lambda table: table.contains(field, word)
     if kind == "str_list":
         raise FilterError(f"{where}: {op!r} does not apply to list field {field!r}; use 'contains'")

@@ -1,0 +1,26 @@
+"""Bounds on list attributes, so that no input can make the index's memory grow without limit.
+
+An upsert or attribute update beyond one of them is refused with an `AdIndexError` that names
+the ad and the field, before anything is logged or applied.
+"""
+
+from __future__ import annotations
+
+MAX_LIST_VALUES = 64
+"""Values one ad may hold in a free-form list field (`tags`, and list fields an index is given
+as `extra_fields`). Targeting lists are bounded by their vocabularies instead."""
+
+MAX_VALUE_CHARS = 64
+"""Characters in one value of a free-form list field."""
+
+MAX_VOCABULARY = 100_000
+"""Distinct values of one list field across the index's rows, tombstoned rows included until
+`compact()` drops the values no ad holds any more. Each costs a vocabulary entry in host memory
+(about 100 bytes); its occurrences cost 8 bytes each on the index's device."""
+
+COUNTRY_FIELDS = ("target_countries",)
+"""List fields whose values are ISO 3166-1 alpha-2 country codes, in ads and in filters."""
+
+COUNTRY_CODE = r"[A-Z]{2}"
+"""The shape of a country code: two uppercase ASCII letters ("US", "DE"). Only the shape is
+checked, so codes assigned after this release are accepted; at most 676 exist."""
