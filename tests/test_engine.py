@@ -215,3 +215,58 @@ def test_ad_encoder_matches_the_catalogue_encoding(world):
         encoder.encode([new[0], bad])
     with pytest.raises(ValueError, match=r"ads\[0\]\.topic"):
         encoder.encode([dataclasses.replace(new[0], topic=10**6)])
+
+
+def test_writers_do_not_wait_for_a_retrieves_masks(world, monkeypatch):
+    """While a batch's masks are being built, an update and an upsert complete; the batch is
+    answered at the version it started from."""
+    import threading
+
+    from m31.index import IndexView
+
+    ds, feats, model, _ = world
+    g, x, b = encode_ads(model, Catalog.from_features(feats))
+    index = AdIndex.from_table(ds.ads, g, x, b, dtype=torch.float32)  # its own: it is mutated
+    engine = Retriever(model, feats, index, ds.users)
+    request = AdRequest(0, ds.meta["time_range"][1], "feed", "ios")
+    before = engine.retrieve([request], k=10)
+    top = int(before.results[0].ad_ids[0])
+
+    building, release = threading.Event(), threading.Event()
+    build = IndexView.eligible_mask
+
+    def held(view, *args):
+        building.set()
+        assert release.wait(60), "never released"
+        return build(view, *args)
+
+    monkeypatch.setattr(IndexView, "eligible_mask", held)
+    answers, errors = [], []
+
+    def retrieve():
+        try:
+            answers.append(engine.retrieve([request], k=10))
+        except Exception as e:  # surfaced in the test's thread below
+            errors.append(e)
+
+    def write():
+        index.pause(top)
+        row = index.get(top)
+        index.upsert([10**9], row.g[None], row.x[None], [row.b], [row.attributes])
+
+    reader, writer = threading.Thread(target=retrieve), threading.Thread(target=write)
+    reader.start()
+    try:
+        assert building.wait(60), "the retrieve never built a mask"
+        writer.start()
+        writer.join(60)
+        assert not writer.is_alive(), "the writer waited for the retrieve's masks"
+    finally:
+        release.set()
+        reader.join(60)
+    assert not errors, errors[0]
+    assert answers[0].version == before.version == index.version - 2
+    np.testing.assert_array_equal(answers[0].results[0].ad_ids, before.results[0].ad_ids)
+    monkeypatch.undo()
+    after = engine.retrieve([request], k=10).results[0].ad_ids
+    assert top not in after

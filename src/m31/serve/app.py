@@ -44,7 +44,7 @@ from prometheus_client import (
 from m31.engine import AdRequest, Engagement, InlineUser, RequestError, Retriever
 from m31.engine.ad_encoder import AdEncoder, NewAd
 from m31.index import AdIndexError, DurableIndex
-from m31.serve.batcher import DeadlineExceeded, DynamicBatcher, QueueFull, WouldMissDeadline
+from m31.serve.batcher import DeadlineExceeded, DynamicBatcher, Overloaded, WouldMissDeadline
 from m31.serve.schemas import (
     AdIn,
     AdOut,
@@ -111,23 +111,36 @@ class Service:
 
     # -- retrieval: one call per batch of HTTP calls ------------------------------------------
 
-    def retrieve_batch(self, calls: Sequence[tuple[list[AdRequest], list[int]]]):
-        """Every request of the calls in one engine call at the largest k, then split.
+    def retrieve_batch(self, chunks: Sequence[Sequence[tuple[AdRequest, int]]]):
+        """Every (request, k) of the batch's chunks in one engine call at the largest k, then
+        split: per chunk (results, index version, timings, requests in the engine call).
 
         The top-K is exact with ties to the lower row, so the first k of a larger K are the
         top k: truncating per request gives each what it would get alone.
         """
-        requests = [r for reqs, _ in calls for r in reqs]
-        out = self.retriever.retrieve(requests, k=max(k for _, ks in calls for k in ks))
+        requests = [r for chunk in chunks for r, _ in chunk]
+        out = self.retriever.retrieve(requests, k=max(k for chunk in chunks for _, k in chunk))
         answers, at = [], 0
-        for reqs, ks in calls:
+        for chunk in chunks:
             results = [
                 Ranked(ad_ids=r.ad_ids[:k].tolist(), scores=r.scores[:k].tolist())
-                for r, k in zip(out.results[at : at + len(reqs)], ks, strict=True)
+                for r, (_, k) in zip(out.results[at : at + len(chunk)], chunk, strict=True)
             ]
-            at += len(reqs)
+            at += len(chunk)
             answers.append((results, out.version, out.timings_ms, len(requests)))
         return answers
+
+    @staticmethod
+    def assemble(parts: Sequence[tuple[list[Ranked], int, dict[str, float], int]]):
+        """One call's (results, index version, timings, batch requests) from its chunks' parts.
+
+        A call larger than a batch runs in several engine calls, each at one version: the
+        oldest is reported (every request saw it or a newer one), timings add up, and the
+        batch size is the largest.
+        """
+        timings = {stage: round(sum(p[2][stage] for p in parts), 3) for stage in parts[0][2]}
+        results = [r for p in parts for r in p[0]]
+        return results, min(p[1] for p in parts), timings, max(p[3] for p in parts)
 
     # -- mutations ------------------------------------------------------------------------------
 
@@ -417,10 +430,10 @@ def create_app(config: ServeConfig, service: Service | None = None) -> FastAPI:
         timeout = (body.timeout_ms or config.timeout_ms) / 1000
         metrics.queue_depth.set(app.state.batcher.depth)
         try:
-            results, version, timings, batch = await app.state.batcher.submit(
-                (requests, [r.k for r in body.requests]), len(requests), timeout
+            parts = await app.state.batcher.submit(
+                [(r, b.k) for r, b in zip(requests, body.requests, strict=True)], timeout
             )
-        except QueueFull as e:
+        except Overloaded as e:
             raise HTTPException(429, str(e), {"Retry-After": "1"}) from e
         except WouldMissDeadline as e:
             raise HTTPException(503, str(e), {"Retry-After": "1"}) from e
@@ -430,6 +443,7 @@ def create_app(config: ServeConfig, service: Service | None = None) -> FastAPI:
             raise HTTPException(422, str(e)) from e
         finally:
             metrics.queue_depth.set(app.state.batcher.depth)
+        results, version, timings, batch = Service.assemble(parts)
         total = round(1000 * (time.perf_counter() - start), 3)
         return RetrieveResponse(
             results=results,
