@@ -43,6 +43,13 @@ from m31.index.filters import (
     columns_from_rows,
     compile_filter,
 )
+from m31.index.limits import (
+    COUNTRY_CODE,
+    COUNTRY_FIELDS,
+    MAX_LIST_VALUES,
+    MAX_VALUE_CHARS,
+    MAX_VOCABULARY,
+)
 
 FORMAT = "m31.ad_index"
 FORMAT_VERSION = 1
@@ -156,6 +163,31 @@ def _ids(ad_ids: Any, what: str = "ad_ids") -> np.ndarray:
 
 def _shape(a: Any) -> tuple[int, ...]:
     return tuple(a.shape) if hasattr(a, "shape") else np.shape(a)
+
+
+def _check_list(col: pa.ListArray, name: str, ids: np.ndarray) -> None:
+    """Refuse a country that is not shaped like a code, or a free-form list beyond its limits."""
+    values = pc.list_flatten(col)
+    if name in COUNTRY_FIELDS:
+        bad = pc.invert(pc.match_substring_regex(values, f"^{COUNTRY_CODE}$"))
+        problem = "is not an ISO 3166-1 alpha-2 country code (two uppercase letters)"
+    else:
+        lengths = pc.list_value_length(col)
+        over = pc.greater(lengths, MAX_LIST_VALUES)
+        if pc.any(over).as_py():
+            row = pc.index(over, True).as_py()
+            raise AdIndexError(
+                f"attributes: ad {int(ids[row])}: {name} holds {lengths[row].as_py()} values "
+                f"(at most {MAX_LIST_VALUES})"
+            )
+        bad = pc.greater(pc.utf8_length(values), MAX_VALUE_CHARS)
+        problem = f"is longer than {MAX_VALUE_CHARS} characters"
+    if pc.any(bad).as_py():
+        entry = pc.index(bad, True).as_py()
+        row = pc.list_parent_indices(col)[entry].as_py()
+        word = values[entry].as_py()
+        shown = repr(word) if len(word) <= MAX_VALUE_CHARS else repr(word[:MAX_VALUE_CHARS]) + "…"
+        raise AdIndexError(f"attributes: ad {int(ids[row])}: {name} value {shown} {problem}")
 
 
 def _no_duplicates(ids: np.ndarray, what: str) -> None:
@@ -352,8 +384,11 @@ class AdIndex:
             )
         return t
 
-    def _columns(self, attributes: Any, n: int) -> pa.Table:
-        """Attributes of n ads (dicts or an arrow table) -> validated arrow table of the schema."""
+    def _columns(self, attributes: Any, ids: np.ndarray) -> pa.Table:
+        """Attributes of the ads `ids` [n] (dicts or an arrow table) -> validated arrow table of
+        the schema. Checks each ad on its own; `_check_vocabulary` checks them against the index.
+        """
+        n = len(ids)
         try:
             if isinstance(attributes, pa.Table):
                 table = columns_from_arrow(attributes, self._schema)
@@ -383,7 +418,21 @@ class AdIndex:
             if pc.any(bad).as_py():
                 word = values.filter(bad)[0].as_py()
                 raise AdIndexError(f"attributes: {name} {word!r} is not one of {allowed}")
+        for name, kind in self._schema.items():
+            if kind == "str_list" and name not in _ALLOWED:
+                _check_list(table.column(name).combine_chunks(), name, ids)
         return table
+
+    def _check_vocabulary(self, columns: pa.Table, ids: np.ndarray) -> None:
+        """Refuse attributes of the ads `ids` that would take a list field of this index past
+        `MAX_VOCABULARY` values. It reads the vocabularies, so no mutation may run meanwhile."""
+        overflow = self._attrs.vocabulary_overflow(columns)
+        if overflow is not None:
+            name, row = overflow
+            raise AdIndexError(
+                f"attributes: ad {int(ids[row])}: {name} would hold more than {MAX_VOCABULARY} "
+                "distinct values in the index (compact() drops the values no ad holds any more)"
+            )
 
     # ---- mutations (each returns the new version) -----------------------------------------
 
@@ -395,8 +444,9 @@ class AdIndex:
         g = self._matrix(g, n, self.dim_g, "g")  # [n, G]
         x = self._matrix(x, n, self.dim_x, "x")  # [n, D]
         b = self._matrix(b, n, None, "b")  # [n]
-        columns = self._columns(attributes, n)
+        columns = self._columns(attributes, ids)
         with self._lock:
+            self._check_vocabulary(columns, ids)
             start = self._n
             self._reserve(start + n)
             new = slice(start, start + n)
@@ -437,7 +487,9 @@ class AdIndex:
                 raise AdIndexError(f"update_attributes: unknown attribute {unknown[0]!r}")
             rows = torch.tensor([row], device=self.device)
             merged = {**self._attrs.to_arrow(rows).to_pylist()[0], **attrs}
-            columns = self._columns([merged], 1)
+            ids = np.array([int(ad_id)])
+            columns = self._columns([merged], ids)
+            self._check_vocabulary(columns, ids)
             self._attrs.write(rows, columns)
             self._version += 1
             return self._version
@@ -630,10 +682,10 @@ def read_manifest(path: str | Path) -> dict:
     """The validated `manifest.json` of a snapshot folder.
 
     Layout: `manifest.json` (format, format_version, index_version, dim_g, dim_x, dtype, count,
-    model_hash, fields = attribute name -> kind, files = name -> bytes), `g.npy` [count, dim_g],
-    `x.npy` [count, dim_x], `b.npy` [count] (float32 whatever `dtype` is: bf16 and fp16 values
-    are exact in float32), `ids.npy` [count] int64, `attributes.parquet` (one row per ad, in
-    the same order; list columns are sets).
+    model_hash, fields = attribute name -> kind, files = name -> {"bytes": size}), `g.npy`
+    [count, dim_g], `x.npy` [count, dim_x], `b.npy` [count] (float32 whatever `dtype` is: bf16
+    and fp16 values are exact in float32), `ids.npy` [count] int64, `attributes.parquet` (one
+    row per ad, in the same order; list columns are sets).
     """
     path = Path(path)
     file = path / "manifest.json"

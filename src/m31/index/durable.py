@@ -491,7 +491,9 @@ class DurableIndex:
                     ("b", b, None),
                 )
             }
-            columns = index._columns(attributes, n)
+            columns = index._columns(attributes, ids)
+            # Without the index's lock: only this object mutates the index, under its mutex.
+            index._check_vocabulary(columns, ids)
             return _Record("upsert", version, {"ad_ids": ids, **tables, "attributes": columns})
 
         return self._mutate(prepare)
@@ -505,7 +507,9 @@ class DurableIndex:
             unknown = sorted(set(attrs) - set(index.schema))
             if unknown:
                 raise AdIndexError(f"update_attributes: unknown attribute {unknown[0]!r}")
-            columns = index._columns([{**current, **attrs}], 1)
+            ids = np.array([int(ad_id)])
+            columns = index._columns([{**current, **attrs}], ids)
+            index._check_vocabulary(columns, ids)
             normalised = {name: columns.column(name)[0].as_py() for name in attrs}
             return _Record("update_attributes", version, {"ad_id": int(ad_id), "attrs": normalised})
 
