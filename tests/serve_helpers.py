@@ -92,7 +92,9 @@ class ThreadServer:
         self.sock.close()
 
 
-def wait_ready(url: str, timeout: float = 120.0, proc: subprocess.Popen | None = None) -> None:
+def wait_ready(url: str, timeout: float = 600.0, proc: subprocess.Popen | None = None) -> None:
+    """Poll /health/ready; `timeout` only bounds a server that never comes up (a busy machine
+    loads the model and the text encoder slowly)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
