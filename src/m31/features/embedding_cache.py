@@ -2,22 +2,38 @@
 
 Shapes: n texts, u unique texts, H the encoder's dimension (384).
 
-The cache is a folder of shards, each an `.npz` of `keys` ([u] 16-byte hashes of model name and
-text) and `vectors` ([u, H] float32). New embeddings go to a new shard written atomically, so an
-interrupted run loses only the batch in flight and never corrupts what is cached.
+The cache of one model is one SQLite database, `FOLDER/<model>/embeddings.sqlite`, with one
+table: `key` (BLOB primary key, the 16-byte hash of model name and text) -> `vector` (H float32,
+little-endian). A lookup or a store touches only the keys it names, so its cost does not grow
+with what the cache already holds. The database runs in WAL mode, so processes (a server and a
+pipeline run, say) read and write it at once; each store is one transaction, so an interrupted
+run loses only the batch in flight and never corrupts what is cached. The folder must be on a
+local file system (SQLite's locks are not reliable over NFS). `embed_texts` keeps one open cache
+per process and folder (`shared_cache`).
+
+Folders of earlier versions hold `shard-*.npz` files (`keys` [u] S16, `vectors` [u, H]); the
+first open moves their embeddings into the database and deletes them.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
-import tempfile
+import sqlite3
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 
+logger = logging.getLogger(__name__)
+
 Progress = Callable[[str, int, int], None]
+
+DATABASE = "embeddings.sqlite"
+_BUSY_TIMEOUT_S = 60.0  # how long a write waits for another process's transaction to end
+_KEYS_PER_QUERY = 500  # bound parameters per SELECT: under the 999 old SQLite builds allow
 
 
 def text_keys(texts: Sequence[str], model: str) -> np.ndarray:
@@ -28,52 +44,111 @@ def text_keys(texts: Sequence[str], model: str) -> np.ndarray:
     )
 
 
+def _blobs(keys: np.ndarray) -> list[bytes]:
+    """Keys [n] S16 -> n blobs of 16 bytes (numpy's own bytes would drop trailing zero bytes)."""
+    raw = np.ascontiguousarray(keys, dtype="S16").tobytes()
+    return [raw[i : i + 16] for i in range(0, len(raw), 16)]
+
+
 class EmbeddingCache:
+    """The embeddings of one model under `folder`; see the module docstring. Safe to share
+    between threads and, through the database, between processes."""
+
     def __init__(self, folder: Path | str, model: str) -> None:
         self.model = model
         self.folder = Path(folder) / model.replace("/", "_")
-        self._index: dict[bytes, tuple[int, int]] = {}
-        self._shards: list[np.ndarray] = []
-        if self.folder.is_dir():
-            for path in sorted(self.folder.glob("shard-*.npz")):
-                try:
-                    with np.load(path) as z:
-                        self._add(z["keys"], z["vectors"])
-                except (OSError, ValueError, KeyError):
-                    continue  # a damaged shard is a cache miss, never an error
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()  # one connection, used by one thread at a time
+        self._db = sqlite3.connect(
+            self.folder / DATABASE, timeout=_BUSY_TIMEOUT_S, check_same_thread=False
+        )
+        self._db.execute("PRAGMA journal_mode=WAL")
+        # In WAL mode NORMAL never corrupts the database; a power cut may drop the last stores,
+        # which a cache can recompute.
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute(
+            "CREATE TABLE IF NOT EXISTS vectors (key BLOB PRIMARY KEY, vector BLOB NOT NULL)"
+        )
+        self._migrate()
 
-    def _add(self, keys: np.ndarray, vectors: np.ndarray) -> None:
-        shard = len(self._shards)
-        self._shards.append(vectors)
-        for i, k in enumerate(keys.tolist()):
-            self._index[k] = (shard, i)
+    def _migrate(self) -> None:
+        """Move the shards of earlier versions into the database, then delete them."""
+        shards = sorted(self.folder.glob("shard-*.npz"))
+        if not shards:
+            return
+        moved = 0
+        for path in shards:
+            try:
+                with np.load(path) as z:
+                    keys, vectors = z["keys"], z["vectors"]
+                self.store(keys, vectors)
+                moved += len(keys)
+            except FileNotFoundError:
+                continue  # another process moved it first
+            except (OSError, ValueError, KeyError) as e:
+                logger.warning(
+                    "%s: unreadable cache shard of an earlier version, dropped (%s)", path, e
+                )
+            path.unlink(
+                missing_ok=True
+            )  # after its store committed: a crash keeps it for next time
+        logger.info(
+            "%s: moved %d embeddings from %d shard files of an earlier version into %s",
+            self.folder,
+            moved,
+            len(shards),
+            DATABASE,
+        )
 
     def __len__(self) -> int:
-        return len(self._index)
+        with self._lock:
+            return self._db.execute("SELECT COUNT(*) FROM vectors").fetchone()[0]
 
     def lookup(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         """(found [n] bool, vectors [n, H] with zeros where not found, or None if none found)."""
-        hits = [self._index.get(k) for k in keys.tolist()]
-        found = np.array([h is not None for h in hits], dtype=bool)
-        if not found.any():
+        wanted = _blobs(keys)
+        stored: dict[bytes, bytes] = {}
+        with self._lock:
+            for lo in range(0, len(wanted), _KEYS_PER_QUERY):
+                chunk = wanted[lo : lo + _KEYS_PER_QUERY]
+                marks = ",".join("?" * len(chunk))
+                query = f"SELECT key, vector FROM vectors WHERE key IN ({marks})"
+                stored.update(self._db.execute(query, chunk))
+        found = np.array([k in stored for k in wanted], dtype=bool)
+        if not stored:
             return found, None
-        dim = self._shards[0].shape[1]
-        out = np.zeros((len(keys), dim), dtype=np.float32)
-        for i, h in enumerate(hits):
-            if h is not None:
-                out[i] = self._shards[h[0]][h[1]]
+        dim = len(next(iter(stored.values()))) // 4
+        out = np.zeros((len(wanted), dim), dtype=np.float32)  # [n, H]
+        for i in np.flatnonzero(found):
+            out[i] = np.frombuffer(stored[wanted[i]], dtype="<f4")
         return found, out
 
     def store(self, keys: np.ndarray, vectors: np.ndarray) -> None:
-        self.folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".shard-", suffix=".npz", dir=self.folder)
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, keys=keys, vectors=vectors.astype(np.float32))
-            f.flush()
-            os.fsync(f.fileno())
-        name = f"shard-{len(list(self.folder.glob('shard-*.npz'))):06d}-{os.getpid()}.npz"
-        os.replace(tmp, self.folder / name)
-        self._add(keys, vectors.astype(np.float32))
+        """Add keys [u] with their vectors [u, H] in one transaction; known keys keep theirs."""
+        vectors = np.ascontiguousarray(vectors, dtype="<f4")  # [u, H]
+        rows = [(k, v.tobytes()) for k, v in zip(_blobs(keys), vectors, strict=True)]
+        with self._lock, self._db:  # commits, or rolls back on an exception
+            self._db.executemany("INSERT OR IGNORE INTO vectors (key, vector) VALUES (?, ?)", rows)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+
+# One open cache per (process, folder, model): a call to `embed_texts` then costs its lookup
+# and store alone, not opening the database and checkpointing it on close (an fsync, ~10 ms).
+# Keyed by pid because a connection must not be used across fork.
+_open: dict[tuple[int, Path, str], EmbeddingCache] = {}
+_open_lock = threading.Lock()
+
+
+def shared_cache(folder: Path | str, model: str) -> EmbeddingCache:
+    """This process's open `EmbeddingCache(folder, model)`, opened on first use."""
+    key = (os.getpid(), Path(folder).resolve(), model)
+    with _open_lock:
+        if key not in _open:
+            _open[key] = EmbeddingCache(folder, model)
+        return _open[key]
 
 
 def embed_texts(
@@ -88,7 +163,7 @@ def embed_texts(
     uniq, inverse = np.unique(np.asarray(texts, dtype=object), return_inverse=True)
     model = model_key()
     keys = text_keys(uniq.tolist(), model)
-    cache = EmbeddingCache(cache_dir, model) if cache_dir is not None else None
+    cache = shared_cache(cache_dir, model) if cache_dir is not None else None
     found, vectors = cache.lookup(keys) if cache is not None else (np.zeros(len(uniq), bool), None)
     missing = np.flatnonzero(~found)
     parts = []
