@@ -47,6 +47,21 @@ class AdEncoder:
         self.n_categories = int(feats.meta["n_categories"])
         self.cache_dir = cache_dir
 
+    def load_text_encoder(self) -> None:
+        """Load the sentence encoder of new ads' texts now, not on the first ad (it takes
+        seconds); nothing to load when the features have no text embeddings."""
+        if self.with_text:
+            from m31.features.text_encoder import load_encoder
+
+            load_encoder()  # the device `embed_texts` encodes on
+
+    @property
+    def text_encoder_loaded(self) -> bool | None:
+        """Whether the sentence encoder is loaded; None when texts are not encoded."""
+        from m31.features.text_encoder import encoder_loaded
+
+        return encoder_loaded() if self.with_text else None
+
     def check(self, ads: Sequence[NewAd], where: str = "ads") -> None:
         """Raise ValueError naming the first bad field (`where[i].field`)."""
         for i, a in enumerate(ads):

