@@ -447,6 +447,9 @@ def serve_cmd(
     ] = 2.0,
     max_queue: Annotated[int, typer.Option(help="Requests waiting before calls get 429.")] = 1024,
     timeout_ms: Annotated[int, typer.Option(help="Default deadline of a retrieve call.")] = 1000,
+    body_timeout_s: Annotated[
+        float, typer.Option(help="Seconds a request body may take to arrive (else 408).")
+    ] = 10.0,
     admin_token_file: Annotated[
         Path | None,
         typer.Option(
@@ -483,6 +486,8 @@ def serve_cmd(
     ):
         if value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")
+    if not body_timeout_s > 0:
+        raise ValueError(f"--body-timeout-s must be positive, got {body_timeout_s}")
     if not model.is_file():
         raise FileNotFoundError(f"--model: {model}: no such checkpoint")
     config = ServeConfig(
@@ -494,6 +499,7 @@ def serve_cmd(
         max_queue_delay_ms=max_queue_delay_ms,
         max_queue=max_queue,
         timeout_ms=timeout_ms,
+        body_timeout_s=body_timeout_s,
         admin_token=_token("M31_ADMIN_TOKEN", admin_token_file, "--admin-token-file"),
         read_token=_token("M31_READ_TOKEN", read_token_file, "--read-token-file"),
     )

@@ -1,13 +1,18 @@
 """Request and response bodies of the HTTP API (pydantic; they make the OpenAPI schema).
 
-Unknown keys are rejected (a misspelt field is an error, not a silently ignored option).
+Inputs are strict: unknown keys are rejected (a misspelt field is an error, not a silently
+ignored option), and no value is coerced (`"10"`, `true` and `10.0` are not integers; a
+`number` field takes integers too). Nulls mean the same in every body: a schedule or age bound
+that is null is open, a targeting list that is null is empty (no restriction), `tags` null is no
+tags; `status` cannot be null.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from m31.data.schema import FORMATS, GENDERS, OBJECTIVES, PLATFORMS, STATUSES, SURFACES
 
@@ -15,6 +20,7 @@ MAX_K = 4096  # results per request
 MAX_REQUESTS = 1024  # requests per call
 MAX_ADS = 10_000  # ads per upsert call
 MAX_LIST = 10_000  # history, exclusions, targeting lists
+I64_MAX = 2**63 - 1
 
 Surface = Literal[SURFACES]  # type: ignore[valid-type]
 Platform = Literal[PLATFORMS]  # type: ignore[valid-type]
@@ -22,15 +28,41 @@ Gender = Literal[GENDERS]  # type: ignore[valid-type]
 Status = Literal[STATUSES]  # type: ignore[valid-type]
 # Every integer that reaches an array or a column is an int64: larger ones are a 422, not an
 # overflow deep inside.
-I64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+I64 = Annotated[int, Field(ge=-(2**63), le=I64_MAX)]
+Id = Annotated[int, Field(ge=0, le=I64_MAX)]  # ads, advertisers, campaigns, users, cohorts
+
+LISTS = ("target_countries", "target_genders", "target_platforms", "target_surfaces", "tags")
+# (lower, upper, whether the upper bound is exclusive): an empty range is refused, since it
+# would make an ad that nobody can ever be shown.
+BOUNDS = (("target_age_min", "target_age_max", False), ("schedule_start", "schedule_end", True))
+
+
+def check_bounds(given: Mapping[str, Any], stored: Mapping[str, Any] | None = None) -> None:
+    """ValueError when a range with one end in `given` is empty; the other end comes from
+    `given` or else `stored` (an ad's current attributes, for a change of one end)."""
+    for lo_name, hi_name, exclusive in BOUNDS:
+        if lo_name not in given and hi_name not in given:
+            continue
+        ends = []
+        for name in (lo_name, hi_name):
+            if name in given:
+                ends.append((given[name], name))
+            else:
+                ends.append(((stored or {}).get(name), f"the ad's {name}"))
+        (lo, lo_what), (hi, hi_what) = ends
+        if lo is None or hi is None:
+            continue
+        if lo > hi or (exclusive and lo == hi):
+            relation = "not before" if exclusive else "above"
+            raise ValueError(f"{lo_what} {lo} is {relation} {hi_what} {hi}")
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class EngagementIn(Strict):
-    ad_id: I64
+    ad_id: Id
     ts: int = Field(ge=0, le=2**62, description="Unix seconds")
     surface: Surface
 
@@ -41,7 +73,7 @@ class UserIn(Strict):
     country: str = Field(max_length=64)
     age: int = Field(ge=0, lt=150)
     gender: Gender
-    cohort: I64 | None = Field(None, description="default: the country's most common cohort")
+    cohort: Id | None = Field(None, description="default: the country's most common cohort")
     history: list[EngagementIn] = Field(default_factory=list, max_length=MAX_LIST)
     organic_topics: list[I64] = Field(default_factory=list, max_length=MAX_LIST)
 
@@ -49,7 +81,7 @@ class UserIn(Strict):
 class RetrieveRequest(Strict):
     """One ad request: a user (`user_id` of a stored user, or `user` inline) in a context."""
 
-    user_id: I64 | None = None
+    user_id: Id | None = Field(None, description="a stored user; give this or `user`")
     user: UserIn | None = None
     ts: int | None = Field(
         None, ge=0, le=2**62, description="Unix seconds; default: now on the server"
@@ -59,16 +91,48 @@ class RetrieveRequest(Strict):
     hour: int | None = Field(None, ge=0, le=23, description="hour of day; default: from ts (UTC)")
     k: int = Field(100, ge=1, le=MAX_K)
     filter: dict[str, Any] | None = Field(
-        None, description='filter tree over ad attributes, e.g. {"eq": ["format", "video"]}'
+        None,
+        min_length=1,
+        max_length=1,
+        description="filter tree over ad attributes, one operator per object, e.g. "
+        '{"eq": ["format", "video"]}; null: no filter',
     )
-    exclude_ads: list[I64] = Field(default_factory=list, max_length=MAX_LIST)
-    exclude_advertisers: list[I64] = Field(default_factory=list, max_length=MAX_LIST)
+    exclude_ads: list[Id] = Field(default_factory=list, max_length=MAX_LIST)
+    exclude_advertisers: list[Id] = Field(default_factory=list, max_length=MAX_LIST)
 
 
 class RetrieveBody(Strict):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {"requests": [{"user_id": 7, "surface": "feed", "platform": "ios", "k": 10}]},
+                {
+                    "requests": [
+                        {
+                            "user_id": 3,
+                            "surface": "reels",
+                            "platform": "android",
+                            "k": 5,
+                            "filter": {"eq": ["format", "video"]},
+                        },
+                        {
+                            "user": {"country": "US", "age": 31, "gender": "F"},
+                            "surface": "feed",
+                            "platform": "web",
+                        },
+                    ],
+                    "timeout_ms": 5000,
+                },
+            ]
+        }
+    )
+
     requests: list[RetrieveRequest] = Field(min_length=1, max_length=MAX_REQUESTS)
     min_version: int | None = Field(
-        None, ge=0, description="answer from this index version or a newer one, else 409"
+        None,
+        ge=0,
+        le=I64_MAX,
+        description="answer from this index version or a newer one, else 409",
     )
     timeout_ms: int | None = Field(
         None, ge=1, le=60_000, description="deadline; default: the server's"
@@ -87,27 +151,51 @@ class RetrieveResponse(BaseModel):
     timings_ms: dict[str, float]
 
 
+def _null_is_empty(value: list | None) -> list:
+    return [] if value is None else value
+
+
+_BOUND_DOC = {
+    "schedule_start": "Unix seconds, eligible from; null: open",
+    "schedule_end": "Unix seconds, eligible strictly before (after schedule_start); null: open",
+    "target_age_min": "null: open",
+    "target_age_max": "at least target_age_min; null: open",
+}
+_LIST_DOC = "empty or null: no restriction"
+
+
 class Attributes(Strict):
-    """Eligibility attributes of an ad; null = open (no restriction)."""
+    """Eligibility attributes of an ad (null: see the module's note)."""
 
     status: Status = "active"
-    schedule_start: I64 | None = Field(None, description="Unix seconds, eligible from")
-    schedule_end: I64 | None = Field(None, description="Unix seconds, eligible strictly before")
-    target_countries: list[str] = Field(default_factory=list, max_length=MAX_LIST)
-    target_age_min: int | None = Field(None, ge=0, le=150)
-    target_age_max: int | None = Field(None, ge=0, le=150)
-    target_genders: list[Gender] = Field(default_factory=list)
-    target_platforms: list[Platform] = Field(default_factory=list)
-    target_surfaces: list[Surface] = Field(default_factory=list)
-    tags: list[str] = Field(default_factory=list, max_length=1000)
+    schedule_start: I64 | None = Field(None, description=_BOUND_DOC["schedule_start"])
+    schedule_end: I64 | None = Field(None, description=_BOUND_DOC["schedule_end"])
+    target_countries: list[str] | None = Field(
+        default_factory=list, max_length=MAX_LIST, description=_LIST_DOC
+    )
+    target_age_min: int | None = Field(None, ge=0, le=150, description=_BOUND_DOC["target_age_min"])
+    target_age_max: int | None = Field(None, ge=0, le=150, description=_BOUND_DOC["target_age_max"])
+    target_genders: list[Gender] | None = Field(default_factory=list, description=_LIST_DOC)
+    target_platforms: list[Platform] | None = Field(default_factory=list, description=_LIST_DOC)
+    target_surfaces: list[Surface] | None = Field(default_factory=list, description=_LIST_DOC)
+    tags: list[str] | None = Field(
+        default_factory=list, max_length=1000, description="null: no tags"
+    )
+
+    _lists = field_validator(*LISTS)(_null_is_empty)
+
+    @model_validator(mode="after")
+    def _ranges(self):
+        check_bounds({name: getattr(self, name) for name in self.model_fields_set})
+        return self
 
 
 class AdIn(Attributes):
     """A new or replaced ad: what the ad tower reads, and its attributes."""
 
-    ad_id: I64
-    advertiser_id: I64
-    campaign_id: I64 | None = None
+    ad_id: Id
+    advertiser_id: Id
+    campaign_id: Id | None = None
     objective: Literal[OBJECTIVES]  # type: ignore[valid-type]
     format: Literal[FORMATS]  # type: ignore[valid-type]
     topic: int = Field(ge=0, le=2**31)
@@ -121,18 +209,37 @@ class UpsertBody(Strict):
 
 
 class AttributesPatch(Strict):
-    """The attributes to change; those left out keep their values."""
+    """The attributes to change; those left out keep their values. Null clears a bound or a
+    list (open, no restriction); `status` cannot be null."""
 
-    status: Status | None = None
-    schedule_start: I64 | None = None
-    schedule_end: I64 | None = None
-    target_countries: list[str] | None = Field(None, max_length=MAX_LIST)
-    target_age_min: int | None = Field(None, ge=0, le=150)
-    target_age_max: int | None = Field(None, ge=0, le=150)
-    target_genders: list[Gender] | None = None
-    target_platforms: list[Platform] | None = None
-    target_surfaces: list[Surface] | None = None
-    tags: list[str] | None = Field(None, max_length=1000)
+    # Left out means unchanged; null is refused, as status has no "open" value and reading
+    # null as "active" would resume a paused ad by accident.
+    status: Status = Field(None, json_schema_extra=lambda s: s.pop("default"))  # type: ignore[assignment]
+    schedule_start: I64 | None = Field(None, description=_BOUND_DOC["schedule_start"])
+    schedule_end: I64 | None = Field(None, description=_BOUND_DOC["schedule_end"])
+    target_countries: list[str] | None = Field(None, max_length=MAX_LIST, description=_LIST_DOC)
+    target_age_min: int | None = Field(None, ge=0, le=150, description=_BOUND_DOC["target_age_min"])
+    target_age_max: int | None = Field(None, ge=0, le=150, description=_BOUND_DOC["target_age_max"])
+    target_genders: list[Gender] | None = Field(None, description=_LIST_DOC)
+    target_platforms: list[Platform] | None = Field(None, description=_LIST_DOC)
+    target_surfaces: list[Surface] | None = Field(None, description=_LIST_DOC)
+    tags: list[str] | None = Field(None, max_length=1000, description="null: no tags")
+
+    _lists = field_validator(*LISTS)(_null_is_empty)
+
+    @field_validator("status", mode="before")
+    @classmethod
+    def _status_not_null(cls, value: Any) -> Any:
+        if value is None:
+            raise ValueError(
+                f"null is not a status: give one of {', '.join(STATUSES)}, or leave it out"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _ranges(self):
+        check_bounds(self.model_dump(exclude_unset=True))
+        return self
 
 
 class VersionResponse(BaseModel):
@@ -144,3 +251,7 @@ class AdOut(BaseModel):
     ad_id: int
     attributes: dict[str, Any]
     index_version: int
+
+
+class Error(BaseModel):
+    detail: str = Field(description="what is wrong; a 422 names the field, e.g. requests[0].k")
