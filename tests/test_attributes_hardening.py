@@ -402,3 +402,21 @@ def test_duplicate_values_in_an_arrow_list_read_back_once():
     assert table.to_arrow().column("t").to_pylist() == [["a", "b"], [], ["c"]]
     assert table.contains("t", "c").tolist() == [False, False, True]
     assert np.array_equal(table.nonempty("t").numpy(), [True, False, True])
+
+
+def test_contains_masks_are_reused_until_a_write_and_never_shared():
+    """Requests ask `contains` about the same few values: the row mask is kept per value, must
+    follow every write, and no caller can change another's copy."""
+    schema = {"tags": "str_list"}
+    table = AttributeTable.from_rows(
+        [{"tags": ["a"]}, {"tags": ["b"]}, {"tags": ["a", "b"]}], schema
+    )
+    first = table.contains("tags", "a")
+    assert first.tolist() == [True, False, True]
+    first[:] = False
+    assert table.contains("tags", "a").tolist() == [True, False, True]
+    table.write(torch.tensor([1]), columns_from_rows([{"tags": ["a"]}], schema))
+    assert table.contains("tags", "a").tolist() == [True, True, True]
+    table.reserve(8)
+    table.write(torch.tensor([3]), columns_from_rows([{"tags": ["a"]}], schema))
+    assert table.contains("tags", "a").tolist() == [True, True, True, True]

@@ -156,6 +156,9 @@ def columns_from_arrow(table: pa.Table, schema: Mapping[str, str]) -> pa.Table:
     return pa.Table.from_arrays(arrays, schema=arrow_schema(schema))
 
 
+MAX_CACHED_MASKS = 64  # per list field: N bytes each
+
+
 def _ranges(start: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     """[sum(count)] int64: the ranges start[i] .. start[i] + count[i] - 1, one after another."""
     total = int(count.sum())
@@ -181,8 +184,12 @@ class _Lists:
         self.count = torch.zeros(cap, dtype=torch.int32, device=device)  # [cap]
         self.used = 0  # entries appended, live or dead: the next one goes here
         self.dead = 0
+        # contains() scans every entry, but requests ask about the same few values (their
+        # country, platform, surface): a row mask per value asked is kept until the next change.
+        self._hits: dict[tuple[int, int], torch.Tensor] = {}
 
     def reserve_rows(self, cap: int, n: int) -> None:
+        self._hits.clear()
         for name in ("start", "count"):
             old = getattr(self, name)
             grown = torch.zeros(cap, dtype=old.dtype, device=old.device)  # [cap]
@@ -214,6 +221,7 @@ class _Lists:
     def write(self, rows: torch.Tensor, codes: torch.Tensor, where: torch.Tensor) -> None:
         """Set the sets of distinct rows [k]: entry j holds code codes[j] for row rows[where[j]];
         (where, codes) pairs are distinct and grouped by `where` in ascending order."""
+        self._hits.clear()
         old = self.count[rows]  # [k]
         if bool((old > 0).any()):
             self.codes[_ranges(self.start[rows], old)] = -1  # a rewritten row loses its words
@@ -233,9 +241,15 @@ class _Lists:
         return self.codes[_ranges(self.start[rows], count)], count
 
     def contains(self, code: int, n: int) -> torch.Tensor:
-        mask = torch.zeros(n, dtype=torch.bool, device=self.codes.device)  # [N]
-        mask[self.owner[: self.used][self.codes[: self.used] == code]] = True
-        return mask
+        """[n] bool, the caller's own (a copy: N bytes, against a scan of every entry)."""
+        mask = self._hits.get((code, n))
+        if mask is None:
+            mask = torch.zeros(n, dtype=torch.bool, device=self.codes.device)  # [N]
+            mask[self.owner[: self.used][self.codes[: self.used] == code]] = True
+            if len(self._hits) >= MAX_CACHED_MASKS:
+                self._hits.pop(next(iter(self._hits)))  # the oldest
+            self._hits[(code, n)] = mask
+        return mask.clone()
 
 
 class AttributeTable:
