@@ -6,18 +6,11 @@ import torch
 
 from m31.features import FeatureConfig, build_features
 from m31.model import Catalog, ModelConfig, RankingModel, RetrievalModel, model_preset
+from m31.model.checkpoint import build_model, load_checkpoint, save_checkpoint, vocab_sizes
+from m31.model.inference import encode_ads, encode_requests
 from m31.model.retrieval import balance_loss, sampled_softmax_loss
-from m31.model.train import (
-    _retrieval_step,
-    build_model,
-    encode_ads,
-    encode_requests,
-    load_checkpoint,
-    requests_for,
-    save_checkpoint,
-    vocab_sizes,
-)
 from m31.ops import score
+from m31.training.train import _retrieval_step, requests_for
 from m31.world.config import preset
 from m31.world.generate import generate
 
@@ -315,7 +308,7 @@ def test_bad_model_config():
 @pytest.mark.parametrize("kind", ["moe", "ranking"])
 def test_score_function_full_corpus_and_ranking_agree(feats, kind):
     from m31.eval import requests_from_split
-    from m31.model.train import ScoreFunction
+    from m31.model.inference import ScoreFunction
 
     fn = ScoreFunction(make(kind, feats), feats, Catalog.from_features(feats), ad_chunk=333)
     req = requests_from_split(feats, "test", max_users=7)

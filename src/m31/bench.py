@@ -743,8 +743,7 @@ def run_engine(
     from m31.data.schema import PLATFORMS, SURFACES
     from m31.engine import AdRequest, Retriever
     from m31.features import FeatureConfig, build_features
-    from m31.model import model_preset
-    from m31.model.train import build_model, vocab_sizes
+    from m31.model import build_model, model_preset, vocab_sizes
     from m31.world.config import preset
     from m31.world.generate import generate
 

@@ -184,8 +184,7 @@ def _named_paths(values: list[str], option: str) -> dict[str, Path]:
 
 
 def _load_models(specs: dict[str, Path], feats, device: str) -> dict:
-    from m31.model import Catalog
-    from m31.model.train import ScoreFunction, load_checkpoint
+    from m31.model import Catalog, ScoreFunction, load_checkpoint
 
     catalog = Catalog.from_features(feats).to(device)
     fns = {}
@@ -215,9 +214,9 @@ def train_cmd(
     """Train a model and write a checkpoint (weights, config, vocabularies, history)."""
     import json as _json
 
-    from m31.model import model_preset
-    from m31.model.train import save_checkpoint, train
+    from m31.model import model_preset, save_checkpoint
     from m31.pipeline import features_for
+    from m31.training import train
 
     cfg = model_preset(preset, model).with_overrides(epochs=epochs, seed=seed)
     bar, callback = progress_bar()

@@ -41,10 +41,17 @@ def run(
         topk_rows,
     )
     from m31.index import AdIndex
-    from m31.model import Catalog, model_preset
-    from m31.model.train import ScoreFunction, encode_ads, load_checkpoint, save_checkpoint, train
+    from m31.model import (
+        Catalog,
+        ScoreFunction,
+        encode_ads,
+        load_checkpoint,
+        model_preset,
+        save_checkpoint,
+    )
     from m31.pipeline import features_for, funnel_eligibility
     from m31.progress import progress_bar
+    from m31.training import train
     from m31.world.config import preset
     from m31.world.generate import generate
     from m31.world.truth import GroundTruth

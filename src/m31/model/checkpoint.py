@@ -1,0 +1,97 @@
+"""Checkpoints: a trained model with its config, vocabularies and history in one file.
+
+A checkpoint also records a fingerprint of the features it was trained on, so that it is never
+loaded beside another catalogue, and `checkpoint_hash` names it in the index snapshots its ad
+tower made.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from m31.features import Features
+from m31.model.config import ModelConfig
+from m31.model.ranking import RankingModel
+from m31.model.retrieval import RetrievalModel
+
+
+def vocab_sizes(feats: Features) -> dict[str, int]:
+    v = feats.meta["vocab"]
+    return {
+        "cohort": len(v["cohort"]),
+        "country": len(v["country"]),
+        "topic": int(feats.meta["n_topics"]),
+        "category": int(feats.meta["n_categories"]),
+    }
+
+
+def build_model(cfg: ModelConfig, sizes: dict[str, int], text_dim: int, cooc_dim: int):
+    cls = RankingModel if cfg.kind == "ranking" else RetrievalModel
+    return cls(cfg, sizes, text_dim, cooc_dim)
+
+
+def features_fingerprint(feats: Features) -> str:
+    """Identifies the feature set a checkpoint was trained on (catalogue and vocabularies)."""
+    h = hashlib.sha256()
+    h.update(json.dumps(feats.meta["vocab"], sort_keys=True).encode())
+    h.update(np.ascontiguousarray(feats.ads["ad_id"]).tobytes())
+    return h.hexdigest()[:16]
+
+
+def save_checkpoint(path: Path, model, feats: Features, history: list[dict]) -> Path:
+    """Weights, config, vocabularies and training history in one file, written atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    blob = {
+        "format": "m31-checkpoint-1",
+        "config": model.cfg.to_dict(),
+        "sizes": vocab_sizes(feats),
+        "dims": {"text": int(feats.text_emb.shape[1]), "cooc": int(feats.cooc_emb.shape[1])},
+        "vocab": feats.meta["vocab"],
+        "features": features_fingerprint(feats),
+        "history": history,
+        "state_dict": model.state_dict(),
+    }
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(blob, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load_checkpoint(path: Path, feats: Features | None = None, device: str | torch.device = "cpu"):
+    """(model, blob). With `feats`, checks that they are the features the model was trained on."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such checkpoint")
+    try:
+        blob = torch.load(path, map_location=device, weights_only=False)
+    except Exception as e:
+        raise ValueError(f"{path}: not a readable m31 checkpoint ({e})") from e
+    if not isinstance(blob, dict) or blob.get("format") != "m31-checkpoint-1":
+        raise ValueError(f"{path}: not an m31 checkpoint")
+    if feats is not None and features_fingerprint(feats) != blob["features"]:
+        raise ValueError(f"{path}: trained on other features (catalogue or vocabularies differ)")
+    cfg = ModelConfig.from_dict(blob["config"])
+    model = build_model(cfg, blob["sizes"], blob["dims"]["text"], blob["dims"]["cooc"]).to(device)
+    model.load_state_dict(blob["state_dict"])
+    model.eval()
+    return model, blob
+
+
+def checkpoint_hash(path: Path) -> str:
+    """Identifies a checkpoint file: what an index snapshot records as its `model_hash`."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
