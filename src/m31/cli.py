@@ -17,9 +17,11 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, help="m31: ads ret
 world_app = typer.Typer(no_args_is_help=True, help="The synthetic ads marketplace.")
 data_app = typer.Typer(no_args_is_help=True, help="Datasets: import and inspect.")
 features_app = typer.Typer(no_args_is_help=True, help="Feature tables for training.")
+index_app = typer.Typer(no_args_is_help=True, help="The ad index: build it from a trained model.")
 app.add_typer(world_app, name="world")
 app.add_typer(data_app, name="data")
 app.add_typer(features_app, name="features")
+app.add_typer(index_app, name="index")
 
 
 def _fail(msg: str) -> None:
@@ -409,6 +411,32 @@ def _serving_state(index: Path, state: Path | None, device: str) -> Path:
         typer.echo(f"initialising the serving state {state} from the snapshot {index}")
         DurableIndex.create(state, index, device=device).close()
     return state
+
+
+@index_app.command("build")
+@cli_errors
+def index_build(
+    data: Annotated[Path, typer.Option(help="Dataset folder the model was trained on.")],
+    model: Annotated[Path, typer.Option(help="Checkpoint of a retrieval model (moe, two-tower).")],
+    out: Annotated[Path, typer.Option(help="Snapshot folder to create.")],
+    dtype: Annotated[str, typer.Option(help="Ad table precision: bfloat16 or float32.")] = "bfloat16",
+    device: Annotated[str, typer.Option(help="cpu or cuda: where the ad tower runs.")] = "cpu",
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing folder.")] = False,
+) -> None:
+    """Run the model's ad tower over the dataset's catalogue and snapshot the ad index."""
+    import torch
+
+    from m31.engine.build import build_index
+
+    dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+    if dtype not in dtypes:
+        raise ValueError(f"--dtype: {dtype!r} is not one of {', '.join(dtypes)}")
+    start = time.perf_counter()
+    index = build_index(data, model, out, device=device, dtype=dtypes[dtype], overwrite=overwrite)
+    typer.echo(
+        f"wrote {out} in {time.perf_counter() - start:.1f} s: {len(index):,} ads, {dtype}, "
+        f"G = {index.dim_g}, D = {index.dim_x}, model {index.model_hash}"
+    )
 
 
 @app.command("serve")
