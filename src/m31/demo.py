@@ -81,9 +81,13 @@ def run(
     for kind in ("moe", "two-tower"):
         path = runs / f"{kind}.pt"
         t = time.perf_counter()
+        models[kind] = None
         if path.is_file():
-            models[kind], _ = load_checkpoint(path, feats)
-        else:
+            try:
+                models[kind], _ = load_checkpoint(path, feats)
+            except ValueError as e:  # an older format, or other features: train it again
+                log(f"not reusing {path}: {e}")
+        if models[kind] is None:
             log(f"training {kind} ({epochs} epochs)")
             models[kind], history = train(
                 model_preset(models_preset, kind).with_overrides(epochs=epochs),

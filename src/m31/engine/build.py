@@ -13,9 +13,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import torch
 
+from m31.engine.load import load_model
 from m31.index import AdIndex
-from m31.model import Catalog, RetrievalModel, checkpoint_hash, encode_ads, load_checkpoint
-from m31.pipeline import features_for
+from m31.model import Catalog, RetrievalModel, checkpoint_hash, encode_ads
 
 
 def index_from_model(data: Path, model: RetrievalModel, feats, dtype=torch.bfloat16) -> AdIndex:
@@ -35,8 +35,7 @@ def build_index(
     overwrite: bool = False,
 ) -> AdIndex:
     """Encode the catalogue of `data` with the checkpoint's ad tower; snapshot it into `out`."""
-    feats = features_for(Path(data))
-    model, _ = load_checkpoint(Path(model_path), feats, device=device)
+    model, feats = load_model(model_path, data, device)
     if not isinstance(model, RetrievalModel):
         raise ValueError(
             f"--model: {model_path} is a {model.cfg.kind} model, which has no ad tower"

@@ -18,8 +18,10 @@ import pyarrow.parquet as pq
 
 from m31.engine.ad_encoder import AdEncoder
 from m31.engine.retriever import Retriever
+from m31.features import Features
 from m31.index import DurableIndex
 from m31.model import checkpoint_hash, load_checkpoint
+from m31.model.checkpoint import check_trained_on
 from m31.pipeline import embedding_cache_dir, features_for
 
 log = logging.getLogger("m31.engine")
@@ -35,10 +37,18 @@ class LoadedEngine:
         self.store.close()
 
 
+def load_model(model: Path, data: Path, device: str = "cpu") -> tuple:
+    """(model, features): the checkpoint and the features of `data` for the split it was
+    trained on (the features hold every user's history, not just the train part)."""
+    net, blob = load_checkpoint(Path(model), device=device)
+    feats: Features = features_for(Path(data), split=blob["split"]["name"])
+    check_trained_on(blob, feats, Path(model))
+    return net, feats
+
+
 def load_engine(index: Path, model: Path, data: Path, device: str = "cpu") -> LoadedEngine:
     """Open the serving folder `index` and the model that made it, ready to answer."""
-    feats = features_for(Path(data))
-    net, _ = load_checkpoint(Path(model), feats, device=device)
+    net, feats = load_model(model, data, device)
     users = pq.read_table(Path(data) / "users.parquet")  # targeting: country, age…
     store = DurableIndex.open(index, device=device)
     try:
