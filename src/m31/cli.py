@@ -11,6 +11,7 @@ from typing import Annotated
 
 import typer
 
+from m31.bench import cli as bench_cli
 from m31.progress import progress_bar
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="m31: ads retrieval engine.")
@@ -609,16 +610,7 @@ def loadtest_cmd(
         out.write_text(json.dumps(rows, indent=2) + "\n")
 
 
-@app.command(
-    "bench",
-    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-    add_help_option=False,
-)
-def bench_cmd(ctx: typer.Context) -> None:
-    """Kernel and engine benchmarks (arguments: `m31 bench --help`)."""
-    from m31 import bench
-
-    raise typer.Exit(bench.main(ctx.args) or 0)
+app.command("bench")(bench_cli.bench)
 
 
 def main() -> None:  # pragma: no cover - console entry point
