@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The whole GPU check of the score·filter·top-K pass, on the GPU image as it is (PyTorch, Triton,
-# numpy, pyarrow, matplotlib; nothing is installed): every kernel against the reference on fresh
-# random data (stops here on a mismatch), then the timings at DESIGN §6's canonical shapes with
-# every baseline, then the engine end to end at N = 10 M. Under 5 minutes on one H200.
+# numpy, typer, pyarrow, matplotlib; nothing is installed): every kernel against the reference on
+# fresh random data (stops here on a mismatch), then the timings at DESIGN §6's canonical shapes
+# with every baseline, then the engine end to end at N = 10 M. Under 5 minutes on one H200.
 #
 #   bash bench/gpu.sh                  # results in bench/out
 #   OUT=/tmp/m31-bench bash bench/gpu.sh

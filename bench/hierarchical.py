@@ -18,8 +18,7 @@ import torch
 
 from m31.eval import requests_from_split
 from m31.index.hierarchical import HierarchicalIndex
-from m31.model import Catalog, make_requests
-from m31.model.train import encode_ads, load_checkpoint
+from m31.model import Catalog, encode_ads, load_checkpoint, make_requests
 from m31.ops import score_topk
 from m31.pipeline import features_for
 

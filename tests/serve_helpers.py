@@ -31,8 +31,14 @@ def build_world(root: Path) -> World:
     """Tiny marketplace, features with real text embeddings, an untrained tiny moe, an index."""
     from m31.data import dataset
     from m31.index import AdIndex
-    from m31.model import Catalog, model_preset
-    from m31.model.train import build_model, encode_ads, save_checkpoint, vocab_sizes
+    from m31.model import (
+        Catalog,
+        build_model,
+        encode_ads,
+        model_preset,
+        save_checkpoint,
+        vocab_sizes,
+    )
     from m31.pipeline import features_for
     from m31.world.config import preset
     from m31.world.generate import generate

@@ -6,25 +6,22 @@ import importlib.util
 import pytest
 import torch
 
-from m31.bench import (
-    VARIANTS,
-    CheckRow,
-    EngineTiming,
-    Timing,
-    acceptance,
-    canonical_cases,
-    check_topk,
+from m31.bench.baselines import (
     chunk_size,
     chunked_topk,
     compiled_gate_scores,
     gate_scores,
-    main,
-    random_query,
-    random_table,
-    ratios,
     two_tower_topk,
 )
+from m31.bench.cases import VARIANTS, canonical_cases
+from m31.bench.check import CheckRow
+from m31.bench.cli import main
+from m31.bench.common import random_query, random_table
+from m31.bench.engine import EngineTiming
+from m31.bench.kernels import Timing
+from m31.bench.report import acceptance, ratios
 from m31.ops import NO_ROW, score
+from m31.ops.testing import check_topk
 from m31.ops.torch_score_topk import torch_score_topk
 
 CPU = torch.device("cpu")

@@ -188,6 +188,28 @@ def test_train_eval_simulate_end_to_end(tmp_path):
     assert funnel["requests"] == 80 and funnel["pairs"][0]["model"] == "moe"
     assert "moe vs two-tower" in out
 
+    index_dir = tmp_path / "index"
+    code, out = run(
+        "index", "build", "--data", str(data), "--model", str(tmp_path / "moe.pt"),
+        "--out", str(index_dir),
+    )  # fmt: skip
+    assert code == 0, out
+    from m31.index import AdIndex, read_manifest
+    from m31.model import checkpoint_hash
+
+    assert len(AdIndex.load(index_dir)) == 2_000
+    assert read_manifest(index_dir)["model_hash"] == checkpoint_hash(tmp_path / "moe.pt")
+    code, out = run(
+        "index", "build", "--data", str(data), "--model", str(tmp_path / "ranking.pt"),
+        "--out", str(tmp_path / "index2"),
+    )  # fmt: skip
+    assert code == 2 and "has no ad tower" in out
+    code, out = run(
+        "index", "build", "--data", str(data), "--model", str(tmp_path / "moe.pt"),
+        "--out", str(index_dir),
+    )  # fmt: skip
+    assert code == 2 and "exists" in out
+
     code, out = run("eval", "--data", str(data), f"--model={tmp_path / 'missing.pt'}")
     assert code == 2 and "no such checkpoint" in out
     code, out = run(

@@ -10,8 +10,7 @@ from m31.data.schema import SURFACES
 from m31.engine import AdRequest, Engagement, InlineUser, RequestError, Retriever
 from m31.features import FeatureConfig, build_features
 from m31.index import AdIndex
-from m31.model import Catalog, model_preset
-from m31.model.train import build_model, encode_ads, vocab_sizes
+from m31.model import Catalog, build_model, encode_ads, model_preset, vocab_sizes
 from m31.world.config import preset
 from m31.world.generate import generate
 
@@ -72,7 +71,7 @@ def test_retrieve_equals_brute_force(world):
     assert out.version == index.version and set(out.timings_ms) == {"encode", "mask", "score_topk"}
 
     from m31.eval import Requests
-    from m31.model.train import ScoreFunction
+    from m31.model import ScoreFunction
 
     fn = ScoreFunction(model, feats, Catalog.from_features(feats))
     ads, users = ds.ads.to_pylist(), ds.users.to_pylist()

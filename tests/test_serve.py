@@ -415,8 +415,7 @@ def test_cli_serve_query_and_loadtest(world, tmp_path):
 def test_new_ads_are_encoded_with_the_real_text_encoder(world):
     """The ad tower sees a new ad's text through the same sentence encoder as the catalogue."""
     from m31.engine.ad_encoder import AdEncoder, NewAd
-    from m31.model import Catalog
-    from m31.model.train import load_checkpoint
+    from m31.model import Catalog, load_checkpoint
     from m31.pipeline import features_for
 
     feats = features_for(world.data)

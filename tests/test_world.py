@@ -172,3 +172,17 @@ def test_presets_and_bad_config():
         preset("huge")
     with pytest.raises(ValueError, match="n_ads must be positive"):
         CFG.with_overrides(n_ads=0)
+
+
+def test_ads_publish_a_quality_estimate_not_the_truth(world):
+    """Models read the ads table: its quality column must not be the ground truth's quality."""
+    ds, truth = world
+    published = ds.ads["quality"].to_numpy()
+    corr = np.corrcoef(published, truth.ad_quality)[0, 1]
+    assert not np.allclose(published, truth.ad_quality)
+    assert 0.55 < corr < 0.85  # 1 / sqrt(2) at the default noise
+    exact, _ = generate(CFG.with_overrides(quality_noise=0.0), seed=7)
+    np.testing.assert_array_equal(exact.ads["quality"].to_numpy(), truth.ad_quality)
+    assert exact.events.equals(ds.events), "the estimate's noise draws from its own stream"
+    with pytest.raises(ValueError, match="quality_noise"):
+        CFG.with_overrides(quality_noise=float("nan"))

@@ -11,15 +11,18 @@ from typing import Annotated
 
 import typer
 
+from m31.bench import cli as bench_cli
 from m31.progress import progress_bar
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="m31: ads retrieval engine.")
 world_app = typer.Typer(no_args_is_help=True, help="The synthetic ads marketplace.")
 data_app = typer.Typer(no_args_is_help=True, help="Datasets: import and inspect.")
 features_app = typer.Typer(no_args_is_help=True, help="Feature tables for training.")
+index_app = typer.Typer(no_args_is_help=True, help="The ad index: build it from a trained model.")
 app.add_typer(world_app, name="world")
 app.add_typer(data_app, name="data")
 app.add_typer(features_app, name="features")
+app.add_typer(index_app, name="index")
 
 
 def _fail(msg: str) -> None:
@@ -184,8 +187,7 @@ def _named_paths(values: list[str], option: str) -> dict[str, Path]:
 
 
 def _load_models(specs: dict[str, Path], feats, device: str) -> dict:
-    from m31.model import Catalog
-    from m31.model.train import ScoreFunction, load_checkpoint
+    from m31.model import Catalog, ScoreFunction, load_checkpoint
 
     catalog = Catalog.from_features(feats).to(device)
     fns = {}
@@ -215,9 +217,9 @@ def train_cmd(
     """Train a model and write a checkpoint (weights, config, vocabularies, history)."""
     import json as _json
 
-    from m31.model import model_preset
-    from m31.model.train import save_checkpoint, train
+    from m31.model import model_preset, save_checkpoint
     from m31.pipeline import features_for
+    from m31.training import train
 
     cfg = model_preset(preset, model).with_overrides(epochs=epochs, seed=seed)
     bar, callback = progress_bar()
@@ -412,6 +414,32 @@ def _serving_state(index: Path, state: Path | None, device: str) -> Path:
     return state
 
 
+@index_app.command("build")
+@cli_errors
+def index_build(
+    data: Annotated[Path, typer.Option(help="Dataset folder the model was trained on.")],
+    model: Annotated[Path, typer.Option(help="Checkpoint of a retrieval model (moe, two-tower).")],
+    out: Annotated[Path, typer.Option(help="Snapshot folder to create.")],
+    dtype: Annotated[str, typer.Option(help="Ad table precision: bfloat16 or float32.")] = "bfloat16",
+    device: Annotated[str, typer.Option(help="cpu or cuda: where the ad tower runs.")] = "cpu",
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing folder.")] = False,
+) -> None:
+    """Run the model's ad tower over the dataset's catalogue and snapshot the ad index."""
+    import torch
+
+    from m31.engine.build import build_index
+
+    dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+    if dtype not in dtypes:
+        raise ValueError(f"--dtype: {dtype!r} is not one of {', '.join(dtypes)}")
+    start = time.perf_counter()
+    index = build_index(data, model, out, device=device, dtype=dtypes[dtype], overwrite=overwrite)
+    typer.echo(
+        f"wrote {out} in {time.perf_counter() - start:.1f} s: {len(index):,} ads, {dtype}, "
+        f"G = {index.dim_g}, D = {index.dim_x}, model {index.model_hash}"
+    )
+
+
 @app.command("serve")
 @cli_errors
 def serve_cmd(
@@ -588,16 +616,7 @@ def loadtest_cmd(
         out.write_text(json.dumps(rows, indent=2) + "\n")
 
 
-@app.command(
-    "bench",
-    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-    add_help_option=False,
-)
-def bench_cmd(ctx: typer.Context) -> None:
-    """Kernel and engine benchmarks (arguments: `m31 bench --help`)."""
-    from m31 import bench
-
-    raise typer.Exit(bench.main(ctx.args) or 0)
+app.command("bench")(bench_cli.bench)
 
 
 def main() -> None:  # pragma: no cover - console entry point

@@ -6,7 +6,6 @@ snapshot the ad index -> answer sample requests -> quality and throughput.
 
 from __future__ import annotations
 
-import hashlib
 import time
 from pathlib import Path
 
@@ -32,6 +31,7 @@ def run(
     from m31.data import dataset
     from m31.data.schema import PLATFORMS, SURFACES
     from m31.engine import AdRequest, Retriever
+    from m31.engine.build import build_index
     from m31.eval import (
         evaluate,
         format_funnel,
@@ -40,11 +40,16 @@ def run(
         simulate,
         topk_rows,
     )
-    from m31.index import AdIndex
-    from m31.model import Catalog, model_preset
-    from m31.model.train import ScoreFunction, encode_ads, load_checkpoint, save_checkpoint, train
+    from m31.model import (
+        Catalog,
+        ScoreFunction,
+        load_checkpoint,
+        model_preset,
+        save_checkpoint,
+    )
     from m31.pipeline import features_for, funnel_eligibility
     from m31.progress import progress_bar
+    from m31.training import train
     from m31.world.config import preset
     from m31.world.generate import generate
     from m31.world.truth import GroundTruth
@@ -76,9 +81,13 @@ def run(
     for kind in ("moe", "two-tower"):
         path = runs / f"{kind}.pt"
         t = time.perf_counter()
+        models[kind] = None
         if path.is_file():
-            models[kind], _ = load_checkpoint(path, feats)
-        else:
+            try:
+                models[kind], _ = load_checkpoint(path, feats)
+            except ValueError as e:  # an older format, or other features: train it again
+                log(f"not reusing {path}: {e}")
+        if models[kind] is None:
             log(f"training {kind} ({epochs} epochs)")
             models[kind], history = train(
                 model_preset(models_preset, kind).with_overrides(epochs=epochs),
@@ -90,11 +99,7 @@ def run(
         timings[f"train {kind}"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    catalog = Catalog.from_features(feats)
-    g, x, b = encode_ads(models["moe"], catalog)
-    index = AdIndex.from_table(ds.ads, g, x, b)
-    model_hash = hashlib.sha256((runs / "moe.pt").read_bytes()).hexdigest()[:16]
-    index.save(out / "index", model_hash=model_hash, overwrite=True)
+    index = build_index(data, runs / "moe.pt", out / "index", overwrite=True)  # = m31 index build
     timings["index"] = time.perf_counter() - t
     log(f"index: {len(index):,} ads, bf16, version {index.version}, snapshot in {out / 'index'}")
 
@@ -132,6 +137,7 @@ def run(
 
     # Quality: full corpus on held-out requests; funnel against the two-tower baseline.
     t = time.perf_counter()
+    catalog = Catalog.from_features(feats)
     fns = {kind: ScoreFunction(m, feats, catalog) for kind, m in models.items()}
     quality = evaluate(
         fns, feats, ks=(10, 50, 100), max_users=N_EVAL, exclude_seen=False, truth=truth

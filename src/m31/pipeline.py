@@ -1,4 +1,4 @@
-"""Glue between the stages: a dataset folder's features and trained models, loaded once.
+"""Glue between the stages: a dataset folder's features, built once, and funnel eligibility.
 
 Features are derived data: `features_for(DIR)` builds them on first use into
 `DIR/features/<split>` (atomically) and loads them from there afterwards.

@@ -62,7 +62,7 @@ ADS = pa.schema(
         pa.field("target_platforms", pa.list_(pa.string()), nullable=False),
         pa.field("status", pa.string(), nullable=False),
         pa.field("daily_budget", pa.float32(), nullable=False),
-        pa.field("quality", pa.float32(), nullable=False),  # prior quality score, about N(0, 1)
+        pa.field("quality", pa.float32(), nullable=False),  # estimated quality score, about N(0, 1)
         pa.field("created_at", pa.int64(), nullable=False),
     ]
 )

@@ -127,12 +127,6 @@ class Features:
         values, _, lengths = self.organic.before(users, cutoffs, self.config.organic_len)
         return values["topic"], lengths
 
-    def engaged_text_embedding(self, items: np.ndarray) -> np.ndarray:
-        """Mean sentence embedding of the engaged items' texts: [n, L] item rows -> [n, H]."""
-        valid = items >= 0
-        emb = self.text_emb[np.where(valid, items, 0)] * valid[..., None]
-        return emb.sum(1) / np.maximum(valid.sum(1, keepdims=True), 1)
-
     def describe(self) -> str:
         sizes = ", ".join(f"{k} {len(v['user']):,}" for k, v in self.splits.items())
         return (

@@ -1,6 +1,15 @@
-"""Models: the retrieval mixture of experts, the two-tower baseline, the ranking model."""
+"""Models: the retrieval mixture of experts, the two-tower baseline, the ranking model, their
+checkpoints and the inference API (training is `m31.training`)."""
 
+from m31.model.checkpoint import (
+    build_model,
+    checkpoint_hash,
+    load_checkpoint,
+    save_checkpoint,
+    vocab_sizes,
+)
 from m31.model.config import PRESETS, ModelConfig, model_preset
+from m31.model.inference import ScoreFunction, encode_ads, encode_requests
 from m31.model.inputs import Catalog, Requests, make_requests
 from m31.model.ranking import RankingModel
 from m31.model.retrieval import RetrievalModel
@@ -12,6 +21,14 @@ __all__ = [
     "RankingModel",
     "Requests",
     "RetrievalModel",
+    "ScoreFunction",
+    "build_model",
+    "checkpoint_hash",
+    "encode_ads",
+    "encode_requests",
+    "load_checkpoint",
     "make_requests",
     "model_preset",
+    "save_checkpoint",
+    "vocab_sizes",
 ]

@@ -100,7 +100,7 @@ class Service:
 
     @classmethod
     def load(cls, config: ServeConfig) -> Service:
-        from m31.model.train import load_checkpoint
+        from m31.model import load_checkpoint
         from m31.pipeline import embedding_cache_dir, features_for
 
         feats = features_for(Path(config.data))

@@ -26,11 +26,16 @@ class WorldConfig:
     match_gain: float = 5.0  # kappa: logit gain of a perfect facet-ad match
     ad_noise: float = 0.45  # spread of ad vectors around their topic's vector
     facet_noise: float = 0.35  # spread of user facets around their topic's vector
+    # The ads table publishes an estimate of each ad's quality, never the truth the ground
+    # truth scores with: corr(estimate, truth) = 1 / sqrt(1 + quality_noise²), 0.71 at 1.0.
+    quality_noise: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("n_users", "n_advertisers", "n_ads", "n_impressions", "days"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not self.quality_noise >= 0:
+            raise ValueError(f"quality_noise must be >= 0, got {self.quality_noise}")
         if self.max_facets < 2:
             raise ValueError(f"max_facets must be at least 2, got {self.max_facets}")
         if not 0.0 <= self.explore <= 1.0:

@@ -202,6 +202,9 @@ def generate(
     status = rng.choice(len(STATUSES), n_a, p=STATUS_P)
     budget = rng.lognormal(4.0, 1.0, n_a).astype(np.float32)
     quality = rng.standard_normal(n_a).astype(np.float32)
+    # Its own stream, so that the estimate's noise leaves every other draw of the seed as it was.
+    noise = np.random.default_rng((seed, 1)).standard_normal(n_a)
+    quality_estimate = (quality + cfg.quality_noise * noise) / np.sqrt(1 + cfg.quality_noise**2)
     # Two thirds of the catalogue predates the log; the rest keeps arriving during it.
     ad_created = (EPOCH + span * rng.uniform(-2.0, 1.0, n_a)).astype(np.int64)
     ad_vec = _unit(topic_vec[topic] + cfg.ad_noise * rng.standard_normal((n_a, dim)) / np.sqrt(dim))
@@ -268,7 +271,7 @@ def generate(
             **targeting.columns(),
             "status": pa.array(np.array(STATUSES)[status]),
             "daily_budget": pa.array(budget),
-            "quality": pa.array(quality),
+            "quality": pa.array(quality_estimate.astype(np.float32)),
             "created_at": pa.array(ad_created),
         },
         schema=ADS,

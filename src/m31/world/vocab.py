@@ -1443,10 +1443,6 @@ def topic_names() -> list[str]:
     return [f"{cat.name} / {leaf.name}" for cat in CATEGORIES for leaf in cat.leaves]
 
 
-def category_names() -> list[str]:
-    return list(CATEGORY_NAMES)
-
-
 def topic_category(topic_ids: np.ndarray) -> np.ndarray:
     """The category id of each leaf topic id (int64)."""
     t = _check_topics(topic_ids)

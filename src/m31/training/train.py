@@ -1,4 +1,4 @@
-"""Training, checkpoints, and the inference API (`encode_ads`, `encode_requests`).
+"""Training of the retrieval models and the ranking model.
 
 Shapes: B requests in a batch, U uniform negatives, C candidates, A ads, E experts.
 
@@ -6,51 +6,33 @@ Retrieval models train with a sampled softmax over in-batch and uniform negative
 correction (a candidate's logit minus the log-probability that sampling put it in the set),
 plus the gate's load-balancing term. The ranking model trains the same way, but scores each
 request against its own small candidate set (its positive, other requests' positives, uniform
-negatives), since every (request, ad) pair costs it a full forward pass.
+negatives), since every (request, ad) pair costs it a full forward pass. Early stopping reads
+the validation split through `m31.eval`, which is why training lives outside `m31.model`.
 """
 
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
 import math
-import os
-import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import torch
 
+from m31.eval import evaluate
 from m31.features import Features
+from m31.model.checkpoint import build_model, vocab_sizes
 from m31.model.config import ModelConfig
+from m31.model.inference import ScoreFunction
 from m31.model.inputs import Catalog, Requests, make_requests
-from m31.model.ranking import RankingModel
-from m31.model.retrieval import RetrievalModel, balance_loss, expert_usage, sampled_softmax_loss
-from m31.ops import score
+from m31.model.retrieval import balance_loss, expert_usage, sampled_softmax_loss
 
 Log = Callable[[str], None]
 
 
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def vocab_sizes(feats: Features) -> dict[str, int]:
-    v = feats.meta["vocab"]
-    return {
-        "cohort": len(v["cohort"]),
-        "country": len(v["country"]),
-        "topic": int(feats.meta["n_topics"]),
-        "category": int(feats.meta["n_categories"]),
-    }
-
-
-def build_model(cfg: ModelConfig, sizes: dict[str, int], text_dim: int, cooc_dim: int):
-    cls = RankingModel if cfg.kind == "ranking" else RetrievalModel
-    return cls(cfg, sizes, text_dim, cooc_dim)
 
 
 def requests_for(
@@ -67,83 +49,9 @@ def requests_for(
     )
 
 
-@torch.no_grad()
-def encode_ads(model: RetrievalModel, catalog: Catalog, batch: int = 8192):
-    """(g [A, G], x [A, D], b [A]) for every ad of `catalog`, in batches."""
-    model.eval()
-    parts = [
-        model.encode_ads(
-            catalog.take(
-                torch.arange(lo, min(lo + batch, len(catalog)), device=catalog.ad_id.device)
-            )
-        )
-        for lo in range(0, len(catalog), batch)
-    ]
-    return tuple(torch.cat(p) for p in zip(*parts, strict=True))
-
-
-@torch.no_grad()
-def encode_requests(
-    model: RetrievalModel, feats: Features, catalog: Catalog, user, ts, surface, hour, platform
-):
-    """(q [B, E, G], v [B, E, D], p [B, E]) for requests given as user rows, times and context ids."""
-    model.eval()
-    device = catalog.ad_id.device
-    r = make_requests(feats, user, ts, surface, hour, platform, model.cfg.max_len).to(device)
-    return model.encode_requests(r, catalog)
-
-
-class ScoreFunction:
-    """A trained model as `m31.eval` uses it.
-
-    Calling it scores requests (anything with user, ts, surface, hour, platform arrays) against
-    the full corpus: [n, A]. `rank` scores given candidates only: [n, k]. Retrieval models encode
-    the catalogue once; the ranking model scores ads in chunks of `ad_chunk`.
-    """
-
-    def __init__(self, model, feats: Features, catalog: Catalog, ad_chunk: int = 4096):
-        self.model, self.feats, self.catalog = model.eval(), feats, catalog
-        self.ad_chunk = ad_chunk
-        self.device = catalog.ad_id.device
-        self._ads = encode_ads(model, catalog) if isinstance(model, RetrievalModel) else None
-
-    def _inputs(self, req) -> Requests:
-        return make_requests(
-            self.feats,
-            req.user,
-            req.ts,
-            req.surface,
-            req.hour,
-            req.platform,
-            self.model.cfg.max_len,
-        ).to(self.device)
-
-    @torch.no_grad()
-    def __call__(self, req) -> np.ndarray:
-        r = self._inputs(req)
-        if self._ads is not None:
-            q, v, p = self.model.encode_requests(r, self.catalog)
-            return score(q, v, p, *self._ads).cpu().numpy()
-        out = np.empty((len(r), len(self.catalog)), dtype=np.float32)
-        for lo in range(0, len(self.catalog), self.ad_chunk):
-            rows = torch.arange(lo, min(lo + self.ad_chunk, len(self.catalog)), device=self.device)
-            out[:, lo : lo + len(rows)] = self.model(r, self.catalog, rows).cpu().numpy()
-        return out
-
-    @torch.no_grad()
-    def rank(self, req, cand_rows: np.ndarray) -> np.ndarray:
-        """Scores [n, k] of candidate ad rows [n, k]: what a ranking stage does."""
-        if self._ads is not None:  # retrieval models: the full-corpus scores are cheap
-            return np.take_along_axis(self(req), cand_rows, axis=1)
-        rows = torch.from_numpy(np.ascontiguousarray(cand_rows, dtype=np.int64)).to(self.device)
-        return self.model(self._inputs(req), self.catalog, rows).cpu().numpy()
-
-
 def _validate(
     model, feats: Features, catalog: Catalog, cfg: ModelConfig, exclude_seen: bool
 ) -> dict:
-    from m31.eval import evaluate
-
     fn = ScoreFunction(model, feats, catalog)
     res = evaluate(
         {"model": fn},
@@ -282,58 +190,3 @@ def _ranking_step(model, r, catalog, pos, pop, n_ads, cfg, rng, device):
     return sampled_softmax_loss(
         scores, q.log(), torch.zeros(b, dtype=torch.long, device=device), cand, pos
     )
-
-
-def features_fingerprint(feats: Features) -> str:
-    """Identifies the feature set a checkpoint was trained on (catalogue and vocabularies)."""
-    h = hashlib.sha256()
-    h.update(json.dumps(feats.meta["vocab"], sort_keys=True).encode())
-    h.update(np.ascontiguousarray(feats.ads["ad_id"]).tobytes())
-    return h.hexdigest()[:16]
-
-
-def save_checkpoint(path: Path, model, feats: Features, history: list[dict]) -> Path:
-    """Weights, config, vocabularies and training history in one file, written atomically."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    blob = {
-        "format": "m31-checkpoint-1",
-        "config": model.cfg.to_dict(),
-        "sizes": vocab_sizes(feats),
-        "dims": {"text": int(feats.text_emb.shape[1]), "cooc": int(feats.cooc_emb.shape[1])},
-        "vocab": feats.meta["vocab"],
-        "features": features_fingerprint(feats),
-        "history": history,
-        "state_dict": model.state_dict(),
-    }
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(blob, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
-def load_checkpoint(path: Path, feats: Features | None = None, device: str | torch.device = "cpu"):
-    """(model, blob). With `feats`, checks that they are the features the model was trained on."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such checkpoint")
-    try:
-        blob = torch.load(path, map_location=device, weights_only=False)
-    except Exception as e:
-        raise ValueError(f"{path}: not a readable m31 checkpoint ({e})") from e
-    if not isinstance(blob, dict) or blob.get("format") != "m31-checkpoint-1":
-        raise ValueError(f"{path}: not an m31 checkpoint")
-    if feats is not None and features_fingerprint(feats) != blob["features"]:
-        raise ValueError(f"{path}: trained on other features (catalogue or vocabularies differ)")
-    cfg = ModelConfig.from_dict(blob["config"])
-    model = build_model(cfg, blob["sizes"], blob["dims"]["text"], blob["dims"]["cooc"]).to(device)
-    model.load_state_dict(blob["state_dict"])
-    model.eval()
-    return model, blob

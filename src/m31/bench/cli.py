@@ -1,0 +1,200 @@
+"""`m31 bench`, also `python -m m31.bench`: one typer command, registered by `m31.cli` as well.
+
+    m31 bench                           # timings at the device's default shapes
+    m31 bench --canonical --engine      # DESIGN §6's shapes, then the engine end to end
+    m31 bench --check                   # every kernel against the reference; exit 1 if not
+
+Typer alone is imported at the top, PyTorch when the command runs: `m31.cli` imports this
+module, and its other commands should not wait for PyTorch.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from m31.bench.cases import VARIANTS
+
+app = typer.Typer(add_completion=False)
+
+_DEFAULT_N = "10M on cuda, 1M on cpu, 20k with --quick"
+
+
+def _counts(text: str | None, option: str) -> tuple[int, ...] | None:
+    """ "1,64" or "1M,10M" -> ints (k, M, G suffixes; underscores allowed); None stays None."""
+    if text is None:
+        return None
+    scale = {"k": 10**3, "m": 10**6, "g": 10**9}
+    out = []
+    for part in text.split(","):
+        s = part.strip().replace("_", "").lower()
+        try:
+            value = int(s[:-1]) * scale[s[-1]] if s and s[-1] in scale else int(s)
+        except ValueError:
+            raise typer.BadParameter(f"not a count: {part!r}", param_hint=option) from None
+        if value <= 0:
+            raise typer.BadParameter(f"must be positive: {part!r}", param_hint=option)
+        out.append(value)
+    return tuple(out)
+
+
+def _variants(text: str) -> tuple[str, ...]:
+    names = tuple(v.strip() for v in text.split(",") if v.strip())
+    if not names:
+        raise typer.BadParameter("no variant given", param_hint="--variants")
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown:
+        raise typer.BadParameter(
+            f"unknown {unknown}; choose from {', '.join(VARIANTS)}", param_hint="--variants"
+        )
+    return names
+
+
+@app.command()
+def bench(
+    device: Annotated[str, typer.Option(help="auto (cuda if available), cuda or cpu.")] = "auto",
+    timings: Annotated[
+        bool, typer.Option("--timings", help="The timings: run unless --check or --engine alone.")
+    ] = False,
+    check: Annotated[
+        bool, typer.Option("--check", help="Kernels vs the reference; exit 1 if not.")
+    ] = False,
+    engine: Annotated[
+        bool, typer.Option("--engine", help="Retriever.retrieve end to end.")
+    ] = False,
+    canonical: Annotated[
+        bool, typer.Option("--canonical", help="Timings at DESIGN §6's shapes.")
+    ] = False,
+    quick: Annotated[bool, typer.Option("--quick", help="Small shapes: a CPU smoke run.")] = False,
+    n: Annotated[str | None, typer.Option(help=f"Ads, e.g. 1M,10M ({_DEFAULT_N}).")] = None,
+    batches: Annotated[
+        str | None, typer.Option(help="Requests per batch (1,64,512 on cuda, 1,64 on cpu).")
+    ] = None,
+    k: Annotated[str | None, typer.Option(help="Results per request (100).")] = None,
+    experts: Annotated[int, typer.Option(help="E.")] = 8,
+    dim: Annotated[int, typer.Option(help="G = D.")] = 64,
+    variants: Annotated[
+        str,
+        typer.Option(help=f"Comma-separated, of {', '.join(VARIANTS)} (all).", show_default=False),
+    ] = ",".join(VARIANTS),
+    repeat: Annotated[int, typer.Option(help="Timed calls per measurement, at most.")] = 5,
+    budget: Annotated[float, typer.Option(help="Seconds of timed calls, at most.")] = 2.0,
+    measure_limits: Annotated[
+        bool, typer.Option("--measure-limits", help="Measure the limits even on an H200.")
+    ] = False,
+    engine_n: Annotated[
+        str | None, typer.Option(help=f"Ads in the engine's index ({_DEFAULT_N}).")
+    ] = None,
+    engine_batches: Annotated[
+        str | None, typer.Option(help="Requests per call (1,64,256; 1,3 with --quick).")
+    ] = None,
+    engine_k: Annotated[int, typer.Option(help="Results per request of the engine.")] = 100,
+    engine_model: Annotated[
+        str, typer.Option(help="Model preset (demo: E = 8, G = D = 64).")
+    ] = "demo",
+    seed: Annotated[int, typer.Option(help="Seed of the tables, queries and world.")] = 0,
+    out: Annotated[Path, typer.Option(help="Folder for CSV, MD, PNG.")] = Path("bench/out"),
+) -> None:
+    """Throughput of score·filter·top-K against its baselines, every kernel against the
+    reference (--check; exit 1 if one disagrees) and the engine end to end (--engine). The
+    timings run when asked for (--timings, --canonical) or when neither --check nor --engine is
+    given. Progress goes to stderr; the tables go to stdout, last, and to --out.
+    """
+    import torch
+
+    from m31.bench import report
+    from m31.bench.cases import canonical_cases, plan_cases
+    from m31.bench.check import run_check
+    from m31.bench.common import Skip, device_limits, to_stderr
+    from m31.bench.engine import run_engine
+    from m31.bench.kernels import run_timings
+
+    ns, bs, ks = _counts(n, "--n"), _counts(batches, "--batches"), _counts(k, "--k")
+    engine_ns = _counts(engine_n, "--engine-n")
+    engine_bs = _counts(engine_batches, "--engine-batches")
+    chosen = _variants(variants)
+    if device == "auto":
+        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        dev = torch.device(device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise typer.BadParameter("no CUDA device here", param_hint="--device")
+    if canonical and (ns or bs or ks):
+        raise typer.BadParameter(
+            "it sets N, B and K itself; drop --n, --batches and --k", param_hint="--canonical"
+        )
+    if min(experts, dim, repeat, budget, engine_k) <= 0:
+        raise typer.BadParameter(
+            "must be positive", param_hint="--experts, --dim, --repeat, --budget, --engine-k"
+        )
+    cuda = dev.type == "cuda"
+    default_n = (20_000,) if quick else (10_000_000,) if cuda else (1_000_000,)
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    sections: list[str] = []
+    failed = False
+
+    if check:
+        checks, recalls = run_check(dev, quick=quick, seed=seed)
+        report.write_csv(out / "check.csv", checks)
+        failed = any(c.status == "FAIL" for c in checks)
+        sections.append(report.check_report(checks, recalls, dev))
+        (out / "check.md").write_text(sections[-1] + "\n")
+
+    if timings or canonical or not (check or engine):
+        if canonical:
+            cases = canonical_cases(chosen)
+        else:
+            cases = plan_cases(
+                ns or default_n,
+                bs or ((1, 3) if quick else (1, 64, 512) if cuda else (1, 64)),
+                ks or (100,),
+                chosen,
+            )
+        rows = run_timings(cases, dev, experts, dim, repeat, budget, measure_limits, seed)
+        report.write_csv(out / "bench.csv", rows)
+        no_plot = report.plot(rows, out / "bench.png")
+        limits = device_limits(dev, measure_limits)
+        sections.append(report.timings_report(rows, limits, cuda, no_plot))
+        (out / "bench.md").write_text(sections[-1] + "\n")
+
+    if engine:
+        try:
+            engine_rows = run_engine(
+                dev,
+                (engine_ns or default_n)[0],
+                engine_bs or ((1, 3) if quick else (1, 64, 256)),
+                engine_k,
+                engine_model,
+                repeat,
+                budget,
+                seed,
+            )
+        except Skip as e:
+            sections.append(f"## Engine end to end: skipped ({e})")
+        else:
+            report.write_csv(out / "engine.csv", engine_rows)
+            sections.append(report.engine_report(engine_rows))
+        (out / "engine.md").write_text(sections[-1] + "\n")
+
+    to_stderr(f"wall time {time.perf_counter() - start:.0f} s; tables and plot in {out}")
+    print("\n\n".join(sections))
+    if failed:
+        raise typer.Exit(1)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`m31 bench` on `argv` (default: the process's) from Python, as the tests run it: returns
+    the exit status (0, or 1 when --check failed); bad arguments exit 2 as on the command line."""
+    try:
+        app(args=sys.argv[1:] if argv is None else list(argv), prog_name="m31 bench")
+    except SystemExit as e:  # standalone typer always exits, success included
+        if e.code in (0, 1):
+            return e.code
+        raise
+    return 0

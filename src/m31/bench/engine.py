@@ -1,0 +1,155 @@
+"""`m31 bench --engine`: `Retriever.retrieve` end to end (request encoding, eligibility masks,
+score·top-K, ids and scores back) over an index of N ads.
+
+Shapes: B requests, N ads, E experts, G gate-key dim, D value dim, K results.
+
+The `tiny` world gives users, histories and the ads whose attributes the N ads repeat; the
+retrieval MoE of a model preset is untrained (its weights do not change the work done). The
+index is not `m31.engine.build.index_from_model`'s: that encodes the ads of a dataset folder,
+and 10 M ads repeating the tiny world's 2,000 encoded rows would tie 5,000 at a time, which
+changes the top-K's work. So the attributes repeat while g, x, b are random
+(`m31.bench.common.random_table`), and the index is made by `AdIndex.from_table`, the
+constructor `index_from_model` ends in.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from m31.bench.common import (
+    Log,
+    device_name,
+    fits,
+    fmt_rate,
+    random_table,
+    time_call,
+    to_stderr,
+)
+
+
+@dataclass
+class EngineTiming:
+    device: str
+    n: int
+    b: int
+    k: int
+    model: str
+    e: int
+    g: int
+    d: int
+    median_ms: float
+    repeats: int
+    ads_per_s: float
+    pairs_per_s: float
+    encode_ms: float  # medians of the engine's own breakdown (`RetrievalResult.timings_ms`)
+    mask_ms: float
+    score_topk_ms: float
+    index_build_s: float
+
+
+def synthetic_index(ads, n: int, gdim: int, ddim: int, device: torch.device, seed: int = 0):
+    """An AdIndex of N ads: attributes repeat the rows of a dataset's ads table (targeting,
+    status, schedules as real ads have them) under fresh ids 0..N-1; g, x, b are random."""
+    import pyarrow as pa
+
+    from m31.index import AdIndex
+
+    # The creative texts are the one bulky column and no attribute of the index.
+    keep = [c for c in ads.column_names if c != "text"]
+    table = ads.select(keep).take(pa.array(np.arange(n) % ads.num_rows))
+    table = table.set_column(
+        table.schema.get_field_index("ad_id"), "ad_id", pa.array(np.arange(n, dtype=np.int64))
+    )
+    (g, x, b), _ = random_table(n, gdim, ddim, device, seed)
+    return AdIndex.from_table(table, g, x, b, device=device)
+
+
+def run_engine(
+    device: torch.device,
+    n: int,
+    batches: Sequence[int] = (1, 64, 256),
+    k: int = 100,
+    model: str = "demo",
+    repeat: int = 5,
+    budget_s: float = 2.0,
+    seed: int = 0,
+    log: Log = to_stderr,
+) -> list[EngineTiming]:
+    """One row per batch size B: the median time of `Retriever.retrieve` on B random requests
+    for K ads each, and the medians of the engine's own encode, mask and score·top-K times."""
+    from m31.data.schema import PLATFORMS, SURFACES
+    from m31.engine import AdRequest, Retriever
+    from m31.features import FeatureConfig, build_features
+    from m31.model import build_model, model_preset, vocab_sizes
+    from m31.world.config import preset
+    from m31.world.generate import generate
+
+    start = time.perf_counter()
+    ds, _ = generate(preset("tiny"), seed=seed)
+    feats = build_features(ds, FeatureConfig(text_embeddings=False))
+    torch.manual_seed(seed)
+    cfg = model_preset(model, "moe")
+    net = build_model(cfg, vocab_sizes(feats), feats.text_emb.shape[1], feats.cooc_emb.shape[1])
+    log(f"engine: tiny world and features in {time.perf_counter() - start:.1f} s")
+    # the bf16 table, about 200 bytes of encoded attributes per ad, a [B, N] bool mask per call
+    per_ad = 2 * (cfg.gate_dim + cfg.value_dim) + 2 + 200 + max(batches)
+    fits(n * per_ad, device, f"an index of {n:,} ads and its masks")
+    start = time.perf_counter()
+    index = synthetic_index(ds.ads, n, cfg.gate_dim, cfg.value_dim, device, seed)
+    build_s = time.perf_counter() - start
+    log(f"engine: index of {len(index):,} ads built with AdIndex.from_table in {build_s:.1f} s")
+    engine = Retriever(net, feats, index, ds.users)
+    user_ids = feats.users["user_id"]
+    ts = int(ds.meta["time_range"][1])  # the end of the log: every ad of the world is created
+    rng = np.random.default_rng(seed)
+    rows = []
+    for b in batches:
+        requests = [
+            AdRequest(
+                user_id=int(rng.choice(user_ids)),
+                ts=ts,
+                surface=SURFACES[rng.integers(len(SURFACES))],
+                platform=PLATFORMS[rng.integers(len(PLATFORMS))],
+            )
+            for _ in range(b)
+        ]
+        parts: list[dict[str, float]] = []  # the engine's own breakdown of every call
+
+        def call(requests=requests, parts=parts):
+            res = engine.retrieve(requests, k)
+            parts.append(res.timings_ms)
+            return res
+
+        t, reps, _ = time_call(call, device, repeat, budget_s)
+        part = {p: statistics.median(c[p] for c in parts[1:]) for p in parts[0]}  # no warm-up
+        row = EngineTiming(
+            device=device_name(device),
+            n=n,
+            b=b,
+            k=k,
+            model=model,
+            e=cfg.n_experts,
+            g=cfg.gate_dim,
+            d=cfg.value_dim,
+            median_ms=1e3 * t,
+            repeats=reps,
+            ads_per_s=n / t,
+            pairs_per_s=b * n / t,
+            encode_ms=part["encode"],
+            mask_ms=part["mask"],
+            score_topk_ms=part["score_topk"],
+            index_build_s=build_s,
+        )
+        rows.append(row)
+        log(
+            f"engine B = {b}: {row.median_ms:.1f} ms, {fmt_rate(row.pairs_per_s)} ads scored/s "
+            f"(encode {row.encode_ms:.1f}, masks {row.mask_ms:.1f}, score·top-K "
+            f"{row.score_topk_ms:.1f} ms)"
+        )
+    return rows

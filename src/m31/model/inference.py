@@ -1,0 +1,86 @@
+"""The inference API: ad vectors for the index, request queries, and full-corpus scoring.
+
+Shapes: B requests, A ads, E experts, G gate-key dim, D value dim, k candidates.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from m31.features import Features
+from m31.model.inputs import Catalog, Requests, make_requests
+from m31.model.retrieval import RetrievalModel
+from m31.ops import score
+
+
+@torch.no_grad()
+def encode_ads(model: RetrievalModel, catalog: Catalog, batch: int = 8192):
+    """(g [A, G], x [A, D], b [A]) for every ad of `catalog`, in batches."""
+    model.eval()
+    parts = [
+        model.encode_ads(
+            catalog.take(
+                torch.arange(lo, min(lo + batch, len(catalog)), device=catalog.ad_id.device)
+            )
+        )
+        for lo in range(0, len(catalog), batch)
+    ]
+    return tuple(torch.cat(p) for p in zip(*parts, strict=True))
+
+
+@torch.no_grad()
+def encode_requests(
+    model: RetrievalModel, feats: Features, catalog: Catalog, user, ts, surface, hour, platform
+):
+    """(q [B, E, G], v [B, E, D], p [B, E]) for requests given as user rows, times and context ids."""
+    model.eval()
+    device = catalog.ad_id.device
+    r = make_requests(feats, user, ts, surface, hour, platform, model.cfg.max_len).to(device)
+    return model.encode_requests(r, catalog)
+
+
+class ScoreFunction:
+    """A trained model as `m31.eval` uses it.
+
+    Calling it scores requests (anything with user, ts, surface, hour, platform arrays) against
+    the full corpus: [n, A]. `rank` scores given candidates only: [n, k]. Retrieval models encode
+    the catalogue once; the ranking model scores ads in chunks of `ad_chunk`.
+    """
+
+    def __init__(self, model, feats: Features, catalog: Catalog, ad_chunk: int = 4096):
+        self.model, self.feats, self.catalog = model.eval(), feats, catalog
+        self.ad_chunk = ad_chunk
+        self.device = catalog.ad_id.device
+        self._ads = encode_ads(model, catalog) if isinstance(model, RetrievalModel) else None
+
+    def _inputs(self, req) -> Requests:
+        return make_requests(
+            self.feats,
+            req.user,
+            req.ts,
+            req.surface,
+            req.hour,
+            req.platform,
+            self.model.cfg.max_len,
+        ).to(self.device)
+
+    @torch.no_grad()
+    def __call__(self, req) -> np.ndarray:
+        r = self._inputs(req)
+        if self._ads is not None:
+            q, v, p = self.model.encode_requests(r, self.catalog)
+            return score(q, v, p, *self._ads).cpu().numpy()
+        out = np.empty((len(r), len(self.catalog)), dtype=np.float32)
+        for lo in range(0, len(self.catalog), self.ad_chunk):
+            rows = torch.arange(lo, min(lo + self.ad_chunk, len(self.catalog)), device=self.device)
+            out[:, lo : lo + len(rows)] = self.model(r, self.catalog, rows).cpu().numpy()
+        return out
+
+    @torch.no_grad()
+    def rank(self, req, cand_rows: np.ndarray) -> np.ndarray:
+        """Scores [n, k] of candidate ad rows [n, k]: what a ranking stage does."""
+        if self._ads is not None:  # retrieval models: the full-corpus scores are cheap
+            return np.take_along_axis(self(req), cand_rows, axis=1)
+        rows = torch.from_numpy(np.ascontiguousarray(cand_rows, dtype=np.int64)).to(self.device)
+        return self.model(self._inputs(req), self.catalog, rows).cpu().numpy()
