@@ -26,8 +26,8 @@ from m31.index import (
     compile_filter,
     evaluate_row,
 )
+from m31.index.attributes import columns_from_arrow, columns_from_rows
 from m31.index.durable import LOG
-from m31.index.filters import columns_from_arrow, columns_from_rows
 from m31.index.limits import MAX_LIST_VALUES, MAX_VALUE_CHARS, MAX_VOCABULARY
 from m31.world.generate import COUNTRIES
 

@@ -34,15 +34,14 @@ import torch
 
 from m31.data.dataset import DatasetError, write_atomic
 from m31.data.schema import GENDERS, PLATFORMS, STATUSES, SURFACES
-from m31.index.filters import (
+from m31.index.attributes import (
     KINDS,
     AttributeTable,
-    Mask,
     check_schema,
     columns_from_arrow,
     columns_from_rows,
-    compile_filter,
 )
+from m31.index.filters import CompiledFilter, compile_filter
 from m31.index.limits import (
     COUNTRY_CODE,
     COUNTRY_FIELDS,
@@ -131,7 +130,7 @@ class IndexView:
     _index: AdIndex = field(repr=False)
 
     def eligible_mask(
-        self, request: RequestContext, filter_fn: Mask | Mapping | None = None
+        self, request: RequestContext, filter_fn: CompiledFilter | Mapping | None = None
     ) -> torch.Tensor:
         """[N] bool over this view's rows."""
         with self._index._lock:
@@ -313,13 +312,15 @@ class AdIndex:
             return IndexView(g, x, b, row_ids, version, frozen._attrs, frozen)
 
     def eligible_mask(
-        self, request: RequestContext, filter_fn: Mask | Mapping | None = None
+        self, request: RequestContext, filter_fn: CompiledFilter | Mapping | None = None
     ) -> tuple[torch.Tensor, int]:
         """(mask [N] bool over rows, version). `filter_fn`: a compiled filter or its JSON tree."""
         with self._lock:
             return self._eligible(request, filter_fn), self._version
 
-    def _eligible(self, request: RequestContext, filter_fn: Mask | Mapping | None) -> torch.Tensor:
+    def _eligible(
+        self, request: RequestContext, filter_fn: CompiledFilter | Mapping | None
+    ) -> torch.Tensor:
         if isinstance(filter_fn, Mapping):
             filter_fn = compile_filter(filter_fn, self._schema)
         attrs, n = self._attrs, self._n

@@ -1,7 +1,6 @@
-"""Filter expressions over per-ad attributes, and the encoded attribute table they run on.
+"""The filter language over per-ad attributes: validation, compilation to tensor ops, reference.
 
-Shapes: N rows (cap allocated), M entries of one list field: a (row, word) pair each (Mcap
-allocated), k rows in one call.
+Shapes: N rows of the attribute table a filter runs on.
 
 A filter is a JSON boolean tree::
 
@@ -11,7 +10,8 @@ A filter is a JSON boolean tree::
     {"contains": [field, value]}    list fields only
 
 `compile_filter` validates a tree once against a schema (field name -> kind) and returns a
-function from an `AttributeTable` to a bool mask [N], computed with a handful of tensor ops on
+`CompiledFilter`: a function from an `AttributeTable` (`m31.index.attributes`, where the
+attributes are stored and encoded) to a bool mask [N], computed with a handful of tensor ops on
 the table's device. `evaluate_row` is the plain-Python definition of the same semantics:
 a null value never equals, lies in or contains anything (so `not` of such a predicate holds),
 and a value the table has never seen simply matches nothing.
@@ -21,25 +21,14 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from collections.abc import Callable, Mapping
+from typing import Any
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 import torch
 
-from m31.index.limits import COUNTRY_CODE, COUNTRY_FIELDS, MAX_VOCABULARY
+from m31.index.attributes import AttributeTable, cell_ok, check_schema
+from m31.index.limits import COUNTRY_CODE, COUNTRY_FIELDS
 
-FieldKind = Literal["int", "float", "str", "str_list"]
-KINDS: tuple[str, ...] = ("int", "float", "str", "str_list")
-ARROW_TYPES: dict[str, pa.DataType] = {
-    "int": pa.int64(),
-    "float": pa.float64(),
-    "str": pa.string(),
-    "str_list": pa.list_(pa.string()),
-}
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _ARGS = {
     "eq": "[field, value]",
     "in": "[field, [values]]",
@@ -48,440 +37,17 @@ _ARGS = {
 }
 _ARITY = {"eq": 2, "in": 2, "range": 3, "contains": 2}
 
-Mask = Callable[["AttributeTable"], torch.Tensor]
+CompiledFilter = Callable[[AttributeTable], torch.Tensor]  # table -> bool mask [N]
 
 
 class FilterError(ValueError):
     """An invalid filter expression; the message names the path of the bad node in the tree."""
 
 
-def _is_int(v: Any) -> bool:
-    return (
-        isinstance(v, int | np.integer)
-        and not isinstance(v, bool | np.bool_)
-        and _INT64_MIN <= v <= _INT64_MAX
-    )
-
-
-def _is_float(v: Any) -> bool:
-    if not isinstance(v, int | float | np.integer | np.floating) or isinstance(v, bool | np.bool_):
-        return False
-    try:
-        float(v)
-    except OverflowError:
-        return False
-    return True
-
-
-def cell_ok(kind: str, v: Any) -> bool:
-    """Whether `v` is a valid non-null attribute value for a field of `kind`."""
-    if kind == "int":
-        return _is_int(v)
-    if kind == "float":
-        return _is_float(v)
-    if kind == "str":
-        return isinstance(v, str)
-    return isinstance(v, list | tuple | set | frozenset) and all(isinstance(w, str) for w in v)
-
-
-def check_schema(schema: Mapping[str, str]) -> dict[str, str]:
-    for name, kind in schema.items():
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"schema: field names must be non-empty strings, got {name!r}")
-        if kind not in KINDS:
-            raise ValueError(f"schema: field {name!r} has unknown kind {kind!r} (one of {KINDS})")
-    return dict(schema)
-
-
-def arrow_schema(schema: Mapping[str, str]) -> pa.Schema:
-    return pa.schema([pa.field(name, ARROW_TYPES[kind]) for name, kind in schema.items()])
-
-
-def columns_from_rows(rows: Sequence[Mapping[str, Any]], schema: Mapping[str, str]) -> pa.Table:
-    """Rows of plain values -> a table of `arrow_schema(schema)`; absent keys are null.
-
-    Each value is type-checked here because pyarrow would silently truncate 1.5 to an int64
-    or split the string "ab" into the list ["a", "b"].
-    """
-    for i, row in enumerate(rows):
-        if not isinstance(row, Mapping):
-            raise ValueError(f"row {i}: expected a dict of attributes, got {type(row).__name__}")
-        unknown = sorted(set(row) - set(schema))
-        if unknown:
-            raise ValueError(f"row {i}: unknown attribute {unknown[0]!r} (known: {sorted(schema)})")
-    arrays = []
-    for name, kind in schema.items():
-        values = [row.get(name) for row in rows]
-        for i, v in enumerate(values):
-            if v is not None and not cell_ok(kind, v):
-                raise ValueError(f"row {i}, attribute {name!r}: {v!r} is not a valid {kind} value")
-        if kind == "str_list":
-            values = [None if v is None else sorted(set(v)) for v in values]
-        arrays.append(pa.array(values, type=ARROW_TYPES[kind]))
-    return pa.Table.from_arrays(arrays, schema=arrow_schema(schema))
-
-
-def _arrow_type_ok(kind: str, t: pa.DataType) -> bool:
-    if kind == "int":
-        return pa.types.is_integer(t)
-    if kind == "float":
-        return pa.types.is_integer(t) or pa.types.is_floating(t)
-    if kind == "str":
-        return pa.types.is_string(t) or pa.types.is_large_string(t)
-    return (pa.types.is_list(t) or pa.types.is_large_list(t)) and _arrow_type_ok(
-        "str", t.value_type
-    )
-
-
-def columns_from_arrow(table: pa.Table, schema: Mapping[str, str]) -> pa.Table:
-    """An arrow table with a subset of the schema's columns -> `arrow_schema(schema)`."""
-    unknown = sorted(set(table.column_names) - set(schema))
-    if unknown:
-        raise ValueError(f"unknown attribute column {unknown[0]!r} (known: {sorted(schema)})")
-    arrays = []
-    for name, kind in schema.items():
-        if name not in table.column_names:
-            arrays.append(pa.nulls(table.num_rows, ARROW_TYPES[kind]))
-            continue
-        col = table.column(name)
-        if not _arrow_type_ok(kind, col.type):
-            raise ValueError(f"attribute column {name!r}: type {col.type} does not fit kind {kind}")
-        try:
-            col = col.cast(ARROW_TYPES[kind])
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
-            raise ValueError(f"attribute column {name!r}: {e}") from e
-        if kind == "str_list" and pc.list_flatten(col).null_count:
-            raise ValueError(f"attribute column {name!r}: lists must not hold nulls")
-        arrays.append(col.combine_chunks())
-    return pa.Table.from_arrays(arrays, schema=arrow_schema(schema))
-
-
-MAX_CACHED_MASKS = 64  # per list field: N bytes each
-
-
-def _ranges(start: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    """[sum(count)] int64: the ranges start[i] .. start[i] + count[i] - 1, one after another."""
-    total = int(count.sum())
-    first = torch.cumsum(count, 0) - count  # [k] where range i begins in the output
-    step = torch.arange(total, device=start.device)  # [total]
-    return torch.repeat_interleave(start - first, count, output_size=total) + step
-
-
-class _Lists:
-    """The sets of one str_list field in CSR form: the codes of each row are `count[row]`
-    consecutive entries of flat arrays, from `start[row]`. Memory grows with the entries (8
-    bytes each) and the rows (12 bytes each), whatever the size of the vocabulary.
-
-    A row's new set may be longer than its old one, so rewriting a row appends its new entries
-    and marks the old ones dead (code -1) rather than shifting every later row; once dead
-    entries are half of all, the next append that needs room drops them instead of growing.
-    """
-
-    def __init__(self, cap: int, device: torch.device):
-        self.codes = torch.zeros(0, dtype=torch.int32, device=device)  # [Mcap]
-        self.owner = torch.zeros(0, dtype=torch.int32, device=device)  # [Mcap] row of each
-        self.start = torch.zeros(cap, dtype=torch.int64, device=device)  # [cap]
-        self.count = torch.zeros(cap, dtype=torch.int32, device=device)  # [cap]
-        self.used = 0  # entries appended, live or dead: the next one goes here
-        self.dead = 0
-        # contains() scans every entry, but requests ask about the same few values (their
-        # country, platform, surface): a row mask per value asked is kept until the next change.
-        self._hits: dict[tuple[int, int], torch.Tensor] = {}
-
-    def reserve_rows(self, cap: int, n: int) -> None:
-        self._hits.clear()
-        for name in ("start", "count"):
-            old = getattr(self, name)
-            grown = torch.zeros(cap, dtype=old.dtype, device=old.device)  # [cap]
-            grown[:n] = old[:n]
-            setattr(self, name, grown)
-
-    def _make_room(self, m: int) -> None:
-        """Room for m more entries after `used`."""
-        if self.used + m <= len(self.codes):
-            return
-        if self.dead * 2 >= self.used:
-            alive = self.codes[: self.used] >= 0  # [M]
-            # Where each old entry lands, plus the end: rows keep their entries contiguous.
-            moved = torch.zeros(self.used + 1, dtype=torch.int64, device=alive.device)  # [M+1]
-            moved[1:] = torch.cumsum(alive, 0)
-            self.start = moved[self.start]
-            self.codes, self.owner = self.codes[: self.used][alive], self.owner[: self.used][alive]
-            self.used, self.dead = len(self.codes), 0
-        if self.used + m > len(self.codes):
-            size = max(self.used + m, 2 * len(self.codes))  # geometric: amortised O(1) copies
-            codes = torch.full((size,), -1, dtype=torch.int32, device=self.codes.device)
-            owner = torch.zeros(size, dtype=torch.int32, device=self.codes.device)
-            codes[: self.used], owner[: self.used] = (
-                self.codes[: self.used],
-                self.owner[: self.used],
-            )
-            self.codes, self.owner = codes, owner
-
-    def write(self, rows: torch.Tensor, codes: torch.Tensor, where: torch.Tensor) -> None:
-        """Set the sets of distinct rows [k]: entry j holds code codes[j] for row rows[where[j]];
-        (where, codes) pairs are distinct and grouped by `where` in ascending order."""
-        self._hits.clear()
-        old = self.count[rows]  # [k]
-        if bool((old > 0).any()):
-            self.codes[_ranges(self.start[rows], old)] = -1  # a rewritten row loses its words
-            self.dead += int(old.sum())
-        m = len(codes)
-        self._make_room(m)
-        count = torch.bincount(where, minlength=len(rows)).to(torch.int32)  # [k]
-        self.codes[self.used : self.used + m] = codes.to(torch.int32)
-        self.owner[self.used : self.used + m] = rows[where].to(torch.int32)
-        self.start[rows] = self.used + torch.cumsum(count, 0) - count
-        self.count[rows] = count
-        self.used += m
-
-    def gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(codes [m], counts [k]) of rows [k]: their entries, row after row."""
-        count = self.count[rows]  # [k]
-        return self.codes[_ranges(self.start[rows], count)], count
-
-    def contains(self, code: int, n: int) -> torch.Tensor:
-        """[n] bool, the caller's own (a copy: N bytes, against a scan of every entry)."""
-        mask = self._hits.get((code, n))
-        if mask is None:
-            mask = torch.zeros(n, dtype=torch.bool, device=self.codes.device)  # [N]
-            mask[self.owner[: self.used][self.codes[: self.used] == code]] = True
-            if len(self._hits) >= MAX_CACHED_MASKS:
-                self._hits.pop(next(iter(self._hits)))  # the oldest
-            self._hits[(code, n)] = mask
-        return mask.clone()
-
-
-class AttributeTable:
-    """Per-row attributes of N rows, encoded on one device so that filters are tensor ops.
-
-    * int / float fields: values [cap] (int64 / float64) and a validity mask [cap];
-    * str fields: int64 codes [cap] into the field's vocabulary (-1 = null), so eq / in compare
-      integers;
-    * str_list fields: the codes of each row's words in CSR form (`_Lists`), so memory grows
-      with the words rows hold, not with vocabulary x rows; `contains` compares the flat codes
-      with one code and scatters the hits to their rows. Lists are sets: order and repeats are
-      not kept, a list reads back sorted, and null reads back as the empty list.
-
-    Vocabularies only grow while the table lives (a code never changes meaning), a list
-    field's up to `MAX_VOCABULARY` values: a write beyond that is refused. `take` builds a new
-    table whose list vocabularies keep only the values its rows hold.
-    """
-
-    def __init__(self, schema: Mapping[str, str], device="cpu", capacity: int = 0):
-        self.schema = check_schema(schema)
-        self.device = torch.device(device)
-        self._cap = int(capacity)
-        self._n = 0
-        self._values: dict[str, torch.Tensor] = {}  # [cap] of int, float and str fields
-        self._valid: dict[str, torch.Tensor] = {}  # [cap] validity of int and float fields
-        self._lists: dict[str, _Lists] = {}
-        self._vocab: dict[str, dict[str, int]] = {}
-        self._words: dict[str, list[str]] = {}
-        for name, kind in self.schema.items():
-            if kind == "str_list":
-                self._lists[name] = _Lists(self._cap, self.device)
-            else:
-                self._values[name], self._valid[name] = self._alloc(kind, self._cap)
-            if kind in ("str", "str_list"):
-                self._vocab[name], self._words[name] = {}, []
-
-    @classmethod
-    def from_rows(
-        cls, rows: Sequence[Mapping[str, Any]], schema: Mapping[str, str], device="cpu"
-    ) -> AttributeTable:
-        table = cls(schema, device, capacity=len(rows))
-        table.write(torch.arange(len(rows), device=table.device), columns_from_rows(rows, schema))
-        return table
-
-    def _alloc(self, kind: str, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
-        dev = self.device
-        valid = torch.zeros(cap, dtype=torch.bool, device=dev)  # [cap]
-        if kind == "int":
-            return torch.zeros(cap, dtype=torch.int64, device=dev), valid
-        if kind == "float":
-            return torch.zeros(cap, dtype=torch.float64, device=dev), valid
-        return torch.full((cap,), -1, dtype=torch.int64, device=dev), valid
-
-    @property
-    def n_rows(self) -> int:
-        return self._n
-
-    @property
-    def capacity(self) -> int:
-        return self._cap
-
-    def reserve(self, capacity: int) -> None:
-        """Make room for `capacity` rows, keeping the rows written so far."""
-        if capacity <= self._cap:
-            return
-        n = self._n
-        for name, kind in self.schema.items():
-            if kind == "str_list":
-                self._lists[name].reserve_rows(capacity, n)
-                continue
-            new, valid = self._alloc(kind, capacity)
-            new[:n] = self._values[name][:n]
-            valid[:n] = self._valid[name][:n]
-            self._values[name], self._valid[name] = new, valid
-        self._cap = capacity
-
-    def vocabulary_overflow(self, columns: pa.Table) -> tuple[str, int] | None:
-        """(field, row of `columns`) where writing `columns` would first take a list field past
-        `MAX_VOCABULARY` distinct values; None when everything fits. Changes nothing."""
-        for name in self._lists:
-            vocab = self._vocab[name]
-            col = columns.column(name).combine_chunks()
-            enc = pc.dictionary_encode(pc.list_flatten(col))
-            room = MAX_VOCABULARY - len(vocab)
-            new = [i for i, w in enumerate(enc.dictionary.to_pylist()) if w not in vocab]
-            if len(new) > room:
-                # The dictionary lists words in order of first appearance, so the new word that
-                # does not fit is new[room], and its first appearance is where the limit is hit.
-                entry = pc.index(enc.indices, new[room]).as_py()
-                return name, pc.list_parent_indices(col)[entry].as_py()
-        return None
-
-    def _encode(self, name: str, words: pa.Array) -> np.ndarray:
-        """Strings -> codes, adding unseen words to the vocabulary; null -> -1."""
-        enc = pc.dictionary_encode(words)
-        vocab, known = self._vocab[name], self._words[name]
-        lut = []
-        for w in enc.dictionary.to_pylist():
-            if w not in vocab:
-                vocab[w] = len(known)
-                known.append(w)
-            lut.append(vocab[w])
-        lut.append(-1)  # the slot nulls are pointed at below
-        idx = pc.fill_null(enc.indices, len(lut) - 1).to_numpy(zero_copy_only=False)
-        return np.asarray(lut, dtype=np.int64)[idx]
-
-    def write(self, rows: torch.Tensor, columns: pa.Table) -> None:
-        """Set distinct rows [n] (< capacity) from a table of `arrow_schema(self.schema)`.
-
-        Raises ValueError, changing nothing, if a list field would exceed `MAX_VOCABULARY`.
-        """
-        if len(rows) == 0:
-            return
-        overflow = self.vocabulary_overflow(columns)
-        if overflow is not None:
-            name, row = overflow
-            raise ValueError(
-                f"row {row}, attribute {name!r}: more than {MAX_VOCABULARY} distinct values"
-            )
-        for name, kind in self.schema.items():
-            col = columns.column(name).combine_chunks()
-            if kind in ("int", "float"):
-                valid = col.is_valid().to_numpy(zero_copy_only=False)
-                values = pc.fill_null(col, 0).to_numpy(zero_copy_only=False)
-                self._values[name][rows] = torch.tensor(values, device=self.device)
-                self._valid[name][rows] = torch.tensor(valid, device=self.device)
-            elif kind == "str":
-                self._values[name][rows] = torch.tensor(self._encode(name, col), device=self.device)
-            else:
-                codes = self._encode(name, pc.list_flatten(col))  # [m]
-                where = pc.list_parent_indices(col).to_numpy(zero_copy_only=False)  # [m]
-                # One key per (row, code) pair: np.unique drops repeats and groups by row.
-                key = np.unique(where.astype(np.int64) * (len(self._words[name]) + 1) + codes)
-                where, codes = np.divmod(key, len(self._words[name]) + 1)
-                self._lists[name].write(
-                    rows,
-                    torch.tensor(codes, device=self.device),
-                    torch.tensor(where, device=self.device),
-                )
-        self._n = max(self._n, int(rows.max()) + 1)
-
-    def take(self, rows: torch.Tensor, capacity: int) -> AttributeTable:
-        """A new table whose row i is row rows[i] of this one. str vocabularies are kept as
-        they are; a list field's keeps only the values the taken rows hold, so compaction
-        frees the values no row holds any more."""
-        out = AttributeTable(self.schema, self.device, capacity)
-        out._n, k = len(rows), len(rows)
-        for name, kind in self.schema.items():
-            if kind != "str_list":
-                out._values[name][:k] = self._values[name][rows]
-                out._valid[name][:k] = self._valid[name][rows]
-                if name in self._vocab:
-                    out._vocab[name] = dict(self._vocab[name])
-                    out._words[name] = list(self._words[name])
-                continue
-            codes, count = self._lists[name].gather(rows)  # [m], [k]
-            held = torch.unique(codes)  # [V'] ascending, so words keep their relative order
-            renumber = torch.full(
-                (len(self._words[name]),), -1, dtype=torch.int32, device=self.device
-            )
-            renumber[held] = torch.arange(len(held), dtype=torch.int32, device=self.device)
-            words = [self._words[name][c] for c in held.tolist()]
-            out._words[name], out._vocab[name] = words, {w: c for c, w in enumerate(words)}
-            lists = _Lists(capacity, self.device)
-            lists.codes = renumber[codes]  # [m]
-            lists.owner = torch.repeat_interleave(
-                torch.arange(k, dtype=torch.int32, device=self.device),
-                count,
-                output_size=len(codes),
-            )  # [m]
-            lists.start[:k] = torch.cumsum(count, 0) - count
-            lists.count[:k] = count
-            lists.used = len(codes)
-            out._lists[name] = lists
-        return out
-
-    def numeric(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(values [N], valid [N]) of an int or float field."""
-        return self._values[name][: self._n], self._valid[name][: self._n]
-
-    def codes(self, name: str) -> torch.Tensor:
-        """Codes [N] of a str field, -1 for null."""
-        return self._values[name][: self._n]
-
-    def code(self, name: str, word: str | None) -> int | None:
-        """The code of `word` in a str or str_list field, None if no row ever held it."""
-        return None if word is None else self._vocab[name].get(word)
-
-    def contains(self, name: str, word: str | None) -> torch.Tensor:
-        """[N] bool: rows whose list field `name` holds `word`."""
-        code = self.code(name, word)
-        if code is None:
-            return torch.zeros(self._n, dtype=torch.bool, device=self.device)
-        return self._lists[name].contains(code, self._n)
-
-    def nonempty(self, name: str) -> torch.Tensor:
-        """[N] bool: rows whose list field `name` is not empty."""
-        return self._lists[name].count[: self._n] > 0
-
-    def to_arrow(self, rows: torch.Tensor | None = None) -> pa.Table:
-        """The decoded attributes of `rows` (default all N rows) as `arrow_schema(self.schema)`."""
-        if rows is None:
-            rows = torch.arange(self._n, device=self.device)
-        arrays = []
-        for name, kind in self.schema.items():
-            if kind in ("int", "float"):
-                values = self._values[name][rows].cpu().numpy()
-                valid = self._valid[name][rows].cpu().numpy()
-                arrays.append(pa.array(values, type=ARROW_TYPES[kind], mask=~valid))
-                continue
-            words = pa.array(self._words[name], type=pa.string())
-            if kind == "str":
-                codes = self._values[name][rows].cpu().numpy()
-                arrays.append(words.take(pa.array(codes, mask=codes < 0)))
-                continue
-            codes, count = self._lists[name].gather(rows)  # [m], [k]
-            count = count.cpu().numpy()
-            held = words.take(pa.array(codes.cpu().numpy()))  # [m]
-            # Each list comes out sorted, whatever order its words entered the vocabulary in.
-            order = pc.sort_indices(
-                pa.table({"row": np.repeat(np.arange(len(count)), count), "word": held}),
-                [("row", "ascending"), ("word", "ascending")],
-            )
-            offsets = np.concatenate([[0], np.cumsum(count)])
-            arrays.append(pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), held.take(order)))
-        return pa.Table.from_arrays(arrays, schema=arrow_schema(self.schema))
-
-
 MAX_DEPTH = 32  # nesting of all/any/not: deeper trees are refused, not recursed into
 
 
-def compile_filter(expr: Any, schema: Mapping[str, str]) -> Mask:
+def compile_filter(expr: Any, schema: Mapping[str, str]) -> CompiledFilter:
     """Validate `expr` once against `schema`; return table -> bool mask [N] on its device."""
     return _compile(expr, check_schema(schema), "filter", 0)
 
@@ -491,7 +57,7 @@ def _short(value: Any, limit: int = 120) -> str:
     return text if len(text) <= limit else text[:limit] + "…"
 
 
-def _compile(node: Any, schema: dict[str, str], path: str, depth: int) -> Mask:
+def _compile(node: Any, schema: dict[str, str], path: str, depth: int) -> CompiledFilter:
     if depth > MAX_DEPTH:
         raise FilterError(f"{path}: nested deeper than {MAX_DEPTH} levels")
     if not isinstance(node, Mapping) or len(node) != 1:
@@ -515,7 +81,7 @@ def _compile(node: Any, schema: dict[str, str], path: str, depth: int) -> Mask:
     )
 
 
-def _all(parts: list[Mask]) -> Mask:
+def _all(parts: list[CompiledFilter]) -> CompiledFilter:
     def run(table: AttributeTable) -> torch.Tensor:
         mask = torch.ones(table.n_rows, dtype=torch.bool, device=table.device)  # [N]
         for part in parts:
@@ -525,7 +91,7 @@ def _all(parts: list[Mask]) -> Mask:
     return run
 
 
-def _any(parts: list[Mask]) -> Mask:
+def _any(parts: list[CompiledFilter]) -> CompiledFilter:
     def run(table: AttributeTable) -> torch.Tensor:
         mask = torch.zeros(table.n_rows, dtype=torch.bool, device=table.device)  # [N]
         for part in parts:
@@ -538,11 +104,11 @@ def _any(parts: list[Mask]) -> Mask:
 def _check_value(kind: str, v: Any, where: str, what: str = "value") -> Any:
     """A filter value for a scalar of `kind`, normalised to the Python type compared against."""
     if kind == "int":
-        if not _is_int(v):
+        if not cell_ok("int", v):
             raise FilterError(f"{where}: {what} {v!r} is not an int64 integer")
         return int(v)
     if kind == "float":
-        if not _is_float(v):
+        if not cell_ok("float", v):
             raise FilterError(f"{where}: {what} {v!r} is not a number")
         if math.isnan(v):
             raise FilterError(f"{where}: {what} is NaN, which never matches anything")
@@ -556,7 +122,7 @@ def _check_value(kind: str, v: Any, where: str, what: str = "value") -> Any:
     return v
 
 
-def _predicate(op: str, arg: Any, schema: dict[str, str], where: str) -> Mask:
+def _predicate(op: str, arg: Any, schema: dict[str, str], where: str) -> CompiledFilter:
     if not isinstance(arg, list | tuple) or len(arg) != _ARITY[op]:
         raise FilterError(f"{where}: expected {_ARGS[op]}, got {arg!r}")
     field = arg[0]
@@ -590,7 +156,7 @@ def _predicate(op: str, arg: Any, schema: dict[str, str], where: str) -> Mask:
     return _in(field, kind, [_check_value(kind, v, where) for v in arg[1]])
 
 
-def _range(field: str, lo: Any, hi: Any) -> Mask:
+def _range(field: str, lo: Any, hi: Any) -> CompiledFilter:
     def run(table: AttributeTable) -> torch.Tensor:
         values, mask = table.numeric(field)  # [N], [N]
         if lo is not None:
@@ -602,7 +168,7 @@ def _range(field: str, lo: Any, hi: Any) -> Mask:
     return run
 
 
-def _in(field: str, kind: str, wanted: list) -> Mask:
+def _in(field: str, kind: str, wanted: list) -> CompiledFilter:
     def run(table: AttributeTable) -> torch.Tensor:
         if kind == "str":
             values = table.codes(field)  # [N]; null = -1 is never a wanted code
