@@ -335,7 +335,7 @@ AD = st.fixed_dictionaries(
 
 
 def _eligible(index, request, expr):
-    mask, _ = index.eligible_mask(request, expr)
+    mask = index.eligible_mask(request, expr)
     return set(index.table()[3][mask].tolist())
 
 

@@ -38,7 +38,7 @@ def build(rows: dict, dtype=torch.float32, capacity=1024, seed=0) -> AdIndex:
 
 
 def eligible_ids(index, request=REQ, filter_fn=None) -> list[int]:
-    mask, _ = index.eligible_mask(request, filter_fn)
+    mask = index.eligible_mask(request, filter_fn)
     _, _, _, row_ids, _ = index.table()
     return row_ids[mask].tolist()
 

@@ -313,10 +313,14 @@ class AdIndex:
 
     def eligible_mask(
         self, request: RequestContext, filter_fn: CompiledFilter | Mapping | None = None
-    ) -> tuple[torch.Tensor, int]:
-        """(mask [N] bool over rows, version). `filter_fn`: a compiled filter or its JSON tree."""
+    ) -> torch.Tensor:
+        """[N] bool over rows; `filter_fn`: a compiled filter or its JSON tree.
+
+        For the version the mask belongs to, ask a view: `with index.snapshot_view() as view:`
+        then `view.eligible_mask(...)` and `view.version`.
+        """
         with self._lock:
-            return self._eligible(request, filter_fn), self._version
+            return self._eligible(request, filter_fn)
 
     def _eligible(
         self, request: RequestContext, filter_fn: CompiledFilter | Mapping | None
