@@ -13,6 +13,13 @@ import typer
 
 from m31.bench import cli as bench_cli
 from m31.progress import progress_bar
+from m31.serve.config import (
+    BODY_TIMEOUT_S,
+    MAX_BATCH_SIZE,
+    MAX_QUEUE,
+    MAX_QUEUE_DELAY_MS,
+    TIMEOUT_MS,
+)
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="m31: ads retrieval engine.")
 world_app = typer.Typer(no_args_is_help=True, help="The synthetic ads marketplace.")
@@ -420,7 +427,9 @@ def index_build(
     data: Annotated[Path, typer.Option(help="Dataset folder the model was trained on.")],
     model: Annotated[Path, typer.Option(help="Checkpoint of a retrieval model (moe, two-tower).")],
     out: Annotated[Path, typer.Option(help="Snapshot folder to create.")],
-    dtype: Annotated[str, typer.Option(help="Ad table precision: bfloat16 or float32.")] = "bfloat16",
+    dtype: Annotated[
+        str, typer.Option(help="Ad table precision: bfloat16 or float32.")
+    ] = "bfloat16",
     device: Annotated[str, typer.Option(help="cpu or cuda: where the ad tower runs.")] = "cpu",
     overwrite: Annotated[bool, typer.Option(help="Replace an existing folder.")] = False,
 ) -> None:
@@ -469,15 +478,19 @@ def serve_cmd(
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     max_batch_size: Annotated[
         int, typer.Option(help="Requests per device call (1: no batching).")
-    ] = 64,
+    ] = MAX_BATCH_SIZE,
     max_queue_delay_ms: Annotated[
         float, typer.Option(help="How long the first request of a batch waits for others.")
-    ] = 2.0,
-    max_queue: Annotated[int, typer.Option(help="Requests waiting before calls get 429.")] = 1024,
-    timeout_ms: Annotated[int, typer.Option(help="Default deadline of a retrieve call.")] = 1000,
+    ] = MAX_QUEUE_DELAY_MS,
+    max_queue: Annotated[
+        int, typer.Option(help="Requests waiting before calls get 429.")
+    ] = MAX_QUEUE,
+    timeout_ms: Annotated[
+        int, typer.Option(help="Default deadline of a retrieve call.")
+    ] = TIMEOUT_MS,
     body_timeout_s: Annotated[
         float, typer.Option(help="Seconds a request body may take to arrive (else 408).")
-    ] = 10.0,
+    ] = BODY_TIMEOUT_S,
     admin_token_file: Annotated[
         Path | None,
         typer.Option(

@@ -1,19 +1,26 @@
-"""The retrieval engine: model + index -> ranked ads per request."""
+"""The retrieval engine: model + index -> ranked ads per request.
 
-from m31.engine.retriever import (
+requests.py    what is asked: AdRequest (stored or inline user), PreparedRequest
+retriever.py   Retriever: prepare (check once) and retrieve (encode, masks, score·top-K)
+ad_encoder.py  new ads through the model's ad tower
+build.py       offline: the index a trained model makes of a catalogue (`m31 index build`)
+load.py        online: what a server or a shard opens to answer
+"""
+
+from m31.engine.requests import (
     AdRequest,
     Engagement,
     InlineUser,
+    PreparedRequest,
     RequestError,
-    RetrievalResult,
-    Retrieved,
-    Retriever,
 )
+from m31.engine.retriever import RetrievalResult, Retrieved, Retriever
 
 __all__ = [
     "AdRequest",
     "Engagement",
     "InlineUser",
+    "PreparedRequest",
     "RequestError",
     "RetrievalResult",
     "Retrieved",

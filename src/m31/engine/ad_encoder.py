@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from m31.data.schema import FORMATS, OBJECTIVES
-from m31.engine.retriever import one_of
+from m31.engine.requests import one_of
 from m31.features import Features
 from m31.model import Catalog, RetrievalModel
 

@@ -2,7 +2,8 @@
 
 Shapes: B requests, N rows of the ad table, E experts, G gate-key dim, D value dim, K results.
 
-One call of `Retriever.retrieve` encodes the batch's requests once (user experts, context
+`Retriever.prepare` checks requests once (`m31.engine.requests`); one call of
+`Retriever.retrieve` encodes the batch's requests once (user experts, context
 folded in; a user is either a stored user of the feature store or given inline), evaluates each request's eligibility into a bitmask over the index's rows, and runs
 the exhaustive score·filter·top-K pass (`m31.ops.score_topk`). Table and masks come from one
 `frozen_view` of the index, so a batch is answered at one consistent version, and mutations never
@@ -11,65 +12,21 @@ wait for the masks or the pass.
 
 from __future__ import annotations
 
+import numbers
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from m31.data.schema import GENDERS, PLATFORMS, SURFACES, age_bucket
+from m31.engine.requests import AdRequest, InlineUser, PreparedRequest, RequestError, one_of
 from m31.features import Features
 from m31.index import AdIndex, RequestContext, compile_filter
 from m31.model import Catalog, RetrievalModel, make_requests
 from m31.model.inputs import concat_requests, inline_requests
 from m31.ops import NO_ROW, score_topk
-
-
-class RequestError(ValueError):
-    """A request the engine cannot answer; the message names the field."""
-
-
-def one_of(field: str, value, allowed: Sequence[str], error: type[Exception] = RequestError):
-    """Raise `error` naming `field` unless `value` is in the closed vocabulary `allowed`."""
-    if value not in allowed:
-        raise error(f"{field}: {value!r} is not one of {', '.join(allowed)}")
-
-
-@dataclass(frozen=True)
-class Engagement:
-    ad_id: int
-    ts: int  # Unix seconds
-    surface: str
-
-
-@dataclass(frozen=True)
-class InlineUser:
-    """A user the feature store does not hold (a new user, or features computed elsewhere).
-
-    Ads of `history` that the model's catalogue does not know are skipped (the model has no
-    features for them); only engagements strictly before the request time are read.
-    """
-
-    country: str
-    age: int
-    gender: str
-    cohort: int | None = None  # default: the most common cohort of the country's stored users
-    history: Sequence[Engagement] = ()  # engaged ads, any order
-    organic_topics: Sequence[int] = ()  # topics of organic engagement, most recent last
-
-
-@dataclass(frozen=True)
-class AdRequest:
-    user_id: int | None  # a stored user; None when `user` is given inline
-    ts: int  # Unix seconds: history is read strictly before it, schedules are checked at it
-    surface: str
-    platform: str
-    hour: int | None = None  # of day; default: from ts (UTC)
-    exclude_ads: Sequence[int] = ()
-    exclude_advertisers: Sequence[int] = ()
-    filter: Mapping | None = None  # JSON filter tree over ad attributes (m31.index.filters)
-    user: InlineUser | None = None
 
 
 @dataclass
@@ -193,17 +150,17 @@ class Retriever:
             **context,
         )
 
-    def _targeting_of(self, r: AdRequest, row: int) -> dict:
-        if r.user is not None:
-            return {"country": r.user.country, "age": r.user.age, "gender": r.user.gender}
-        return self._targeting[row] or {}
-
-    def check(self, requests: Sequence[AdRequest]) -> list:
-        """Validate requests without running them: RequestError naming the first bad field.
-
-        Returns the compiled filters, one per request (None where there is none).
-        """
-        for i, r in enumerate(requests):
+    def prepare(
+        self, requests: Sequence[AdRequest], k: int | Sequence[int]
+    ) -> list[PreparedRequest]:
+        """Check requests without running them (RequestError naming the first bad field),
+        resolve their users and compile their filters. `k`: one for all, or one per request."""
+        ks = [k] * len(requests) if isinstance(k, numbers.Integral) else list(k)
+        if len(ks) != len(requests):
+            raise RequestError(f"k: {len(ks)} values for {len(requests)} requests")
+        for i, (r, k_) in enumerate(zip(requests, ks, strict=True)):
+            if isinstance(k_, bool) or not isinstance(k_, numbers.Integral) or k_ < 1:
+                raise RequestError(f"requests[{i}]: k must be positive, got {k_!r}")
             one_of(f"requests[{i}].surface", r.surface, SURFACES)
             one_of(f"requests[{i}].platform", r.platform, PLATFORMS)
             if r.hour is not None and not 0 <= r.hour < 24:
@@ -212,24 +169,44 @@ class Retriever:
                 raise RequestError(f"requests[{i}]: give exactly one of user_id and user")
             if r.user is not None:
                 self._check_inline(i, r.user)
+        rows = np.full(len(requests), -1, dtype=np.int64)  # feature-store row of stored users
         stored = [i for i, r in enumerate(requests) if r.user is None]
         if stored:
-            self._user_rows(np.array([requests[i].user_id for i in stored], np.int64), stored)
-        filters = []
-        for i, r in enumerate(requests):
+            ids = np.array([requests[i].user_id for i in stored], np.int64)
+            rows[stored] = self._user_rows(ids, stored)
+        prepared = []
+        for i, (r, k_, row) in enumerate(zip(requests, ks, rows.tolist(), strict=True)):
             try:
-                filters.append(compile_filter(r.filter, self.index.schema) if r.filter else None)
+                compiled = compile_filter(r.filter, self.index.schema) if r.filter else None
             except ValueError as e:
                 raise RequestError(f"requests[{i}].filter: {e}") from e
-        return filters
+            if r.user is not None:
+                who = {"country": r.user.country, "age": r.user.age, "gender": r.user.gender}
+            else:
+                who = self._targeting[row] or {}
+            prepared.append(PreparedRequest(r, int(k_), row, compiled, who))
+        return prepared
 
     @torch.no_grad()
-    def retrieve(self, requests: Sequence[AdRequest], k: int) -> RetrievalResult:
-        if k <= 0:
-            raise RequestError(f"k must be positive, got {k}")
+    def retrieve(
+        self, requests: Sequence[AdRequest] | Sequence[PreparedRequest], k: int | None = None
+    ) -> RetrievalResult:
+        """The top `k` eligible ads of each request, best first (ties: the lower row).
+
+        Requests as given are prepared first (with `k`); prepared ones keep the k they were
+        prepared with, so one batch can mix them: all are scored at the largest, and each gets
+        its own first k, which is what it would get alone.
+        """
         if not requests:
             return RetrievalResult([], self.index.version)
-        filters = self.check(requests)
+        if isinstance(requests[0], PreparedRequest):
+            prepared = list(requests)
+        else:
+            if k is None:
+                raise RequestError("k: give how many ads each request wants")
+            prepared = self.prepare(requests, k)
+        requests = [one.request for one in prepared]
+        k = max(one.k for one in prepared)
 
         t0 = time.perf_counter()
         context = {
@@ -242,11 +219,9 @@ class Retriever:
         }
         stored = [i for i, r in enumerate(requests) if r.user is None]
         inline = [i for i, r in enumerate(requests) if r.user is not None]
-        rows = np.full(len(requests), -1, dtype=np.int64)  # feature-store row of stored users
+        rows = np.array([p.user_row for p in prepared], dtype=np.int64)  # [B]
         parts = []
         if stored:
-            ids = np.array([requests[i].user_id for i in stored], dtype=np.int64)
-            rows[stored] = self._user_rows(ids, stored)
             parts.append(
                 make_requests(
                     self.feats,
@@ -269,8 +244,8 @@ class Retriever:
         # write-once (see m31.index.ad_index): no lock is held, so writers never wait for them.
         view = self.index.frozen_view()
         masks = []
-        for r, row, f in zip(requests, rows, filters, strict=True):
-            who = self._targeting_of(r, row)
+        for one in prepared:
+            r, who = one.request, one.targeting
             gender = who.get("gender")
             ctx = RequestContext(
                 country=who.get("country"),
@@ -282,7 +257,7 @@ class Retriever:
                 exclude_ads=r.exclude_ads,
                 exclude_advertisers=r.exclude_advertisers,
             )
-            masks.append(view.eligible_mask(ctx, f))
+            masks.append(view.eligible_mask(ctx, one.filter))
         mask = torch.stack(masks) if masks else None  # [B, N]
         table, row_ids, version = (view.g, view.x, view.b), view.row_ids, view.version
         t2 = time.perf_counter()
@@ -292,8 +267,8 @@ class Retriever:
 
         scores, ids = scores.cpu().numpy(), ids.cpu().numpy()
         results = [
-            Retrieved(ad_ids=i[i != NO_ROW], scores=s[i != NO_ROW])
-            for s, i in zip(scores, ids, strict=True)
+            Retrieved(ad_ids=i[i != NO_ROW][: one.k], scores=s[i != NO_ROW][: one.k])
+            for s, i, one in zip(scores, ids, prepared, strict=True)
         ]
         timings = {"encode": t1 - t0, "mask": t2 - t1, "score_topk": t3 - t2}
         return RetrievalResult(

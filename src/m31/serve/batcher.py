@@ -43,6 +43,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+# Defaults of a server (`m31.serve.config.ServeConfig`, `m31 serve`).
+MAX_BATCH_SIZE = 64  # requests per device call
+MAX_QUEUE_DELAY_MS = 2.0  # how long a batch's first call waits for company
+# Requests waiting: room for a few of the largest calls (1,024 requests, `schemas.MAX_REQUESTS`)
+# beside the small ones, so one large call does not fill the queue by itself.
+MAX_QUEUE = 4096
+
 
 def _fail(future: asyncio.Future, error: Exception) -> None:
     """Fail a waiter's future; marked retrieved, since its waiter may have given up already."""
@@ -146,9 +153,9 @@ class DynamicBatcher:
     def __init__(
         self,
         run: Callable[[Sequence[Sequence[Any]]], Sequence[Any]],
-        max_batch_size: int = 64,
-        max_queue_delay_ms: float = 2.0,
-        max_queue: int = 1024,
+        max_batch_size: int = MAX_BATCH_SIZE,
+        max_queue_delay_ms: float = MAX_QUEUE_DELAY_MS,
+        max_queue: int = MAX_QUEUE,
         on_batch: Callable[[int, float], None] | None = None,
         estimate_memory: float = 0.9,
         estimate_half_life_s: float = 1.0,

@@ -9,10 +9,19 @@ tags; `status` cannot be null.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from fastapi import Path as PathParam
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 from m31.data.schema import FORMATS, GENDERS, OBJECTIVES, PLATFORMS, STATUSES, SURFACES
 
@@ -255,3 +264,18 @@ class AdOut(BaseModel):
 
 class Error(BaseModel):
     detail: str = Field(description="what is wrong; a 422 names the field, e.g. requests[0].k")
+
+
+def _plain_decimal(value: Any) -> Any:
+    if isinstance(value, str) and not re.fullmatch(r"0|[1-9][0-9]*", value):
+        raise ValueError(
+            "expected a plain decimal integer (digits only: no sign, point, separator, space "
+            "or leading zero)"
+        )
+    return value
+
+
+# An ad id in a path, as written: "1.0", " 1", "1_000" or "007" are not ids, though int() takes them.
+AdIdPath = Annotated[
+    int, PathParam(ge=0, le=I64_MAX, description="the ad's id"), BeforeValidator(_plain_decimal)
+]

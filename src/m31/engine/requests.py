@@ -1,0 +1,74 @@
+"""What the engine is asked: ad requests, as given and as prepared.
+
+An `AdRequest` names a user (stored, by id, or `InlineUser`) in a serving context, with its
+filter and exclusions. `Retriever.prepare` checks it once against the model, the feature store
+and the index, resolves the stored user's row and compiles the filter; the `PreparedRequest` it
+returns is what travels (through a server's batcher, for one) to `Retriever.retrieve`, which
+does not check it again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from m31.index.filters import CompiledFilter
+
+
+class RequestError(ValueError):
+    """A request the engine cannot answer; the message names the field."""
+
+
+def one_of(field: str, value, allowed: Sequence[str], error: type[Exception] = RequestError):
+    """Raise `error` naming `field` unless `value` is in the closed vocabulary `allowed`."""
+    if value not in allowed:
+        raise error(f"{field}: {value!r} is not one of {', '.join(allowed)}")
+
+
+@dataclass(frozen=True)
+class Engagement:
+    ad_id: int
+    ts: int  # Unix seconds
+    surface: str
+
+
+@dataclass(frozen=True)
+class InlineUser:
+    """A user the feature store does not hold (a new user, or features computed elsewhere).
+
+    Ads of `history` that the model's catalogue does not know are skipped (the model has no
+    features for them); only engagements strictly before the request time are read.
+    """
+
+    country: str
+    age: int
+    gender: str
+    cohort: int | None = None  # default: the most common cohort of the country's stored users
+    history: Sequence[Engagement] = ()  # engaged ads, any order
+    organic_topics: Sequence[int] = ()  # topics of organic engagement, most recent last
+
+
+@dataclass(frozen=True)
+class AdRequest:
+    user_id: int | None  # a stored user; None when `user` is given inline
+    ts: int  # Unix seconds: history is read strictly before it, schedules are checked at it
+    surface: str
+    platform: str
+    hour: int | None = None  # of day; default: from ts (UTC)
+    exclude_ads: Sequence[int] = ()
+    exclude_advertisers: Sequence[int] = ()
+    filter: Mapping | None = None  # JSON filter tree over ad attributes (m31.index.filters)
+    user: InlineUser | None = None
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A request `Retriever.prepare` has checked, made by it only."""
+
+    request: AdRequest
+    k: int  # results wanted, >= 1
+    user_row: int  # row of the stored user in the feature store; -1 for an inline user
+    filter: CompiledFilter | None
+    targeting: Mapping  # the user's country, age and gender, for the ads' targeting

@@ -1,0 +1,141 @@
+"""Errors as the API gives them: every error is `{"detail": message}`, a 422's naming the field
+and never echoing the input; JSON bodies are parsed strictly (no NaN, no infinities, no lone
+surrogates); the codes of each route go into the OpenAPI schema."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from fastapi import HTTPException, Request
+from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
+
+from m31.serve.schemas import Error
+
+
+class ErrorResponse(JSONResponse):
+    """`{"detail": message}`; non-ASCII is escaped, so that no message can fail to encode."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode()
+
+
+def error(status: int, detail: str, headers: Mapping[str, str] | None = None) -> ErrorResponse:
+    return ErrorResponse({"detail": detail}, status, dict(headers or {}))
+
+
+def _parse_json(body: bytes) -> Any:
+    """`json.loads`, refusing what Python's parser takes but JSON and UTF-8 do not: NaN and
+    ±Infinity (also as numbers that overflow to them) and lone surrogates ("\\ud800")."""
+    too_deep = HTTPException(400, "body: JSON nested too deep to parse")
+    try:
+        value = json.loads(body)
+    except UnicodeDecodeError as e:
+        raise HTTPException(400, f"body: not UTF-8 (byte {e.start})") from None
+    except RecursionError:
+        raise too_deep from None
+    try:  # at C speed; only a body that fails is walked to say where
+        json.dumps(value, allow_nan=False, ensure_ascii=False).encode()
+    except RecursionError:
+        raise too_deep from None
+    except ValueError:  # UnicodeEncodeError is one
+        raise HTTPException(422, _unrepresentable(value)) from None
+    return value
+
+
+def _unrepresentable(value: Any) -> str:
+    """Where the first NaN, infinity or lone surrogate of a parsed JSON value is."""
+    stack = [(value, "")]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            return (
+                f"{where or 'body'}: not a finite number (NaN, Infinity or beyond the float range)"
+            )
+        if isinstance(item, str) and not _is_text(item):
+            return f"{where or 'body'}: holds a lone surrogate (e.g. \\ud800), which is not text"
+        if isinstance(item, dict):
+            if not all(_is_text(key) for key in item):
+                return f"{where or 'body'}: a key holds a lone surrogate, which is not text"
+            stack.extend((v, f"{where}.{k}" if where else k) for k, v in reversed(item.items()))
+        elif isinstance(item, list):
+            stack.extend((v, f"{where}[{i}]") for i, v in reversed(list(enumerate(item))))
+    return "body: not representable in JSON"
+
+
+def _is_text(s: str) -> bool:
+    try:
+        s.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+class _JSONRequest(Request):
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = _parse_json(await self.body())
+        return self._json
+
+
+class CheckedJSONRoute(APIRoute):
+    """A route whose JSON body is parsed by `_parse_json`."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def checked(request: Request) -> Response:
+            return await handler(_JSONRequest(request.scope, request.receive))
+
+        return checked
+
+
+def describe(errors: Sequence[Mapping[str, Any]], shown: int = 5) -> str:
+    """Validation errors as `requests[0].k: message; ...`: the fields and what is wrong with
+    them, never the input (which need not be representable in JSON)."""
+    parts = []
+    for e in errors[:shown]:
+        if e["type"] == "json_invalid":
+            parts.append(f"body: invalid JSON at character {e['loc'][-1]} ({e['ctx']['error']})")
+            continue
+        where = ""
+        for part in e["loc"][1:]:  # after "body" or "path"
+            where += f"[{part}]" if isinstance(part, int) else f".{part}" if where else str(part)
+        parts.append(f"{where or 'body'}: {e['msg'].removeprefix('Value error, ')}")
+    if len(errors) > shown:
+        parts.append(f"and {len(errors) - shown} more")
+    return "; ".join(parts)
+
+
+_ERRORS = {
+    400: "body not parseable (not UTF-8, or JSON nested too deep)",
+    401: "missing or wrong bearer token",
+    403: "ad management is disabled (the server has no admin token)",
+    404: "no such ad",
+    408: "body not received in time",
+    409: "index older than min_version",
+    413: "body too large",
+    422: "invalid input; the message names the field",
+    429: "overloaded: more work queued than the server takes",
+    503: "not ready, or the deadline cannot be met",
+    504: "deadline passed",
+}
+_RETRY = {"Retry-After": {"description": "seconds", "schema": {"type": "string"}}}
+_ERROR_HEADERS = {
+    401: {"WWW-Authenticate": {"schema": {"type": "string"}}},
+    429: _RETRY,
+    503: _RETRY,
+}
+
+
+def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI entries of the error answers a route gives, each `{"detail": message}`."""
+    entries: dict[int | str, dict[str, Any]] = {}
+    for code in codes:
+        entries[code] = {"model": Error, "description": _ERRORS[code]}
+        if code in _ERROR_HEADERS:
+            entries[code]["headers"] = _ERROR_HEADERS[code]
+    return entries

@@ -1,0 +1,228 @@
+"""The routes of the HTTP API (see `m31.serve.app` for the list). Handlers read the loaded
+service from the app's state; what a route may answer is in its OpenAPI entry."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from m31.engine import AdRequest, Engagement, InlineUser, RequestError
+from m31.index import AdIndexError
+from m31.serve.auth import require_admin, require_read
+from m31.serve.batcher import DeadlineExceeded, Overloaded, WouldMissDeadline
+from m31.serve.config import ServeConfig
+from m31.serve.errors import error_responses
+from m31.serve.metrics import Metrics
+from m31.serve.schemas import (
+    AdIdPath,
+    AdOut,
+    AttributesPatch,
+    RetrieveBody,
+    RetrieveRequest,
+    RetrieveResponse,
+    UpsertBody,
+    VersionResponse,
+)
+from m31.serve.service import Service
+
+
+def ready_service(request: Request) -> Service:
+    """The loaded service, or 503 while it loads (or after it failed to)."""
+    state = request.app.state
+    if state.batcher is None:
+        detail = state.load_error or "not ready: the index is loading"
+        raise HTTPException(503, detail, {"Retry-After": "1"})
+    return state.service
+
+
+async def write(request: Request, fn, *args) -> Any:
+    """Run a mutation on the writer thread; index errors become 422 naming the field."""
+    try:
+        return await asyncio.get_running_loop().run_in_executor(request.app.state.writer, fn, *args)
+    except (AdIndexError, ValueError) as e:
+        raise HTTPException(422, str(e)) from e
+
+
+def version_response(svc: Service, version: int) -> VersionResponse:
+    return VersionResponse(index_version=version, ads=len(svc.store.index))
+
+
+def to_engine(r: RetrieveRequest, now: int) -> AdRequest:
+    """An API request as the engine takes it (`ts` defaults to the server's clock)."""
+    user = None
+    if r.user is not None:
+        u = r.user
+        user = InlineUser(
+            country=u.country,
+            age=u.age,
+            gender=u.gender,
+            cohort=u.cohort,
+            history=tuple(Engagement(e.ad_id, e.ts, e.surface) for e in u.history),
+            organic_topics=tuple(u.organic_topics),
+        )
+    return AdRequest(
+        user_id=r.user_id,
+        ts=now if r.ts is None else r.ts,
+        surface=r.surface,
+        platform=r.platform,
+        hour=r.hour,
+        exclude_ads=tuple(r.exclude_ads),
+        exclude_advertisers=tuple(r.exclude_advertisers),
+        filter=r.filter,
+        user=user,
+    )
+
+
+def add_routes(app: FastAPI, config: ServeConfig, metrics: Metrics) -> None:
+    """The API's routes, onto `app` (whose route class parses JSON strictly); the read routes
+    declare a token only when the server has one."""
+    # With no read token reads are open, and the schema says so (no security, no 401).
+    read_auth = [Depends(require_read)] if config.read_token is not None else []
+    read_401 = (401,) if config.read_token is not None else ()
+
+    @app.post(
+        "/v1/retrieve",
+        response_model=RetrieveResponse,
+        dependencies=read_auth,
+        responses=error_responses(400, *read_401, 408, 409, 413, 422, 429, 503, 504),
+    )
+    async def retrieve(request: Request, body: RetrieveBody) -> RetrieveResponse:
+        svc = ready_service(request)
+        start = time.perf_counter()
+        if body.min_version is not None and svc.store.version < body.min_version:
+            raise HTTPException(
+                409,
+                f"index is at version {svc.store.version}, older than min_version "
+                f"{body.min_version}",
+            )
+        now = int(time.time())
+        try:  # checked once, here: a bad request fails alone, before batching
+            prepared = svc.retriever.prepare(
+                [to_engine(r, now) for r in body.requests], [r.k for r in body.requests]
+            )
+        except (RequestError, ValueError) as e:
+            raise HTTPException(422, str(e)) from e
+        timeout = (body.timeout_ms or config.timeout_ms) / 1000
+        metrics.queue_depth.set(request.app.state.batcher.depth)
+        try:
+            parts = await request.app.state.batcher.submit(prepared, timeout)
+        except Overloaded as e:
+            raise HTTPException(429, str(e), {"Retry-After": "1"}) from e
+        except WouldMissDeadline as e:
+            raise HTTPException(503, str(e), {"Retry-After": "1"}) from e
+        except DeadlineExceeded as e:
+            raise HTTPException(504, str(e)) from e
+        except (RequestError, ValueError) as e:
+            raise HTTPException(422, str(e)) from e
+        finally:
+            metrics.queue_depth.set(request.app.state.batcher.depth)
+        results, version, timings, batch = Service.assemble(parts)
+        total = round(1000 * (time.perf_counter() - start), 3)
+        return RetrieveResponse(
+            results=results,
+            index_version=version,
+            batch_requests=batch,
+            timings_ms={**timings, "total": total},
+        )
+
+    @app.get(
+        "/v1/ads/{ad_id}",
+        response_model=AdOut,
+        dependencies=read_auth,
+        responses=error_responses(*read_401, 404, 422, 503),
+    )
+    async def get_ad(request: Request, ad_id: AdIdPath) -> AdOut:
+        svc = ready_service(request)
+        index = svc.store.index
+        try:
+            with index.snapshot_view() as view:
+                row = index.get(ad_id)
+                version = view.version
+        except AdIndexError as e:
+            raise HTTPException(404, str(e)) from e
+        return AdOut(ad_id=ad_id, attributes=row.attributes, index_version=version)
+
+    @app.put(
+        "/v1/ads",
+        response_model=VersionResponse,
+        dependencies=[Depends(require_admin)],
+        responses=error_responses(400, 401, 403, 408, 413, 422, 503),
+    )
+    async def upsert_ads(request: Request, body: UpsertBody) -> VersionResponse:
+        svc = ready_service(request)
+        version = await write(request, svc.upsert, body.ads)
+        metrics.index_gauges(svc.store)
+        return version_response(svc, version)
+
+    @app.patch(
+        "/v1/ads/{ad_id}",
+        response_model=VersionResponse,
+        dependencies=[Depends(require_admin)],
+        responses=error_responses(400, 401, 403, 404, 408, 413, 422, 503),
+    )
+    async def patch_ad(request: Request, ad_id: AdIdPath, body: AttributesPatch) -> VersionResponse:
+        svc = ready_service(request)
+        if ad_id not in svc.store.index:
+            raise HTTPException(404, f"ad id {ad_id} is not in the index")
+        changes = body.model_dump(exclude_unset=True)
+        if not changes:
+            raise HTTPException(422, "nothing to change: give at least one attribute")
+        version = await write(request, svc.update, ad_id, changes)
+        metrics.index_gauges(svc.store)
+        return version_response(svc, version)
+
+    @app.delete(
+        "/v1/ads/{ad_id}",
+        response_model=VersionResponse,
+        dependencies=[Depends(require_admin)],
+        responses=error_responses(401, 403, 404, 422, 503),
+    )
+    async def delete_ad(request: Request, ad_id: AdIdPath) -> VersionResponse:
+        svc = ready_service(request)
+        if ad_id not in svc.store.index:
+            raise HTTPException(404, f"ad id {ad_id} is not in the index")
+        version = await write(request, svc.store.delete, [ad_id])
+        metrics.index_gauges(svc.store)
+        return version_response(svc, version)
+
+    @app.post(
+        "/v1/admin/snapshot",
+        response_model=VersionResponse,
+        dependencies=[Depends(require_admin)],
+        responses=error_responses(401, 403, 422, 503),
+    )
+    async def snapshot(request: Request) -> VersionResponse:
+        svc = ready_service(request)
+        version = await write(request, svc.store.snapshot)
+        metrics.index_gauges(svc.store)
+        return version_response(svc, version)
+
+    @app.get("/health/live")
+    async def live() -> dict:
+        return {"status": "live"}
+
+    @app.get("/health/ready", responses=error_responses(503))
+    async def ready(request: Request) -> dict:
+        """200 once the index and the models are loaded, the text encoder of new ads included
+        (`text_encoder`: "loaded", or "not used" by a model without text features)."""
+        svc = ready_service(request)
+        loaded = svc.encoder.text_encoder_loaded
+        return {
+            "status": "ready",
+            "index_version": svc.store.version,
+            "text_encoder": "not used" if loaded is None else "loaded" if loaded else "not loaded",
+        }
+
+    @app.get("/metrics", response_class=Response)
+    async def prometheus(request: Request) -> Response:
+        svc = request.app.state.service
+        if svc is not None and request.app.state.batcher is not None:
+            metrics.index_gauges(svc.store)
+            metrics.queue_depth.set(request.app.state.batcher.depth)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
