@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_score_topk import make_mask
 
-from m31.ops import NO_ROW, score
+from m31.ops import NO_ROW, rounded_score, score
 from m31.ops.cpu_score_topk import (
     _affinity_offset,
     _gate_bounds,
@@ -34,8 +34,9 @@ def random_problem(n_req, n_ads, n_exp, gdim, ddim, seed, dtype=torch.bfloat16, 
 
 
 def full_sort(query, table, mask, k):
-    """The definition: every fp32 score, ineligible ones dropped, stable sort (lower row first)."""
-    s = score(*query, *table)  # [B, N]
+    """The definition: every score (`rounded_score`), ineligible ones dropped, stable sort (lower
+    row first)."""
+    s = rounded_score(*query, *table)  # [B, N]
     k_out = min(k, s.shape[1])
     out_s, out_r = [], []
     for i in range(s.shape[0]):
@@ -145,7 +146,7 @@ def test_the_gate_error_bound_holds(dtype, scale, useful):
         b.float()[ad],
     )
     fp32 = score(*query, *table).reshape(-1)
-    exact = score(*(t.double() for t in (*query, *table))).reshape(-1)
+    exact = rounded_score(*query, *table).reshape(-1)
     assert ((approx - fp32).abs() <= eps).all()
     assert ((approx.double() - exact).abs() <= eps.double()).all()
     assert eps.median() < useful * fp32.std()  # a bound, but not a useless one

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from m31.ops import NO_ROW, score, score_topk
+from m31.ops import NO_ROW, rounded_score, score_topk
 from m31.ops.torch_score_topk import torch_score_topk
 
 
@@ -35,8 +35,9 @@ def make_mask(kind, n_req, n_ads, seed):
 
 
 def full_sort(query, table, mask, k):
-    """The definition: every score, ineligible ones dropped, stable sort (lower row first)."""
-    s = score(*query, *table)  # [B, N]
+    """The definition: every score (`rounded_score`), ineligible ones dropped, stable sort (lower
+    row first)."""
+    s = rounded_score(*query, *table)  # [B, N]
     out_s, out_r = [], []
     for i in range(s.shape[0]):
         m = (

@@ -1,16 +1,24 @@
 """Hot operations, each a public dispatcher over implementations of one stem (DESIGN §5)."""
 
 from m31.ops.quant import Int8Table, quantize_ad_table
-from m31.ops.score_topk import KERNELS, NO_ROW, available_kernels, score_topk
-from m31.ops.torch_score import gate_weights, score
+from m31.ops.score_topk import (
+    KERNELS,
+    NO_ROW,
+    NonFiniteQueryError,
+    available_kernels,
+    score_topk,
+)
+from m31.ops.torch_score import gate_weights, rounded_score, score
 
 __all__ = [
     "KERNELS",
     "NO_ROW",
     "Int8Table",
+    "NonFiniteQueryError",
     "available_kernels",
     "gate_weights",
     "quantize_ad_table",
+    "rounded_score",
     "score",
     "score_topk",
 ]

@@ -18,7 +18,7 @@ import os
 import torch
 
 from m31.ops.quant import Int8Table
-from m31.ops.torch_score_topk import NO_ROW, check_args, torch_score_topk
+from m31.ops.torch_score_topk import NO_ROW, NonFiniteQueryError, check_args, torch_score_topk
 
 KERNELS = ("torch", "cpu", "triton")
 
@@ -65,6 +65,22 @@ def score_topk(
     `Int8Table`; mask: bool [N] or [B, N] or None. Returns (scores [B, min(k, N)] fp32,
     rows [B, min(k, N)] int64), best first; a request with fewer eligible ads than that ends in
     rows NO_ROW (-1). `kernel`: auto, or one of KERNELS (see the module docstring).
+
+    Every kernel scores the fp32 query against the table's values as stored (products summed in
+    fp32 or better; `rounded_score` is the reference's), so their answers agree up to fp32
+    near-ties: ads whose scores lie a few ulps apart may come in either order. Byte-identical
+    ads get identical scores on every kernel, so they tie in row order.
+
+    Non-finite values. A query holding NaN or ±inf raises `NonFiniteQueryError` (a ValueError
+    naming the tensor) on every kernel. With a finite query, a score beyond the fp32 range is
+    ±inf, and on every kernel:
+    * +inf ranks above every finite score; tied +inf scores come in row order;
+    * an ad scoring -inf, or NaN (which takes NaN or ±inf in the ad table), is never returned,
+      as if ineligible: a request left with fewer ads ends in (NO_ROW, -inf) slots.
+    The reference and the `cpu` kernel evaluate a score in fp64 and round it once, so only the
+    score itself overflows (the `cpu` kernel hands inputs whose logits or scores could pass 2¹⁰⁰
+    to the reference); the Triton kernel evaluates in fp32, where a gate logit or an affinity
+    beyond 3.4e38 already overflows, and such an ad may score ±inf or NaN there alone.
     """
     q, v, p = query
     quantized = isinstance(ad_table, Int8Table)
@@ -86,4 +102,4 @@ def score_topk(
     return torch_score_topk(q, v, p, g, x, b, mask, k)
 
 
-__all__ = ["KERNELS", "NO_ROW", "available_kernels", "score_topk"]
+__all__ = ["KERNELS", "NO_ROW", "NonFiniteQueryError", "available_kernels", "score_topk"]

@@ -7,6 +7,13 @@ Shapes: B requests, N ads, E user experts, G gate-key dim, D value dim.
     s[r, a]        = sum_e w[r, a, e] * <v[r, e], x[a]> + b[a]
 
 A two-tower model is the case E = 1 (and G = 0: no gate key at all).
+
+`score` is the model's fp32 forward. The top-K kernels rank and return `rounded_score`: the same
+formula evaluated in fp64 and rounded to fp32 once. An fp32 evaluation depends on where an ad
+sits (BLAS sums the rows at a tile's edge in another order; vectorised loops finish with scalar
+code and another exp), so byte-identical ads could score an ulp apart and tie out of row order.
+In fp64 such differences are ~2⁻⁵⁰ of the terms' magnitudes and vanish in the rounding unless a
+score lies that close to the middle between two fp32 numbers (about once in 10⁷ random scores).
 """
 
 from __future__ import annotations
@@ -43,3 +50,21 @@ def score(
     affinity = torch.einsum("bed,nd->bne", v, x)  # [B, N, E]
     s = (w * affinity).sum(-1) + b[None, :]  # [B, N]
     return (s, w) if return_gate else s
+
+
+def rounded_score(q, v, p, g, x, b) -> torch.Tensor:
+    """s [B, N] fp32: the §2 score evaluated in fp64, rounded to fp32 once (module docstring).
+
+    q [B, E, G], v [B, E, D], p [B, E]; the ads g [N, G], x [N, D], b [N] shared by the requests,
+    or g [B, N, G], x [B, N, D], b [B, N] to score each request against its own N ads. Experts
+    go along dim 1 ([B, E, N]), so that the softmax and the sum over E run across ads.
+    """
+    q, v, p, g, x, b = (t.double() for t in (q, v, p, g, x, b))
+    rows = "n" if x.dim() == 2 else "bn"
+    if q.shape[-1] == 0:
+        logit = p[:, :, None].expand(-1, -1, x.shape[-2])  # no gate key: priors alone route
+    else:
+        logit = torch.einsum(f"bec,{rows}c->ben", q, g) / math.sqrt(q.shape[-1]) + p[:, :, None]
+    w = torch.softmax(logit, dim=1)  # [B, E, N]
+    affinity = torch.einsum(f"bec,{rows}c->ben", v, x)  # [B, E, N]
+    return ((w * affinity).sum(1) + b).float()  # [B, N]

@@ -5,22 +5,29 @@ Shapes: B requests, N ads, E experts, G gate-key dim, D value dim, K results, C 
 The ad table is scored chunk by chunk (memory stays O(B·C·E) however large N is), each chunk is
 masked by eligibility and cut to its own top K, and a running top K is merged chunk after chunk.
 Ties are broken by the lower ad row: sorts are stable, every chunk's rows come in row order, and
-the running list (rows of earlier chunks) always stands before the new chunk when merged.
+the running list (rows of earlier chunks) always stands before the new chunk when merged. Scores
+are `rounded_score`, so byte-identical ads get identical scores wherever they sit. An ad whose
+score is NaN (NaN or ±inf in its table row, see `score_topk`) is treated as ineligible.
 """
 
 from __future__ import annotations
 
 import torch
 
-from m31.ops.torch_score import score
+from m31.ops.torch_score import rounded_score
 
 NO_ROW = -1
+
+
+class NonFiniteQueryError(ValueError):
+    """A query tensor (q, v or p) holds NaN or ±inf: no §2 score is defined for that request."""
 
 
 def check_args(q, v, p, g, x, b, mask, k) -> tuple[int, int, int]:
     """(B, E, N) of a score·top-K problem, or ValueError naming what is off. Every
     implementation takes these shapes: q [B, E, G], v [B, E, D], p [B, E], g [N, G], x [N, D],
-    b [N], mask bool [N] or [B, N] or None, k a positive int."""
+    b [N], mask bool [N] or [B, N] or None, k a positive int; and a finite query
+    (NonFiniteQueryError otherwise: the kernels would disagree on what NaN means)."""
     if not isinstance(k, int) or isinstance(k, bool) or k <= 0:
         raise ValueError(f"k must be positive (an int), got {k!r}")
     if q.dim() != 3 or v.dim() != 3 or p.dim() != 2:
@@ -48,6 +55,11 @@ def check_args(q, v, p, g, x, b, mask, k) -> tuple[int, int, int]:
             f"mask must be bool [{n_ads}] or [{n_req}, {n_ads}], got {mask.dtype} "
             f"{tuple(mask.shape)}"
         )
+    for name, t in (("q", q), ("v", v), ("p", p)):
+        if not bool(torch.isfinite(t).all()):
+            raise NonFiniteQueryError(
+                f"query {name} {tuple(t.shape)} holds NaN or ±inf; every value must be finite"
+            )
     return n_req, n_exp, n_ads
 
 
@@ -67,16 +79,18 @@ def torch_score_topk(
     `mask` is bool [N] (one eligibility for all requests) or [B, N], or None (all eligible).
     Requests with fewer than K' eligible ads get rows NO_ROW and scores -inf in the tail.
     """
+    check_args(q, v, p, g, x, b, mask, k)
     n_req, n_ads = q.shape[0], g.shape[0]
     k_out = min(k, n_ads)
     best_s = torch.full((n_req, 0), float("-inf"), device=q.device)
     best_r = torch.full((n_req, 0), NO_ROW, dtype=torch.long, device=q.device)
     for lo in range(0, n_ads, chunk):
         hi = min(lo + chunk, n_ads)
-        s = score(q, v, p, g[lo:hi], x[lo:hi], b[lo:hi])  # [B, C] fp32
+        s = rounded_score(q, v, p, g[lo:hi], x[lo:hi], b[lo:hi])  # [B, C] fp32
+        dropped = s.isnan()  # [B, C]
         if mask is not None:
-            m = mask[lo:hi] if mask.dim() == 1 else mask[:, lo:hi]
-            s = s.masked_fill(~m, float("-inf"))
+            dropped |= ~(mask[lo:hi] if mask.dim() == 1 else mask[:, lo:hi])
+        s = s.masked_fill(dropped, float("-inf"))
         s, order = torch.sort(s, dim=1, descending=True, stable=True)
         s, rows = s[:, :k_out], order[:, :k_out] + lo  # [B, <=K]
         merged_s = torch.cat([best_s, s], dim=1)
