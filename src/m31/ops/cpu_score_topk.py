@@ -1,11 +1,18 @@
-"""Exhaustive score·gate·filter·top-K on CPU: bf16 products, proven bounds, exact fp32 rescoring.
+"""Exhaustive score·gate·filter·top-K on CPU: bf16 products, proven bounds, exact rescoring.
 
 Shapes: B requests, N ads, E experts, G gate-key dim, D value dim, K results, n ads per block,
 S (request, ad) pairs that survive a filter.
 
 Same contract as `torch_score_topk` (DESIGN §2): (scores [B, K'] fp32, rows [B, K'] int64) with
 K' = min(k, N), best first, ties to the lower row; a request with fewer eligible ads ends in rows
-NO_ROW and scores -inf. The returned scores are fp32 evaluations of the §2 formula.
+NO_ROW and scores -inf. The returned scores are the reference's own (`rounded_score`: the §2
+formula in fp64, rounded to fp32 once), so they depend on an ad's row alone.
+
+Two cases skip the filters below. Requests with at most K' eligible ads: every eligible ad is in
+the answer, so step 4 alone scores and sorts them (a filter could drop nothing, and its threshold
+would stay at -inf while it tried). Inputs whose logits or scores could pass 2¹⁰⁰ in magnitude
+(by Cauchy–Schwarz on the norms), or a table holding NaN or ±inf: the reference scores them,
+since the bounds' arithmetic assumes finite intermediates (`_in_range`).
 
 How (the ad table is streamed once, in blocks of n ads, after a few shorter warm-up blocks, that
 `threads` worker threads take in turn; each worker runs torch on one core, and the matrix
@@ -29,19 +36,18 @@ products release the GIL):
    rises after every batch of step 2, so a threshold found by one worker prunes the other's blocks.
    Each worker keeps its surviving (request, row, h) and drops the entries with h < τ_r whenever
    its buffer has doubled.
-4. Exact finish. The final candidates (h ≥ τ) are rescored in fp32 with the §2 formula and an
-   exact stable top-K (ties to the lower row) picks the result.
+4. Exact finish. The final candidates (h ≥ τ) are rescored with `rounded_score`, as the
+   reference scores them, and an exact stable top-K (ties to the lower row) picks the result.
 
-Why the result is exact. Let s_K be the K-th best fp32 score of eligible ads for a request. Every
-bound used holds for the fp32 score s (not only the real-valued one), and τ ≤ s_K at all times.
-An ad with s ≥ s_K has U ≥ s ≥ τ and h ≥ s ≥ τ, so no filter ever drops it; step 4 therefore sees
-every ad that scores at least s_K, including every ad tied with the K-th, and its exact sort gives
-the same top K as sorting all N scores. What can still differ from `torch_score_topk` is the last
-bits of an fp32 score, since the two evaluate the same formula in a different order (each within
-about (G + D + E)·2⁻²⁴ of the real value, relative to the terms' magnitudes): two ads whose fp32
-scores are that close may come in the other order. Assumed: finite inputs, no bf16 subnormals in
-the products (AVX-512 bf16 dot products flush them), products accumulated in fp32, and a table
-that is only changed in place through torch between calls (its norms are kept, `_table_stats`).
+Why the result is exact. Let s_K be the K-th best score of eligible ads for a request, s being
+the reference's score (within 2⁻²⁴ of the real value, relative: closer than any fp32
+evaluation). Every bound used holds for s and for any fp32 evaluation of the formula, and
+τ ≤ s_K at all times. An ad with s ≥ s_K has U ≥ s ≥ τ and h ≥ s ≥ τ, so no filter ever drops
+it; step 4 therefore sees every ad that scores at least s_K, including every ad tied with the
+K-th, and its exact sort gives the same top K as the reference's sort of all N scores. Assumed:
+inputs in the range above, no bf16 subnormals in the products (AVX-512 bf16 dot products flush
+them), products accumulated in fp32, and a table that is only changed in place through torch
+between calls (its norms are kept, `_table_stats`).
 
 The bounds (u: unit roundoff of the product dtype, 2⁻⁸ for bf16 and 0 for fp32 products;
 γ_k = k·2⁻²⁴/(1 - k·2⁻²⁴), fp32 accumulation of k terms; δq_e = q̂_e - q_e/√G and δv_e = v̂_e - v_e
@@ -59,9 +65,15 @@ the rounding of the query, measured exactly once per call; C-S is Cauchy–Schwa
   P = max_e |p_e|: rounding of q (C-S), accumulation and the division by √G on both sides, output
   rounding, and the fp32 additions of p on both sides.
 * Total, with m = Σ_e w̃_e |Â_e| and a = (δV + 2γ_D V̂)‖x‖:
-  |s̃ - s| ≤ ε = (1 + 2⁻¹⁰)·[(e^(2η) - 1)(m(1 + u') + a) + a + u'm + κ(2m + |s̃| + |b|)],
+  |s̃ - s| ≤ ε_gate = (1 + 2⁻¹⁰)·[(e^(2η) - 1)(m(1 + u') + a) + a + u'm + κ(2m + |s̃| + |b|)],
   κ = (2E + 64)·2⁻²⁴ covering the fp32 softmax, products, sums, division and bias on both sides
   and the rounding of the bound arithmetic itself.
+* Without the gate: s and s̃ are both convex combinations of the affinities plus b (up to the
+  rounding κ covers), and every A_e lies within u'|Â_e| + a of Â_e, so with M̂ = max_e |Â_e|
+  |s̃ - s| ≤ ε_free = (1 + 2⁻¹⁰)·[(max_e Â_e - min_e Â_e)(1 + 2⁻²³) + a + u'M̂
+  + κ(2M̂ + |s̃| + |b|)]. ε = min(ε_gate, ε_free). ε_free is what keeps ε finite where e^(2η)
+  overflows (gate logits of 10⁴ and more): there ε_gate is inf, or NaN when m = a = 0 (an ad
+  with x = 0, or a request with v = 0), and the minimum skips a NaN.
 
 The bounds are worst cases (typically 5-20× the actual error), which only costs extra survivors.
 fp32 (or fp16) tables take the same path with fp32 products (u = 0): a quarter of the product
@@ -90,7 +102,8 @@ from dataclasses import dataclass
 
 import torch
 
-from m31.ops.torch_score_topk import NO_ROW, check_args
+from m31.ops.torch_score import rounded_score
+from m31.ops.torch_score_topk import NO_ROW, check_args, torch_score_topk
 
 _U32 = 2.0**-24  # fp32 unit roundoff
 _BF16_U = 2.0**-8  # bf16 unit roundoff (8 significant bits, round to nearest)
@@ -104,6 +117,9 @@ _MIN_BLOCK, _MAX_BLOCK = 512, 65_536
 _REFINE_PAIRS = 65_536
 _RESCORE_PAIRS = 1 << 15  # (request, candidate) pairs per chunk of the exact rescoring
 _SLACK = 2.0**-20  # relative slack for the fp32 arithmetic of the filters themselves
+# The filters run on inputs whose logits and scores stay below 2^100 in magnitude: their bound
+# arithmetic (squared norms, e^(2η)·m, ...) then never meets inf·0 (see `_in_range`).
+_RANGE = 2.0**100
 
 
 def _gamma(terms: int) -> float:
@@ -179,6 +195,7 @@ class _TableStats:
 
     per_ad: torch.Tensor  # [3, N]: ‖g‖ and ‖x‖ bounds and b, one gather for step 2's survivors
     scan_bias: torch.Tensor  # [N] b + (u'' + 2⁻²¹ + slack)|b|: the bias part of step 1's offset
+    largest: tuple[float, float, float]  # max ‖g‖, max ‖x‖, max |b| (NaN or inf if not finite)
 
     @property
     def x_norm(self) -> torch.Tensor:
@@ -215,9 +232,11 @@ def _table_stats(g: torch.Tensor, x: torch.Tensor, b: torch.Tensor) -> _TableSta
                 return hit[2]
     u_a = _BF16_U / (1 - _BF16_U) if _product_dtype(x) == torch.bfloat16 else 0.0
     bias = b.float()
+    per_ad = torch.stack([_row_norms(g), _row_norms(x), bias])  # [3, N]
     stats = _TableStats(
-        per_ad=torch.stack([_row_norms(g), _row_norms(x), bias]),
+        per_ad=per_ad,
         scan_bias=bias.abs().mul_(u_a / (1 - u_a) + 2.0**-21 + _SLACK).add_(bias),
+        largest=tuple(per_ad.abs().amax(1).tolist()),
     )
     if tracked:
         with _STATS_LOCK:
@@ -266,6 +285,17 @@ def _pad_by_request(values: torch.Tensor, req: torch.Tensor, n_req: int) -> torc
     return padded
 
 
+def _in_range(q: torch.Tensor, v: torch.Tensor, p: torch.Tensor, stats: _TableStats) -> bool:
+    """Whether every |logit| and |score| of the call is below 2^100 (Cauchy–Schwarz on the norms
+    of the query and the table). False as well for a table holding NaN or ±inf (its norms do)."""
+    gdim = q.shape[2]
+    g_max, x_max, b_max = stats.largest
+    q_max = float(q.double().norm(dim=2).max()) / math.sqrt(gdim) if gdim else 0.0
+    logit = q_max * g_max + float(p.double().abs().max())
+    value = float(v.double().norm(dim=2).max()) * x_max + b_max
+    return logit < _RANGE and value < _RANGE
+
+
 def _row_norms(t: torch.Tensor) -> torch.Tensor:
     """Upper bounds on the rows' Euclidean norms, fp32 [n] (bf16 norms are rounded, so inflate)."""
     if t.dtype == torch.bfloat16:
@@ -305,19 +335,23 @@ def _gate_bounds(plan: _Plan, req, gate, aff, g_norm, x_norm, bias):
         lam = gate.abs().amax(0)  # [S] Λ̂
         logits = gate.add_(logits)
     aff = aff.float()  # [E, S]
+    top, bottom = aff.amax(0), aff.amin(0)  # [S] each
     if float(lam.max()) + plan.p_abs_max + math.log(plan.n_exp) >= 80:  # exp or Σ could overflow
         logits.sub_(logits.amax(0))
     weights = logits.exp_()  # [E, S] unnormalised softmax
     den = weights.sum(0)  # [S]
     approx = (weights * aff).sum(0).div_(den).add_(bias)  # [S] s̃
     mag = weights.mul_(aff.abs_()).sum(0).div_(den)  # [S] m = Σ w̃|Â|
+    reach = torch.maximum(top.abs(), bottom.abs())  # [S] M̂ = max_e |Â_e|
     coef = plan.coef.index_select(0, req)  # [S, 3]
     eta = torch.addcmul(coef[:, 1], coef[:, 0], g_norm).add_(lam, alpha=plan.eta_l)  # [S] η
     a = x_norm.mul_(coef[:, 2])  # [S]
-    eps = torch.add(a, mag, alpha=1 + plan.u_a).mul_(torch.expm1(eta.mul_(2))).add_(a)
-    eps.add_(mag, alpha=plan.u_a + 2 * plan.kappa).add_(bias.abs_(), alpha=plan.kappa)
-    eps.add_(approx.abs(), alpha=plan.kappa).mul_(1 + 2.0**-10)  # [S] ε
-    return approx, eps
+    rounding = bias.abs_().add_(approx.abs()).mul_(plan.kappa)  # [S] κ(|b| + |s̃|)
+    gated = torch.add(a, mag, alpha=1 + plan.u_a).mul_(torch.expm1(eta.mul_(2))).add_(a)
+    gated.add_(mag, alpha=plan.u_a + 2 * plan.kappa).add_(rounding)  # [S] NaN if e^(2η)=inf, m=a=0
+    spread = top.sub_(bottom).mul_(1 + 2.0**-23).add_(a).add_(rounding)
+    spread.add_(reach, alpha=plan.u_a + 2 * plan.kappa)  # [S] the gate-free bound
+    return approx, torch.fmin(gated, spread).mul_(1 + 2.0**-10)  # fmin skips a NaN: [S] ε
 
 
 class _Worker:
@@ -441,34 +475,53 @@ def _single_threaded(restore: int) -> Iterator[None]:
         torch.set_num_threads(restore)
 
 
-def _exact_topk(q, v, p, g, x, b, req, row, n_req: int, k_out: int):
-    """Step 4: fp32 §2 scores of the candidates (req [S], row [S]), exact top k_out per request."""
-    # by request, then row, so that the stable sort below puts tied ads in row order
-    order = torch.argsort(req * g.shape[0] + row)
-    req, row = req[order], row[order]
+def _by_request(req: torch.Tensor, row: torch.Tensor, n_req: int):
+    """Pairs (req [S], row [S]) sorted by request, then row -> (rows [B, C], valid [B, C]): each
+    request's rows left-aligned, in row order; C is the most any request has."""
     counts = torch.bincount(req, minlength=n_req)  # [B]
-    width = max(int(counts.max()) if len(req) else 0, k_out)
+    width = int(counts.max()) if len(req) else 0
     pos = torch.arange(len(req)) - (torch.cumsum(counts, 0) - counts)[req]
     rows = torch.zeros(n_req, width, dtype=torch.long)  # [B, C]
     rows[req, pos] = row
-    valid = torch.zeros(n_req, width, dtype=torch.bool)
+    valid = torch.zeros(n_req, width, dtype=torch.bool)  # [B, C]
     valid[req, pos] = True
-    q, v, p = q.float(), v.float(), p.float()
-    gdim = q.shape[2]
-    scores = torch.full((n_req, width), -math.inf)  # [B, C]
-    step = max(1, _RESCORE_PAIRS // max(n_req, 1))
+    return rows, valid
+
+
+def _exact_topk(q, v, p, g, x, b, rows, valid, k_out: int):
+    """Step 4: the reference's fp32 §2 scores of the candidates and an exact top k_out.
+
+    rows [B, C] (each request's candidates in row order) or [1, C] (the same for every request);
+    valid [B, C] marks the real candidates (None: all are). The scores come from the same
+    `rounded_score` as the reference's, so they depend on an ad's row alone, not on
+    where it sits among the candidates; the stable sort then puts tied ads in row order.
+    """
+    n_req, width = q.shape[0], rows.shape[1]
+    scores = torch.empty(n_req, width)  # [B, C]
+    step = max(1, _RESCORE_PAIRS // n_req)
     for lo in range(0, width, step):
-        r = rows[:, lo : lo + step]  # [B, c]
-        xc, bc = x[r].float(), b[r].float()  # [B, c, D], [B, c]
-        logit = p[:, None, :]  # [B, 1, E]
-        if gdim:
-            logit = torch.einsum("beg,bcg->bce", q, g[r].float()) / math.sqrt(gdim) + logit
-        w = torch.softmax(logit.expand(-1, r.shape[1], -1), dim=-1)  # [B, c, E]
-        s = (w * torch.einsum("bed,bcd->bce", v, xc)).sum(-1) + bc  # [B, c]
-        scores[:, lo : lo + step] = s.masked_fill(~valid[:, lo : lo + step], -math.inf)
+        r = rows[:, lo : lo + step]  # [B or 1, c]
+        ads = (g[r[0]], x[r[0]], b[r[0]]) if len(r) == 1 else (g[r], x[r], b[r])
+        scores[:, lo : lo + step] = rounded_score(q, v, p, *ads)  # [B, c]
+    if valid is not None:
+        scores.masked_fill_(~valid, -math.inf)
     scores, pick = torch.sort(scores, dim=1, descending=True, stable=True)
-    scores, rows = scores[:, :k_out], rows.gather(1, pick[:, :k_out])
+    top, short = min(k_out, width), max(k_out - width, 0)
+    scores = torch.cat([scores[:, :top], torch.full((n_req, short), -math.inf)], dim=1)
+    rows = rows.expand(n_req, -1).gather(1, pick[:, :top])
+    rows = torch.cat([rows, torch.full((n_req, short), NO_ROW)], dim=1)  # [B, K']
     return scores, rows.masked_fill(scores == -math.inf, NO_ROW)
+
+
+def _every_eligible(q, v, p, g, x, b, mask, k_out: int):
+    """Requests with at most k_out eligible ads: every one of them is in the answer, so there is
+    nothing to filter, only the eligible ads' scores to sort (step 4 on all of them)."""
+    if mask is None:
+        return _exact_topk(q, v, p, g, x, b, torch.arange(g.shape[0])[None], None, k_out)
+    if mask.dim() == 1:
+        return _exact_topk(q, v, p, g, x, b, mask.nonzero()[:, 0][None], None, k_out)
+    req, row = mask.nonzero().unbind(1)  # by request, then row
+    return _exact_topk(q, v, p, g, x, b, *_by_request(req, row, q.shape[0]), k_out)
 
 
 def _check(q, v, p, g, x, b, mask, k) -> None:
@@ -500,21 +553,46 @@ def cpu_score_topk(
     about 2²⁰ / (B·E), so a block's products stay in cache); `threads`: worker threads that split
     the blocks, each running torch on one core (default: torch.get_num_threads()). torch's thread
     count is set to 1 in those threads for the call (the MKL part of that setting is process-wide)
-    and restored afterwards.
+    and restored afterwards. Requests with at most K' eligible ads skip the filters (their answer
+    is every eligible ad); inputs beyond the filters' range (`_in_range`) go to the reference.
     """
     _check(q, v, p, g, x, b, mask, k)
     if block is not None and block <= 0:
         raise ValueError(f"block must be positive, got {block}")
     if threads is not None and threads <= 0:
         raise ValueError(f"threads must be positive, got {threads}")
-    n_req, n_exp = p.shape
-    n_ads = g.shape[0]
+    n_req, n_ads = p.shape[0], g.shape[0]
     k_out = min(k, n_ads)
     if n_req == 0 or n_ads == 0:
         return torch.full((n_req, k_out), -math.inf), torch.full((n_req, k_out), NO_ROW)
     g, x, b = g.contiguous(), x.contiguous(), b.contiguous()
-    plan = _plan(q, v, p, g, x, k_out)
     stats = _table_stats(g, x, b)
+    if not _in_range(q, v, p, stats):
+        return torch_score_topk(q, v, p, g, x, b, mask, k)
+    n_eligible = torch.full((n_req,), n_ads) if mask is None else mask.sum(-1).expand(n_req)
+    few = n_eligible <= k_out  # [B]
+
+    def filtered(q, v, p, mask):
+        return _filtered_topk(q, v, p, g, x, b, stats, mask, k_out, block, threads)
+
+    def every(q, v, p, mask):
+        return _every_eligible(q, v, p, g, x, b, mask, k_out)
+
+    scores = torch.empty(n_req, k_out)  # [B, K']
+    rows = torch.empty(n_req, k_out, dtype=torch.long)  # [B, K']
+    for part, solve in ((few, every), (~few, filtered)):
+        idx = part.nonzero()[:, 0]
+        if len(idx):
+            part_mask = mask if mask is None or mask.dim() == 1 else mask[idx]
+            scores[idx], rows[idx] = solve(q[idx], v[idx], p[idx], part_mask)
+    return scores, rows
+
+
+def _filtered_topk(q, v, p, g, x, b, stats, mask, k_out: int, block, threads):
+    """Steps 1-4 (the module docstring) for requests with more than k_out eligible ads."""
+    n_req, n_exp = p.shape
+    n_ads = g.shape[0]
+    plan = _plan(q, v, p, g, x, k_out)
     if block is None:
         block = 1 << round(math.log2(max(_TILE / (n_req * n_exp), 1)))
         block = min(max(block, _MIN_BLOCK), _MAX_BLOCK)
@@ -556,6 +634,9 @@ def cpu_score_topk(
         return torch.full((n_req, k_out), -math.inf), torch.full((n_req, k_out), NO_ROW)
     req, row, upper = (torch.cat(t) for t in zip(*parts, strict=True))
     keep = upper >= shared.for_refine[req]
+    req, row = req[keep], row[keep]
+    order = torch.argsort(req * n_ads + row)  # by request, then row
+    rows, valid = _by_request(req[order], row[order], n_req)
     # the finish is small: one core avoids waking a thread team (costly on a busy machine)
     with _single_threaded(caller_threads):
-        return _exact_topk(q, v, p, g, x, b, req[keep], row[keep], n_req, k_out)
+        return _exact_topk(q, v, p, g, x, b, rows, valid, k_out)
