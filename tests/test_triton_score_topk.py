@@ -259,19 +259,21 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from m31.ops import triton_score_topk as T
 
-def compile_variant(n_req, n_exp, gdim, ddim, quant, mask_mode):
+def compile_variant(n_req, n_exp, gdim, ddim, quant, mask_mode, table="*bf16"):
     has_gate = gdim > 0 and n_exp > 1
     ep, gp, dp = (triton.next_power_of_2(n) for n in (n_exp, gdim, ddim))
     gp, dp = max(16, gp), max(16, dp)
-    tiles = T._pick_tiles(n_req, ep, max(gp, dp), has_gate)
-    table = "*i8" if quant else "*bf16"
+    table = "*i8" if quant else table
+    parts = {"*i8": 1, "*bf16": 1, "*fp16": 2, "*fp32": 3}[table]
+    tiles = T._pick_tiles(n_req, ep, max(gp, dp), has_gate, parts - 1 + quant)
     ptr = dict(q_ptr="*bf16", v_ptr="*bf16", p_ptr="*fp32", g_ptr=table, x_ptr=table,
                b_ptr="*fp32", g_scale_ptr="*fp32", x_scale_ptr="*fp32", bits_ptr="*i32",
                tau_ptr="*fp32", count_ptr="*i32", cand_score_ptr="*fp32", cand_row_ptr="*i32")
     ints = dict(n_req="i32", n_ads="i32", gate_dim="i32", value_dim="i32", stride_g="i64",
                 stride_x="i64", stride_bits="i32", capacity="i32", gate_scale="fp32")
     const = dict(BB=tiles.bb, BN=tiles.bn, E=n_exp, EP=ep, GP=gp, DP=dp, HAS_GATE=has_gate,
-                 STACKED=tiles.stacked, QUANT=quant, MASK_MODE=mask_mode, DOT=tl.bfloat16)
+                 STACKED=tiles.stacked, QUANT=quant, MASK_MODE=mask_mode, TP=parts,
+                 DOT=tl.bfloat16)
     signature = ptr | ints | {name: "constexpr" for name in const}
     src = ASTSource(T._score_topk_kernel, signature, constexprs=const)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -282,6 +284,9 @@ compile_variant(1, 8, 64, 64, False, 2)  # stacked
 compile_variant(64, 8, 64, 64, True, 1)  # online, int8
 compile_variant(17, 3, 8, 5, False, 0)  # online, padded dims
 compile_variant(5, 1, 0, 64, True, 2)  # gate folded away
+compile_variant(1, 8, 64, 64, False, 0, "*fp16")  # stacked, an fp16 table in two bf16 parts
+compile_variant(64, 8, 64, 64, False, 2, "*fp32")  # online, an fp32 table in three parts
+compile_variant(5, 1, 0, 64, False, 1, "*fp16")  # gate folded away, an fp16 table
 print("compiled")
 """
 

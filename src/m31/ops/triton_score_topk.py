@@ -15,32 +15,44 @@ Exact top-K by threshold (DESIGN §5):
    C, so it ends as the exact number of survivors.
 3. Sort. Each buffer is sorted by (score desc, row asc): ties go to the lower row.
 4. Check. A request with fewer survivors than min(K, its eligible ads) (τ too high) is scanned
-   again with a lower τ (a sample rank `_LOWER_FACTOR` times deeper, at last -inf); one whose
-   survivors overflowed C again with C = its exact count. All ads scoring ≥ τ are in the buffer,
-   so the result is the exact top-K of the kernel's scores, ties included.
+   again with a lower τ (a sample rank `_LOWER_FACTOR` times deeper, at last -inf, where every
+   eligible ad survives but those scoring NaN); one whose survivors overflowed C again with
+   C = its exact count. All ads scoring ≥ τ are in the buffer, so the result is the exact top-K
+   of the kernel's scores, ties included.
 
-Scores are those of the bf16 query and table: q, v and float tables are rounded to bf16, the dot
-products accumulate in fp32, and the gate runs in fp32 with exp2. The scale log2(e)/√G is applied
-to the fp32 gate dot product (one FMA with the prior p·log2(e)) rather than folded into the bf16
-query, so the kernel scores exactly the bf16-rounded query at no extra instruction. When E = 1
-or G = 0 the gate does not depend on the ad; it is folded into one value vector per request
-(Σ_e softmax(p)_e v_e, in fp32, then bf16) and each tile is a single [BB, D] × [D, BN] product.
+Scores are fp32 evaluations of the §2 formula on the fp32 query and the table as stored, the
+contract of every kernel (`score_topk`): each dot product sums the products of the fp32 query
+with the table's values in fp32. A bf16 table (and an int8 one, whose values bf16 holds exactly)
+takes the tensor cores: the query is split into three bf16 parts, hi + mid + lo = q exactly
+(3 × 8 significant bits hold fp32's 24), so each bf16 product is exact and three products
+replace one; the B = 1 pass is bound by streaming the table, so they cost little there. fp16
+and fp32 tables are read as stored and multiplied in fp32 (`input_precision="ieee"`): exact,
+on the CUDA cores. The gate runs in fp32 with exp2; the scale log2(e)/√G is applied to the fp32
+gate dot product (one FMA with the prior p·log2(e)). When E = 1 or G = 0 the gate does not
+depend on the ad; it is folded into one fp32 value vector per request (Σ_e softmax(p)_e v_e)
+and each tile is a single [BB, D] × [D, BN] product. The answer equals the reference's up to
+fp32 near-ties (scores a few ulps apart may swap). Every (request, ad) score comes from the same
+instructions wherever the ad sits, so identical ads score identically and tie in row order.
 
 8-bit tables (`Int8Table`): int8 rows convert to bf16 in registers (exact), and the per-row
 scales multiply the fp32 dot products, so the kernel scores the dequantized table.
 
 Tiles by batch size (`_pick_tiles`), 8 warps. DESIGN §6 measured the two gate layouts on an
-H200 as sketches; the sizes here are the largest that ptxas (Triton 3.6, sm_90) compiles
-without register spills at G = D = 64, and are not yet timed on a GPU:
-* gate folded away (E = 1 or G = 0): BB = B rounded up to a power of two in [16, 64], BN = 128.
+H200 as sketches; the sizes here are the largest that ptxas (Triton 3.6, sm_90a, `ptxas -v`)
+compiles without register spills at G = D = 64 for a bf16 table with the query in three parts,
+and are not yet timed on a GPU:
+* gate folded away (E = 1 or G = 0): BB = B rounded up to a power of two in [16, 64], BN = 128
+  (64 at BB = 64).
 * B·EP ≤ 64 after rounding B up to a power of two ("stacked"): all experts of the BB requests as
   one [BB·EP, ·] product, softmax by reshaping to [BB, EP, BN]; BN = 128. Small batches are
   bound by streaming the table, and this layout reached 90% of the memory limit at B = 1
   (BB = 2, E = 8).
 * larger batches ("online"): experts walked one at a time with an online softmax (as flash
-  attention walks keys), every product a plain [BB, BN] tile; BB = 64, BN = 64. The sketch ran
-  fastest at BB = 64, BN = 128 (84 G pairs/s at B = 64 and 512), but with the candidate append
-  and the ad tile kept across request tiles BN = 128 spills.
+  attention walks keys), every product a plain [BB, BN] tile; BB = 32, BN = 64. The sketch ran
+  fastest at BB = 64, BN = 128 (84 G pairs/s at B = 64 and 512), but with the candidate append,
+  the ad tile kept across request tiles and three products per dot, BB = 64 spills.
+fp16, fp32 and int8 tables hold more registers (their parts, the int8 scales): at 64 stacked
+rows BN halves per extra part (and for int8), and an fp32 table halves the online BB.
 Each program owns one BN-run of ads, loads it once and loops over all request tiles, so the
 table is read once per batch; the ad axis is grid axis 0 (axes 1 and 2 stop at 65,535).
 """
@@ -68,17 +80,59 @@ _MIN_SAMPLE_RANK = 32
 _CAPACITY_FACTOR = 2
 _LOWER_FACTOR = 8  # a τ that let fewer than K through moves to an 8× deeper sample rank
 _SAMPLE_CHUNK = 1 << 24  # elements of one [B, S, E] reference intermediate while seeding
-# Dot operands are bf16. Triton 3.6's interpreter multiplies bf16 bit patterns as integers in
-# tl.dot, so there they are fp32, which holds every bf16 value exactly: the same products.
+# Dot operands of bf16 tables are bf16. Triton 3.6's interpreter multiplies bf16 bit patterns
+# as integers in tl.dot, so there they are fp32, which holds every bf16 value exactly: the same
+# products.
 _DOT_TYPE = tl.float32 if triton.knobs.runtime.interpret else tl.bfloat16
+# bf16 parts per table value (`_table_parts`), by the dtype the kernel reads; others go to fp32
+_TABLE_PARTS = {torch.bfloat16: 1, torch.int8: 1, torch.float16: 2, torch.float32: 3}
 
 
 # fmt: off
 @triton.jit
+def _table_parts(t, TP: tl.constexpr, DOT: tl.constexpr):
+    """An ad tile t [K, BN] as stored, as TP bf16 tiles (in DOT) that add up to it exactly: 1 for
+    bf16 and int8 rows, 2 for fp16 (11 significant bits), 3 for fp32 (24). Unused parts repeat
+    the first and are never read."""
+    if TP == 1:
+        hi = t.to(DOT)  # straight from int8 too (exact), without a bf16 step
+        mid = hi
+        lo = hi
+    else:
+        hi = t.to(tl.bfloat16)
+        rest = t.to(tl.float32) - hi.to(tl.float32)  # exact: the bits of t below hi's
+        mid = rest.to(tl.bfloat16)
+        lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)  # exact: at most 8 bits are left
+        hi, mid, lo = hi.to(DOT), mid.to(DOT), lo.to(DOT)
+    return hi, mid, lo
+
+
+@triton.jit
+def _query_dot(ptrs, mask, part, t0, t1, t2, TP: tl.constexpr, DOT: tl.constexpr):
+    """[M, BN] fp32: the fp32 query tile at ptrs [M, K] times the ad tile t0 + t1 + t2 [K, BN]
+    (its TP bf16 parts, `_table_parts`).
+
+    The query is stored as three bf16 parts `part` elements apart, hi + mid + lo = q exactly
+    (`_split3`), so every part-by-part product is exact and the fp32 accumulator sums the
+    products of the fp32 query with the table's values. A query part is loaded just before its
+    products: splitting an fp32 tile here kept more registers live and spilled at B = 64.
+    """
+    acc = tl.zeros((ptrs.shape[0], t0.shape[1]), dtype=tl.float32)
+    for i in tl.static_range(3):
+        a = tl.load(ptrs + i * part, mask=mask, other=0.0).to(DOT)
+        acc = tl.dot(a, t0, acc)
+        if TP > 1:
+            acc = tl.dot(a, t1, acc)
+        if TP > 2:
+            acc = tl.dot(a, t2, acc)
+    return acc
+
+
+@triton.jit
 def _stacked_scores(
-    q_ptr, v_ptr, p_ptr, req0, n_req, gate_dim, value_dim, g_t, x_t, gate_col,
+    q_ptr, v_ptr, p_ptr, req0, n_req, gate_dim, value_dim, g0, g1, g2, x0, x1, x2, gate_col,
     BB: tl.constexpr, E: tl.constexpr, EP: tl.constexpr, GP: tl.constexpr, DP: tl.constexpr,
-    BN: tl.constexpr, DOT: tl.constexpr,
+    BN: tl.constexpr, TP: tl.constexpr, DOT: tl.constexpr,
 ):
     """[BB, BN] scores (before scale and bias): every expert of BB requests in one product."""
     m = tl.arange(0, BB * EP)  # stacked row m is expert m % EP of request req0 + m // EP
@@ -90,21 +144,24 @@ def _stacked_scores(
     dc = tl.arange(0, DP)
     q_mask = ok[:, None] & (gc[None, :] < gate_dim)
     v_mask = ok[:, None] & (dc[None, :] < value_dim)
-    qs = tl.load(q_ptr + qrow[:, None] * gate_dim + gc[None, :], mask=q_mask, other=0.0)
-    vs = tl.load(v_ptr + qrow[:, None] * value_dim + dc[None, :], mask=v_mask, other=0.0)
+    q_ptrs = q_ptr + qrow[:, None] * gate_dim + gc[None, :]  # [BB·EP, GP]
+    v_ptrs = v_ptr + qrow[:, None] * value_dim + dc[None, :]  # [BB·EP, DP]
     prior = tl.load(p_ptr + qrow, mask=ok, other=0.0)
     prior = tl.where(exp_ok, prior, float("-inf"))  # padded experts get zero weight
-    logit = tl.dot(qs.to(DOT), g_t) * gate_col[None, :] + prior[:, None]  # [BB·EP, BN], log2
+    logit = _query_dot(q_ptrs, q_mask, n_req * E * gate_dim, g0, g1, g2, TP, DOT)  # [BB·EP, BN]
+    logit = logit * gate_col[None, :] + prior[:, None]  # log2 units
     logit = tl.reshape(logit, (BB, EP, BN))
     w = tl.exp2(logit - tl.max(logit, axis=1)[:, None, :])  # [BB, EP, BN]
-    aff = tl.reshape(tl.dot(vs.to(DOT), x_t), (BB, EP, BN))
+    aff = _query_dot(v_ptrs, v_mask, n_req * E * value_dim, x0, x1, x2, TP, DOT)  # [BB·EP, BN]
+    aff = tl.reshape(aff, (BB, EP, BN))
     return tl.sum(w * aff, axis=1) / tl.sum(w, axis=1)
 
 
 @triton.jit
 def _online_scores(
-    q_ptr, v_ptr, p_ptr, req, req_ok, gate_dim, value_dim, g_t, x_t, gate_col,
-    E: tl.constexpr, GP: tl.constexpr, DP: tl.constexpr, DOT: tl.constexpr,
+    q_ptr, v_ptr, p_ptr, req, req_ok, n_req, gate_dim, value_dim, g0, g1, g2, x0, x1, x2,
+    gate_col, E: tl.constexpr, GP: tl.constexpr, DP: tl.constexpr, TP: tl.constexpr,
+    DOT: tl.constexpr,
 ):
     """[BB, BN] scores (before scale and bias): experts one at a time, online softmax."""
     gc = tl.arange(0, GP)
@@ -115,16 +172,17 @@ def _online_scores(
     q_mask = req_ok[:, None] & (gc[None, :] < gate_dim)
     v_mask = req_ok[:, None] & (dc[None, :] < value_dim)
     # expert 0 seeds the running max `top`, the weight sum `den` and the weighted affinity `num`
-    q_e = tl.load(q_ptrs, mask=q_mask, other=0.0).to(DOT)
+    q_part, v_part = n_req * E * gate_dim, n_req * E * value_dim  # elements between parts
     p_e = tl.load(p_ptr + qrow, mask=req_ok, other=0.0)
-    top = tl.dot(q_e, g_t) * gate_col[None, :] + p_e[:, None]  # [BB, BN], log2 units
-    num = tl.dot(tl.load(v_ptrs, mask=v_mask, other=0.0).to(DOT), x_t)  # [BB, BN]
+    top = _query_dot(q_ptrs, q_mask, q_part, g0, g1, g2, TP, DOT)  # [BB, BN]
+    top = top * gate_col[None, :] + p_e[:, None]  # log2 units
+    num = _query_dot(v_ptrs, v_mask, v_part, x0, x1, x2, TP, DOT)  # [BB, BN]
     den = tl.zeros_like(num) + 1.0
     for e in range(1, E):
-        q_e = tl.load(q_ptrs + e * gate_dim, mask=q_mask, other=0.0).to(DOT)
         p_e = tl.load(p_ptr + qrow + e, mask=req_ok, other=0.0)
-        logit = tl.dot(q_e, g_t) * gate_col[None, :] + p_e[:, None]
-        aff = tl.dot(tl.load(v_ptrs + e * value_dim, mask=v_mask, other=0.0).to(DOT), x_t)
+        logit = _query_dot(q_ptrs + e * gate_dim, q_mask, q_part, g0, g1, g2, TP, DOT)
+        logit = logit * gate_col[None, :] + p_e[:, None]
+        aff = _query_dot(v_ptrs + e * value_dim, v_mask, v_part, x0, x1, x2, TP, DOT)
         # One exponential per expert instead of two: whichever of (running max, new logit) is
         # smaller is the one rescaled by 2^-|difference|; the larger enters with weight 1.
         t = tl.exp2(-tl.abs(logit - top))
@@ -137,7 +195,7 @@ def _online_scores(
 
 @triton.jit
 def _score_topk_kernel(
-    q_ptr, v_ptr, p_ptr,  # query [B·E, G] bf16, [B·E, D] bf16, [B·E] fp32 prior·log2(e)
+    q_ptr, v_ptr, p_ptr,  # query [3, B·E, G] and [3, B·E, D] bf16 parts, [B·E] fp32 p·log2(e)
     g_ptr, x_ptr, b_ptr, g_scale_ptr, x_scale_ptr,  # ad rows; the scales only when QUANT
     bits_ptr, tau_ptr, count_ptr, cand_score_ptr, cand_row_ptr,  # [(B,) W], [B], [B], [B, C] x2
     n_req, n_ads, gate_dim, value_dim, stride_g, stride_x, stride_bits, capacity,
@@ -145,6 +203,7 @@ def _score_topk_kernel(
     BB: tl.constexpr, BN: tl.constexpr, E: tl.constexpr, EP: tl.constexpr, GP: tl.constexpr,
     DP: tl.constexpr, HAS_GATE: tl.constexpr, STACKED: tl.constexpr, QUANT: tl.constexpr,
     MASK_MODE: tl.constexpr,  # 0: no mask, 1: one [N] mask, 2: a [B, N] mask
+    TP: tl.constexpr,  # bf16 parts per table value: 1 (bf16, int8 rows), 2 (fp16), 3 (fp32)
     DOT: tl.constexpr,  # dot operand type: bf16 (fp32 under the interpreter, see _DOT_TYPE)
 ):
     # 64-bit rows: N·stride passes 2^31 long before N does
@@ -154,7 +213,7 @@ def _score_topk_kernel(
     dc = tl.arange(0, DP)
     x_mask = (dc[:, None] < value_dim) & row_ok[None, :]
     x_t = tl.load(x_ptr + rows[None, :] * stride_x + dc[:, None], mask=x_mask, other=0)
-    x_t = x_t.to(DOT)  # [DP, BN]; exact for int8
+    x0, x1, x2 = _table_parts(x_t, TP, DOT)  # [DP, BN] each; exact for int8
     bias = tl.load(b_ptr + rows, mask=row_ok, other=0.0)  # [BN]
     if QUANT:
         x_scale = tl.load(x_scale_ptr + rows, mask=row_ok, other=0.0)  # [BN]
@@ -162,7 +221,7 @@ def _score_topk_kernel(
         gc = tl.arange(0, GP)
         g_mask = (gc[:, None] < gate_dim) & row_ok[None, :]
         g_t = tl.load(g_ptr + rows[None, :] * stride_g + gc[:, None], mask=g_mask, other=0)
-        g_t = g_t.to(DOT)  # [GP, BN]
+        g0, g1, g2 = _table_parts(g_t, TP, DOT)  # [GP, BN] each
         if QUANT:
             gate_col = tl.load(g_scale_ptr + rows, mask=row_ok, other=0.0) * gate_scale
         else:
@@ -182,18 +241,18 @@ def _score_topk_kernel(
         if HAS_GATE:
             if STACKED:
                 s = _stacked_scores(
-                    q_ptr, v_ptr, p_ptr, req0, n_req, gate_dim, value_dim, g_t, x_t, gate_col,
-                    BB, E, EP, GP, DP, BN, DOT,
+                    q_ptr, v_ptr, p_ptr, req0, n_req, gate_dim, value_dim, g0, g1, g2, x0, x1,
+                    x2, gate_col, BB, E, EP, GP, DP, BN, TP, DOT,
                 )
             else:
                 s = _online_scores(
-                    q_ptr, v_ptr, p_ptr, req, req_ok, gate_dim, value_dim, g_t, x_t, gate_col,
-                    E, GP, DP, DOT,
+                    q_ptr, v_ptr, p_ptr, req, req_ok, n_req, gate_dim, value_dim, g0, g1, g2,
+                    x0, x1, x2, gate_col, E, GP, DP, TP, DOT,
                 )
         else:
             v_ptrs = v_ptr + req.to(tl.int64)[:, None] * value_dim + dc[None, :]
             v_mask = req_ok[:, None] & (dc[None, :] < value_dim)
-            s = tl.dot(tl.load(v_ptrs, mask=v_mask, other=0.0).to(DOT), x_t)  # [BB, BN]
+            s = _query_dot(v_ptrs, v_mask, n_req * value_dim, x0, x1, x2, TP, DOT)  # [BB, BN]
         if QUANT:
             s = s * x_scale[None, :]
         s = s + bias[None, :]
@@ -233,38 +292,61 @@ class _Tiles(NamedTuple):
 _NUM_WARPS = 8  # with 4, ptxas (sm_90) spills registers in most of the layouts below
 
 
-def _pick_tiles(n_req: int, n_exp_padded: int, dim_padded: int, has_gate: bool) -> _Tiles:
+def _pick_tiles(
+    n_req: int, n_exp_padded: int, dim_padded: int, has_gate: bool, extra: int = 0
+) -> _Tiles:
     """Tile shape by batch size (the reasons are in the module docstring). Past a padded G or D
-    of 64 the tiles shrink with it, as larger ones spill registers on sm_90."""
+    of 64 the tiles shrink with it, as larger ones spill registers on sm_90; so do they with
+    `extra`, the table's extra register weight: one per bf16 part past the first (`_Table`) and
+    one for int8 scales. Every layout at G = D = 64 compiles without spills (ptxas -v, sm_90a)."""
     bb = triton.next_power_of_2(n_req)
     shrink = max(1, dim_padded // 64)
+    bn = max(16, 128 // shrink)
     if not has_gate:
-        return _Tiles(min(64, max(16, bb)), max(16, 128 // shrink), False)
+        bb = min(64, max(16, bb))
+        return _Tiles(bb, bn if bb < 64 else max(16, bn // 2), False)
     if bb * n_exp_padded <= 64:  # BB·EP ≥ 16 rows for tl.dot
-        return _Tiles(max(bb, 16 // n_exp_padded), max(16, 128 // shrink), True)
-    return _Tiles(max(16, min(64, bb) // shrink), 64, False)
+        bb = max(bb, 16 // n_exp_padded)
+        return _Tiles(bb, bn if bb * n_exp_padded < 64 else max(16, bn >> extra), True)
+    return _Tiles(max(16, min(32, bb) // shrink >> max(0, extra - 1)), 64, False)
 
 
 class _Query(NamedTuple):
     """The query as the kernel reads it; with the gate folded away, E = 1 and q, p are unused."""
 
-    q: torch.Tensor  # [B, E, G] bf16
-    v: torch.Tensor  # [B, E, D] bf16
+    q: torch.Tensor  # [3, B, E, G] bf16 parts (`_split3`)
+    v: torch.Tensor  # [3, B, E, D] bf16 parts
     p: torch.Tensor  # [B, E] fp32, times log2(e)
     has_gate: bool
 
     def take(self, idx: torch.Tensor) -> _Query:
-        return _Query(self.q[idx], self.v[idx], self.p[idx], self.has_gate)
+        q, v = (t[:, idx].contiguous() for t in (self.q, self.v))
+        return _Query(q, v, self.p[idx], self.has_gate)
 
 
 class _Table(NamedTuple):
-    """The ad table as the kernel reads it: bf16 or int8 rows with unit column stride."""
+    """The ad table as the kernel reads it: rows with unit column stride, bf16 or int8 (tensor-core
+    dots) or fp16, fp32 (fp32 dots)."""
 
-    g: torch.Tensor  # [N, G] bf16 or int8 (unused without the gate)
-    x: torch.Tensor  # [N, D] bf16 or int8
+    g: torch.Tensor  # [N, G] (unused without the gate)
+    x: torch.Tensor  # [N, D]
     b: torch.Tensor  # [N] fp32
     g_scale: torch.Tensor | None  # [N] fp32 for int8 tables
     x_scale: torch.Tensor | None  # [N] fp32 for int8 tables
+
+    @property
+    def parts(self) -> int:
+        """bf16 parts that hold each table value exactly (`_table_parts`)."""
+        return max(_TABLE_PARTS[t.dtype] for t in (self.g, self.x))
+
+
+def _split3(t: torch.Tensor) -> torch.Tensor:
+    """[3, ...] bf16: hi, mid, lo with hi + mid + lo = t (fp32) exactly. Each part holds the next
+    8 significant bits of what the previous ones left (exact fp32 differences), and fp32 has 24."""
+    hi = t.to(torch.bfloat16)
+    rest = t - hi.float()
+    mid = rest.to(torch.bfloat16)
+    return torch.stack([hi, mid, (rest - mid.float()).to(torch.bfloat16)])
 
 
 def _prepare_query(q: torch.Tensor, v: torch.Tensor, p: torch.Tensor) -> _Query:
@@ -273,17 +355,15 @@ def _prepare_query(q: torch.Tensor, v: torch.Tensor, p: torch.Tensor) -> _Query:
         w = torch.softmax(p.float(), dim=1)  # [B, E]
         v1 = torch.einsum("be,bed->bd", w, v.float())[:, None, :]  # [B, 1, D]
         n_req = v1.shape[0]
-        unused_q, unused_p = v1.new_zeros(n_req, 1, 0), v1.new_zeros(n_req, 1)
-        return _Query(unused_q.to(torch.bfloat16), v1.to(torch.bfloat16), unused_p, False)
-    return _Query(
-        q.to(torch.bfloat16).contiguous(),
-        v.to(torch.bfloat16).contiguous(),
-        (p.float() * _LOG2E).contiguous(),
-        True,
-    )
+        unused_q = v1.new_zeros(3, n_req, 1, 0, dtype=torch.bfloat16)
+        return _Query(unused_q, _split3(v1), v1.new_zeros(n_req, 1), False)
+    return _Query(_split3(q.float()), _split3(v.float()), (p.float() * _LOG2E).contiguous(), True)
 
 
-def _rows_unit_stride(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _rows_unit_stride(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """t [N, ·] with unit column stride, in `dtype`; by default as stored (fp64 goes to fp32)."""
+    if dtype is None:
+        dtype = t.dtype if t.dtype in _TABLE_PARTS else torch.float32
     t = t.to(dtype)
     return t if t.shape[1] == 0 or t.stride(1) == 1 else t.contiguous()
 
@@ -332,12 +412,13 @@ def _seed(q, v, p, fp32_rows, n_ads, mask, sample_rows) -> _Seed:
     sample = []
     for lo in range(0, n_req, step):
         s = score(q[lo : lo + step], v[lo : lo + step], p[lo : lo + step], g_s, x_s, b_s)
+        dropped = s.isnan()  # [b, S] never returned (`score_topk`), so never a threshold
         if mask is not None:
-            m = mask[idx] if mask.dim() == 1 else mask[lo : lo + step, idx]
-            s = s.masked_fill(~m, float("-inf"))
+            dropped |= ~(mask[idx] if mask.dim() == 1 else mask[lo : lo + step, idx])
+        s = s.masked_fill(dropped, float("-inf"))
         sample.append(torch.sort(s, dim=1, descending=True).values)
     sample = torch.cat(sample)  # [B, S]
-    n_sample = torch.isfinite(sample).sum(1)
+    n_sample = (sample > float("-inf")).sum(1)
     return _Seed(sample, n_sample, n_eligible)
 
 
@@ -358,17 +439,18 @@ def _capacity(estimate: torch.Tensor, n_eligible: torch.Tensor) -> int:
 
 def _scan(query: _Query, table: _Table, bits, tau, capacity: int):
     """One kernel pass: (survivor counts [B] int32, scores [B, C] fp32, rows [B, C] int32)."""
-    n_req, n_exp, gate_dim = query.q.shape
+    n_req, n_exp, gate_dim = query.q.shape[1:]
     n_ads, value_dim = table.x.shape
     device = table.x.device
     exp_pad = triton.next_power_of_2(n_exp)
     gate_pad = max(16, triton.next_power_of_2(gate_dim))
     value_pad = max(16, triton.next_power_of_2(value_dim))
-    tiles = _pick_tiles(n_req, exp_pad, max(gate_pad, value_pad), query.has_gate)
+    quant = table.x_scale is not None
+    extra = table.parts - 1 + quant
+    tiles = _pick_tiles(n_req, exp_pad, max(gate_pad, value_pad), query.has_gate, extra)
     counts = torch.zeros(n_req, dtype=torch.int32, device=device)
     cand_score = torch.empty(n_req, capacity, dtype=torch.float32, device=device)
     cand_row = torch.empty(n_req, capacity, dtype=torch.int32, device=device)
-    quant = table.x_scale is not None
     mask_mode = 0 if bits is None else (1 if bits.dim() == 1 else 2)
     bits = counts if bits is None else bits  # an unread stand-in pointer when there is no mask
     _score_topk_kernel[(triton.cdiv(n_ads, tiles.bn),)](
@@ -382,7 +464,7 @@ def _scan(query: _Query, table: _Table, bits, tau, capacity: int):
         BB=tiles.bb, BN=tiles.bn, E=n_exp, EP=exp_pad,
         GP=gate_pad, DP=value_pad,
         HAS_GATE=query.has_gate, STACKED=tiles.stacked, QUANT=quant, MASK_MODE=mask_mode,
-        DOT=_DOT_TYPE,
+        TP=table.parts, DOT=_DOT_TYPE,
         num_warps=_NUM_WARPS,
     )  # fmt: skip
     return counts, cand_score, cand_row
@@ -426,7 +508,7 @@ def _check(q, v, p, g, x, b, mask, k, scales=()) -> None:
 
 def _score_topk(query: _Query, table: _Table, seed: _Seed, mask, k, tau, capacity):
     """The scan-check loop of the module docstring (steps 2–4) over a prepared query and table."""
-    n_req, n_ads = query.v.shape[0], table.x.shape[0]
+    n_req, n_ads = query.v.shape[1], table.x.shape[0]
     k_out = min(k, n_ads)
     device = table.x.device
     scores = torch.full((n_req, k_out), float("-inf"), device=device)
@@ -447,12 +529,12 @@ def _score_topk(query: _Query, table: _Table, seed: _Seed, mask, k, tau, capacit
             query.take(pending), table, req_bits, threshold[pending].contiguous(), cap
         )
         too_few = counts < need[pending]  # τ too high
+        # at τ = -inf every eligible ad survives but those scoring NaN: nothing more to find
+        too_few &= threshold[pending] > float("-inf")
         overflow = counts > cap
         done = ~(too_few | overflow)
         top_s, top_r = _exact_top(counts[done], cand_score[done], cand_row[done], k_out, n_ads)
         scores[pending[done]], rows[pending[done]] = top_s, top_r
-        if bool((threshold[pending[too_few]] == float("-inf")).any()):
-            raise ValueError("some scores are NaN: check the query and the ad table")
 
         # overflow: the same τ again, with room for the exact count
         room = torch.where(overflow, counts.float(), 0.0)  # [len(pending)]
@@ -485,9 +567,9 @@ def triton_score_topk(
     """(scores [B, K'] fp32, rows [B, K'] int64), K' = min(k, N), best first, exact.
 
     The contract of `torch_score_topk`: q [B, E, G], v [B, E, D], p [B, E]; g [N, G], x [N, D],
-    b [N] (any float dtype; a bf16 g and x are read in place, others are converted to bf16 on
-    every call, so keep the table in bf16); mask bool [N] or [B, N] or None. Ties go to the lower
-    row; requests with fewer eligible ads end with rows NO_ROW and scores -inf. The private
+    b [N] (any float dtype; bf16, fp16 and fp32 rows are read as stored, a bf16 table on the
+    tensor cores, the others with fp32 products); mask bool [N] or [B, N] or None. Ties go to the
+    lower row; requests with fewer eligible ads end with rows NO_ROW and scores -inf. The private
     arguments exist for tests of the retry paths: `_tau` replaces the seeded thresholds
     (a float or [B]), `_capacity` the first buffer size, `_sample_rows` the sample size.
     """
@@ -501,8 +583,8 @@ def triton_score_topk(
     if n_req == 0 or n_ads == 0:
         return torch_score_topk(q, v, p, g, x, b, mask, k)  # empty: nothing to launch
     query = _prepare_query(q, v, p)
-    x_k = _rows_unit_stride(x, torch.bfloat16)
-    g_k = _rows_unit_stride(g, torch.bfloat16) if query.has_gate else x_k  # unread without gate
+    x_k = _rows_unit_stride(x)
+    g_k = _rows_unit_stride(g) if query.has_gate else x_k  # unread without the gate
     table = _Table(g_k, x_k, b.float().contiguous(), None, None)
 
     def fp32_rows(idx):
