@@ -222,6 +222,26 @@ def test_rejected_mutation_leaves_index_unchanged(call, message):
     assert_same_state(before, state(index))
 
 
+def test_checks_change_nothing_and_return_what_a_mutation_applies():
+    index = build({1: {"advertiser_id": 1}, 2: {"advertiser_id": 2}}, dtype=torch.bfloat16)
+    before = state(index)
+    ids, g, x, b, _ = _good()
+    rows = [{"advertiser_id": 4, "tags": ["b", "a", "b"]}] * 2
+    upsert = index.check_upsert(np.array(ids, dtype=np.uint32), g, x, b, rows)
+    index.check_vocabulary(upsert.columns, upsert.ids)
+    assert upsert.ids.dtype == np.int64 and upsert.ids.tolist() == ids
+    for checked, given in ((upsert.g, g), (upsert.x, x), (upsert.b, b)):
+        assert torch.equal(checked, given.bfloat16())
+    assert upsert.columns.column("status").to_pylist() == ["active"] * 2
+    assert upsert.columns.column("tags").to_pylist() == [["a", "b"]] * 2
+    update = index.check_update(2, {"tags": ["z", "y", "z"], "status": None})
+    assert update.ad_id == 2 and update.attrs == {"tags": ["y", "z"], "status": "active"}
+    assert index.check_delete([2, 1]).tolist() == [2, 1]
+    assert_same_state(before, state(index))
+    index.update_attributes(2, tags=["z", "y", "z"], status=None)
+    assert index.get(2).attributes == update.columns.to_pylist()[0]
+
+
 def test_invalid_construction():
     with pytest.raises(AdIndexError, match="dtype"):
         AdIndex(G, D, dtype=torch.int32)

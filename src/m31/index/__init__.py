@@ -8,7 +8,15 @@
 * `limits`: the bounds on list attributes.
 """
 
-from m31.index.ad_index import AdIndex, AdIndexError, IndexView, RequestContext, read_manifest
+from m31.index.ad_index import (
+    AdIndex,
+    AdIndexError,
+    CheckedUpdate,
+    CheckedUpsert,
+    IndexView,
+    RequestContext,
+    read_manifest,
+)
 from m31.index.attributes import AttributeTable
 from m31.index.durable import DurableIndex, DurableIndexError
 from m31.index.filters import CompiledFilter, FilterError, compile_filter, evaluate_row
@@ -17,6 +25,8 @@ __all__ = [
     "AdIndex",
     "AdIndexError",
     "AttributeTable",
+    "CheckedUpdate",
+    "CheckedUpsert",
     "CompiledFilter",
     "DurableIndex",
     "DurableIndexError",

@@ -3,6 +3,11 @@
 Shapes: N allocated rows (live and tombstoned ads), G gate-key dim, D value dim, n ads in one
 call, cap the allocated capacity (N <= cap).
 
+`AdIndex` holds the ad table g, x, b and the ads' attributes in an `AttributeTable`
+(`m31.index.attributes`); eligibility is the built-in targeting rules of a `RequestContext`
+and, optionally, a filter (`m31.index.filters`), and comes out as a bool mask [N] over rows.
+`m31.index.durable` puts an index behind a write-ahead log.
+
 Rows of the ad table are write-once. An upsert appends fresh rows and tombstones the ids' old
 rows; growth and compaction build new tensors. So the tensors `table()` hands out never change
 afterwards, even while later mutations run, and a scorer may keep reading them after the lock is
@@ -12,7 +17,9 @@ table and masks come from one version. `frozen_view()` instead copies liveness a
 (once per version, under the lock), so masks are built from one version while mutations proceed.
 
 Every mutation validates all of its input before touching anything, so a call that raises
-leaves the index exactly as it was.
+leaves the index exactly as it was. The validation is public (`check_upsert`,
+`check_vocabulary`, `check_update`, `check_delete`): it touches nothing and returns the
+arguments as the mutation applies them, which is what a `DurableIndex` logs.
 """
 
 from __future__ import annotations
@@ -114,6 +121,27 @@ class AdRow(NamedTuple):
     x: torch.Tensor  # [D]
     b: float
     attributes: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class CheckedUpsert:
+    """An upsert's arguments as `AdIndex.check_upsert` validated them: what is applied (and
+    what a `DurableIndex` logs)."""
+
+    ids: np.ndarray  # [n] int64, distinct
+    g: torch.Tensor  # [n, G] in the table dtype, on the index's device
+    x: torch.Tensor  # [n, D]
+    b: torch.Tensor  # [n]
+    columns: pa.Table  # n rows of the attribute schema, normalised
+
+
+@dataclass(frozen=True)
+class CheckedUpdate:
+    """An attribute update as `AdIndex.check_update` validated it."""
+
+    ad_id: int
+    attrs: dict[str, Any]  # the attributes given, normalised as they are stored
+    columns: pa.Table  # the ad's whole new row of attributes (1 row of the schema)
 
 
 @dataclass(frozen=True)
@@ -370,6 +398,60 @@ class AdIndex:
         return row
 
     # ---- validation (touches nothing) -----------------------------------------------------
+    # Each mutation runs the check_* of its arguments and applies what it returns, so a
+    # DurableIndex that logs what the checks return logs what is applied. check_upsert reads
+    # only its arguments and the index's fixed dims, dtype and schema. check_vocabulary,
+    # check_update and check_delete read the index's current state, so they hold only while no
+    # mutation runs: the mutations call them under the lock, and a DurableIndex, the only
+    # mutator of its index, under its own mutex.
+
+    def check_upsert(self, ad_ids: Any, g: Any, x: Any, b: Any, attributes: Any) -> CheckedUpsert:
+        """Validate the ads of an upsert on their own: ids [n], g [n, G], x [n, D], b [n] (cast
+        to the table dtype) and attributes (dicts or an arrow table). `check_vocabulary` then
+        checks the attributes against the index."""
+        ids = _ids(ad_ids)
+        n = len(ids)
+        _no_duplicates(ids, "upsert")
+        return CheckedUpsert(
+            ids,
+            self._matrix(g, n, self.dim_g, "g"),  # [n, G]
+            self._matrix(x, n, self.dim_x, "x"),  # [n, D]
+            self._matrix(b, n, None, "b"),  # [n]
+            self._columns(attributes, ids),
+        )
+
+    def check_vocabulary(self, columns: pa.Table, ids: np.ndarray) -> None:
+        """Refuse attributes of the ads `ids` [n] (`columns`, as `check_upsert` returns them)
+        that would take a list field of this index past `MAX_VOCABULARY` values."""
+        overflow = self._attrs.vocabulary_overflow(columns)
+        if overflow is not None:
+            name, row = overflow
+            raise AdIndexError(
+                f"attributes: ad {int(ids[row])}: {name} would hold more than {MAX_VOCABULARY} "
+                "distinct values in the index (compact() drops the values no ad holds any more)"
+            )
+
+    def check_update(self, ad_id: int, attrs: Mapping[str, Any]) -> CheckedUpdate:
+        """Validate a change of some attributes of the live ad `ad_id`, vocabularies included."""
+        row = self._row_of(ad_id)
+        unknown = sorted(set(attrs) - set(self._schema))
+        if unknown:
+            raise AdIndexError(f"update_attributes: unknown attribute {unknown[0]!r}")
+        rows = torch.tensor([row], device=self.device)
+        merged = {**self._attrs.to_arrow(rows).to_pylist()[0], **attrs}
+        ids = np.array([int(ad_id)])
+        columns = self._columns([merged], ids)
+        self.check_vocabulary(columns, ids)
+        normalised = {name: columns.column(name)[0].as_py() for name in attrs}
+        return CheckedUpdate(int(ad_id), normalised, columns)
+
+    def check_delete(self, ad_ids: Any) -> np.ndarray:
+        """Validate a delete; the ids [n] int64 of live ads, distinct."""
+        ids = _ids(ad_ids)
+        _no_duplicates(ids, "delete")
+        for i in ids.tolist():
+            self._row_of(i)
+        return ids
 
     def _matrix(self, a: Any, n: int, dim: int | None, what: str) -> torch.Tensor:
         try:
@@ -391,7 +473,7 @@ class AdIndex:
 
     def _columns(self, attributes: Any, ids: np.ndarray) -> pa.Table:
         """Attributes of the ads `ids` [n] (dicts or an arrow table) -> validated arrow table of
-        the schema. Checks each ad on its own; `_check_vocabulary` checks them against the index.
+        the schema. Checks each ad on its own; `check_vocabulary` checks them against the index.
         """
         n = len(ids)
         try:
@@ -428,37 +510,21 @@ class AdIndex:
                 _check_list(table.column(name).combine_chunks(), name, ids)
         return table
 
-    def _check_vocabulary(self, columns: pa.Table, ids: np.ndarray) -> None:
-        """Refuse attributes of the ads `ids` that would take a list field of this index past
-        `MAX_VOCABULARY` values. It reads the vocabularies, so no mutation may run meanwhile."""
-        overflow = self._attrs.vocabulary_overflow(columns)
-        if overflow is not None:
-            name, row = overflow
-            raise AdIndexError(
-                f"attributes: ad {int(ids[row])}: {name} would hold more than {MAX_VOCABULARY} "
-                "distinct values in the index (compact() drops the values no ad holds any more)"
-            )
-
     # ---- mutations (each returns the new version) -----------------------------------------
 
     def upsert(self, ad_ids: Any, g: Any, x: Any, b: Any, attributes: Any) -> int:
         """Add new ads or replace existing ones: ids [n], g [n, G], x [n, D], b [n]."""
-        ids = _ids(ad_ids)
-        n = len(ids)
-        _no_duplicates(ids, "upsert")
-        g = self._matrix(g, n, self.dim_g, "g")  # [n, G]
-        x = self._matrix(x, n, self.dim_x, "x")  # [n, D]
-        b = self._matrix(b, n, None, "b")  # [n]
-        columns = self._columns(attributes, ids)
+        checked = self.check_upsert(ad_ids, g, x, b, attributes)
+        ids, n = checked.ids, len(checked.ids)
         with self._lock:
-            self._check_vocabulary(columns, ids)
+            self.check_vocabulary(checked.columns, ids)
             start = self._n
             self._reserve(start + n)
             new = slice(start, start + n)
-            self._g[new], self._x[new], self._b[new] = g, x, b
-            self._row_ids[new] = torch.from_numpy(ids).to(self.device)
+            self._g[new], self._x[new], self._b[new] = checked.g, checked.x, checked.b
+            self._row_ids[new] = torch.from_numpy(ids).to(self.device)  # [n]
             self._live[new] = True
-            self._attrs.write(torch.arange(start, start + n, device=self.device), columns)
+            self._attrs.write(torch.arange(start, start + n, device=self.device), checked.columns)
             # A changed ad moves to its new row, so rows already handed out stay as they were.
             old = [self._rows[i] for i in ids.tolist() if i in self._rows]
             if old:
@@ -486,16 +552,9 @@ class AdIndex:
     def update_attributes(self, ad_id: int, **attrs: Any) -> int:
         """Change some attributes of one live ad; its embeddings are kept as they are."""
         with self._lock:
-            row = self._row_of(ad_id)
-            unknown = sorted(set(attrs) - set(self._schema))
-            if unknown:
-                raise AdIndexError(f"update_attributes: unknown attribute {unknown[0]!r}")
-            rows = torch.tensor([row], device=self.device)
-            merged = {**self._attrs.to_arrow(rows).to_pylist()[0], **attrs}
-            ids = np.array([int(ad_id)])
-            columns = self._columns([merged], ids)
-            self._check_vocabulary(columns, ids)
-            self._attrs.write(rows, columns)
+            checked = self.check_update(ad_id, attrs)
+            rows = torch.tensor([self._rows[checked.ad_id]], device=self.device)  # [1]
+            self._attrs.write(rows, checked.columns)
             self._version += 1
             return self._version
 
@@ -507,10 +566,9 @@ class AdIndex:
 
     def delete(self, ad_ids: Any) -> int:
         """Tombstone ads: their rows stay allocated (never eligible) until `compact()`."""
-        ids = _ids(ad_ids)
-        _no_duplicates(ids, "delete")
         with self._lock:
-            rows = [self._row_of(i) for i in ids.tolist()]
+            ids = self.check_delete(ad_ids)
+            rows = [self._rows[i] for i in ids.tolist()]
             if rows:
                 self._live[torch.tensor(rows, device=self.device)] = False
             for i in ids.tolist():

@@ -24,11 +24,14 @@ validate against the index without changing it (a bad call raises `AdIndexError`
 nothing), append the record and fdatasync it, and only then apply it to the in-memory index
 and return. So every version a reader can see or a caller is told is on disk, and a failed
 log write leaves the index as it was. The record is built by the index's own side-effect-free
-validators, so applying it cannot fail for a reason validation missed; if it still fails (say,
-out of device memory), or if a log write or fsync fails (after which the kernel may have
-dropped the page: retrying would lie), this object stops taking mutations; reads go on, and
-reopening the folder recovers every acknowledged mutation. Readers never wait for an fsync:
-the index's own lock is held only while a record is applied.
+validators (`AdIndex.check_upsert`, `check_vocabulary`, `check_update`, `check_delete`, the
+ones its mutations run), called without the index's lock: this object is the only mutator of
+its index and validates under its own mutex. So applying a record cannot fail for a reason
+validation missed; if it still fails (say, out of device memory), or if a log write or fsync
+fails (after which the kernel may have dropped the page: retrying would lie), this object
+stops taking mutations; reads go on, and reopening the folder recovers every acknowledged
+mutation. Readers never wait for an fsync: the index's own lock is held only while a record
+is applied.
 
 Open: take the lock, load the snapshot, replay the log records newer than it (each must
 produce exactly the version it logged), then append after them. A damaged record at the
@@ -65,7 +68,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from m31.index.ad_index import AdIndex, AdIndexError, _ids, _no_duplicates, read_manifest
+from m31.index.ad_index import AdIndex, AdIndexError, read_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -478,23 +481,18 @@ class DurableIndex:
         """`AdIndex.upsert` (ids [n], g [n, G], x [n, D], b [n]), logged before it is applied."""
 
         def prepare(version: int) -> _Record:
-            index = self._index
-            ids = _ids(ad_ids)
-            n = len(ids)
-            _no_duplicates(ids, "upsert")
-            # Cast to the table dtype (validation) and widen to float32 (exact) for the log.
-            tables = {
-                name: index._matrix(value, n, dim, name).float().cpu().numpy()
-                for name, value, dim in (
-                    ("g", g, index.dim_g),
-                    ("x", x, index.dim_x),
-                    ("b", b, None),
-                )
-            }
-            columns = index._columns(attributes, ids)
+            checked = self._index.check_upsert(ad_ids, g, x, b, attributes)
             # Without the index's lock: only this object mutates the index, under its mutex.
-            index._check_vocabulary(columns, ids)
-            return _Record("upsert", version, {"ad_ids": ids, **tables, "attributes": columns})
+            self._index.check_vocabulary(checked.columns, checked.ids)
+            args = {
+                "ad_ids": checked.ids,  # [n]
+                # Widened from the table dtype to float32, which holds its values exactly.
+                "g": checked.g.float().cpu().numpy(),  # [n, G]
+                "x": checked.x.float().cpu().numpy(),  # [n, D]
+                "b": checked.b.float().cpu().numpy(),  # [n]
+                "attributes": checked.columns,
+            }
+            return _Record("upsert", version, args)
 
         return self._mutate(prepare)
 
@@ -502,16 +500,9 @@ class DurableIndex:
         """`AdIndex.update_attributes`, logged before it is applied."""
 
         def prepare(version: int) -> _Record:
-            index = self._index
-            current = index.get(ad_id).attributes  # raises if the ad is not live
-            unknown = sorted(set(attrs) - set(index.schema))
-            if unknown:
-                raise AdIndexError(f"update_attributes: unknown attribute {unknown[0]!r}")
-            ids = np.array([int(ad_id)])
-            columns = index._columns([{**current, **attrs}], ids)
-            index._check_vocabulary(columns, ids)
-            normalised = {name: columns.column(name)[0].as_py() for name in attrs}
-            return _Record("update_attributes", version, {"ad_id": int(ad_id), "attrs": normalised})
+            checked = self._index.check_update(ad_id, attrs)  # without the lock, as in upsert
+            args = {"ad_id": checked.ad_id, "attrs": checked.attrs}
+            return _Record("update_attributes", version, args)
 
         return self._mutate(prepare)
 
@@ -525,11 +516,7 @@ class DurableIndex:
         """`AdIndex.delete`, logged before it is applied."""
 
         def prepare(version: int) -> _Record:
-            ids = _ids(ad_ids)
-            _no_duplicates(ids, "delete")
-            for i in ids.tolist():
-                if i not in self._index:
-                    raise AdIndexError(f"ad id {i} is not in the index")
+            ids = self._index.check_delete(ad_ids)  # [n]; without the lock, as in upsert
             return _Record("delete", version, {"ad_ids": ids})
 
         return self._mutate(prepare)
