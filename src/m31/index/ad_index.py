@@ -581,11 +581,11 @@ class AdIndex:
         with self._lock:
             live = self._live[: self._n].nonzero().squeeze(1)  # [n_live], ascending
             k = len(live)
-            g = torch.zeros_like(self._g)
-            x = torch.zeros_like(self._x)
-            b = torch.zeros_like(self._b)
-            row_ids = torch.full_like(self._row_ids, -1)
-            alive = torch.zeros_like(self._live)
+            g = torch.zeros_like(self._g)  # [cap, G]
+            x = torch.zeros_like(self._x)  # [cap, D]
+            b = torch.zeros_like(self._b)  # [cap]
+            row_ids = torch.full_like(self._row_ids, -1)  # [cap]
+            alive = torch.zeros_like(self._live)  # [cap]
             g[:k], x[:k], b[:k], row_ids[:k] = (
                 self._g[live],
                 self._x[live],

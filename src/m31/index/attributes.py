@@ -1,7 +1,7 @@
 """The encoded attribute table: per-ad attributes on one device, so that filters are tensor ops.
 
 Shapes: N rows (cap allocated), M entries of one list field: a (row, word) pair each (Mcap
-allocated), k rows in one call, m entries in one call.
+allocated), V values in the vocabulary of one field, k rows in one call, m entries in one call.
 
 A schema maps field names to kinds (`KINDS`): int (int64), float (float64), str, and str_list
 (a set of strings). Attributes arrive as rows of plain values (`columns_from_rows`) or as an
@@ -189,8 +189,8 @@ class _Lists:
             self.used, self.dead = len(self.codes), 0
         if self.used + m > len(self.codes):
             size = max(self.used + m, 2 * len(self.codes))  # geometric: amortised O(1) copies
-            codes = torch.full((size,), -1, dtype=torch.int32, device=self.codes.device)
-            owner = torch.zeros(size, dtype=torch.int32, device=self.codes.device)
+            codes = torch.full((size,), -1, dtype=torch.int32, device=self.codes.device)  # [Mcap]
+            owner = torch.zeros(size, dtype=torch.int32, device=self.codes.device)  # [Mcap]
             codes[: self.used], owner[: self.used] = (
                 self.codes[: self.used],
                 self.owner[: self.used],
@@ -336,7 +336,7 @@ class AttributeTable:
         return np.asarray(lut, dtype=np.int64)[idx]
 
     def write(self, rows: torch.Tensor, columns: pa.Table) -> None:
-        """Set distinct rows [n] (< capacity) from a table of `arrow_schema(self.schema)`.
+        """Set distinct rows [k] (< capacity) from a table of `arrow_schema(self.schema)`.
 
         Raises ValueError, changing nothing, if a list field would exceed `MAX_VOCABULARY`.
         """
@@ -351,8 +351,8 @@ class AttributeTable:
         for name, kind in self.schema.items():
             col = columns.column(name).combine_chunks()
             if kind in ("int", "float"):
-                valid = col.is_valid().to_numpy(zero_copy_only=False)
-                values = pc.fill_null(col, 0).to_numpy(zero_copy_only=False)
+                valid = col.is_valid().to_numpy(zero_copy_only=False)  # [k]
+                values = pc.fill_null(col, 0).to_numpy(zero_copy_only=False)  # [k]
                 self._values[name][rows] = torch.tensor(values, device=self.device)
                 self._valid[name][rows] = torch.tensor(valid, device=self.device)
             elif kind == "str":
@@ -388,7 +388,7 @@ class AttributeTable:
             held = torch.unique(codes)  # [V'] ascending, so words keep their relative order
             renumber = torch.full(
                 (len(self._words[name]),), -1, dtype=torch.int32, device=self.device
-            )
+            )  # [V] old code -> new code, -1 where no taken row holds the value
             renumber[held] = torch.arange(len(held), dtype=torch.int32, device=self.device)
             words = [self._words[name][c] for c in held.tolist()]
             out._words[name], out._vocab[name] = words, {w: c for c, w in enumerate(words)}
@@ -435,13 +435,13 @@ class AttributeTable:
         arrays = []
         for name, kind in self.schema.items():
             if kind in ("int", "float"):
-                values = self._values[name][rows].cpu().numpy()
-                valid = self._valid[name][rows].cpu().numpy()
+                values = self._values[name][rows].cpu().numpy()  # [k]
+                valid = self._valid[name][rows].cpu().numpy()  # [k]
                 arrays.append(pa.array(values, type=ARROW_TYPES[kind], mask=~valid))
                 continue
             words = pa.array(self._words[name], type=pa.string())
             if kind == "str":
-                codes = self._values[name][rows].cpu().numpy()
+                codes = self._values[name][rows].cpu().numpy()  # [k]
                 arrays.append(words.take(pa.array(codes, mask=codes < 0)))
                 continue
             codes, count = self._lists[name].gather(rows)  # [m], [k]
@@ -452,6 +452,6 @@ class AttributeTable:
                 pa.table({"row": np.repeat(np.arange(len(count)), count), "word": held}),
                 [("row", "ascending"), ("word", "ascending")],
             )
-            offsets = np.concatenate([[0], np.cumsum(count)])
+            offsets = np.concatenate([[0], np.cumsum(count)])  # [k+1]
             arrays.append(pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), held.take(order)))
         return pa.Table.from_arrays(arrays, schema=arrow_schema(self.schema))
