@@ -333,7 +333,7 @@ class AdIndex:
                 frozen._lock = threading.RLock()
                 frozen._live = self._live[:n].clone()
                 frozen._attrs = self._attrs.take(torch.arange(n, device=self.device), n)
-                frozen._rows = dict(self._rows)
+                frozen._rows = None  # the live map moves on; masks read `_row_ids` instead
                 frozen._frozen = None
                 self._frozen = frozen
             g, x, b, row_ids, version = frozen.table()
@@ -379,9 +379,13 @@ class AdIndex:
             ("target_surfaces", request.surface),
         ):
             mask &= ~attrs.nonempty(name) | attrs.contains(name, value)
-        excluded = [self._rows[i] for i in map(int, request.exclude_ads) if i in self._rows]
-        if excluded:
-            mask[torch.tensor(excluded, device=self.device)] = False
+        if len(request.exclude_ads):
+            # By id over the rows, not through the id -> row map, so that a frozen view needs
+            # no copy of that map; rows of other versions of an ad are not live anyway.
+            excluded = torch.tensor(
+                [int(a) for a in request.exclude_ads], dtype=torch.int64, device=self.device
+            )
+            mask &= ~torch.isin(self._row_ids[:n], excluded)
         if len(request.exclude_advertisers):
             blocked = torch.tensor(
                 [int(a) for a in request.exclude_advertisers], dtype=torch.int64, device=self.device

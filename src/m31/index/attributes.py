@@ -14,7 +14,7 @@ owns one is `m31.index.ad_index`.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -23,7 +23,6 @@ import torch
 
 from m31.index.limits import MAX_VOCABULARY
 
-FieldKind = Literal["int", "float", "str", "str_list"]
 KINDS: tuple[str, ...] = ("int", "float", "str", "str_list")
 ARROW_TYPES: dict[str, pa.DataType] = {
     "int": pa.int64(),
