@@ -142,16 +142,19 @@ def test_requests_validate_and_subset(world):
         requests_from_split(feats, "nope")
 
 
-def test_seen_mask_is_the_history_strictly_before(world):
+def test_seen_mask_is_the_history_through_the_request_second(world):
     feats, _ = world
     req = requests_from_split(feats, "test")
     idx, items = seen_mask(feats, req)
+    strict_idx, strict_items = seen_mask(feats, req, same_second=False)
     seq = feats.engagements
     for i in range(len(req)):
         u = req.user[i]
         lo, hi = seq.offsets[u], seq.offsets[u + 1]
+        through = seq.ts[lo:hi] <= req.ts[i]
         before = seq.ts[lo:hi] < req.ts[i]
-        assert sorted(items[idx == i]) == sorted(seq.values["item"][lo:hi][before])
+        assert sorted(items[idx == i]) == sorted(seq.values["item"][lo:hi][through])
+        assert sorted(strict_items[strict_idx == i]) == sorted(seq.values["item"][lo:hi][before])
     assert len(idx) > len(req)  # most test users have a train and a val engagement
 
 

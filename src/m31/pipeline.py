@@ -1,7 +1,8 @@
 """Glue between the stages: a dataset folder's features, built once, and funnel eligibility.
 
 Features are derived data: `features_for(DIR)` builds them on first use into
-`DIR/features/<split>` (atomically) and loads them from there afterwards.
+`DIR/features/<split>` (atomically) and loads them from there afterwards, rebuilding them when
+they were built under an older split rule (`m31.features.build.SPLIT_RULE`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import numpy as np
 
 from m31.data import dataset
 from m31.features import FeatureConfig, Features, build_features
+from m31.features.build import SPLIT_RULE
 
 Progress = Callable[[str, int, int], None]
 
@@ -32,7 +34,9 @@ def features_for(
         return Features.load(data)
     out = data / "features" / split
     if (out / "meta.json").is_file():
-        return Features.load(out)
+        feats = Features.load(out)
+        if feats.meta.get("split_rule") == SPLIT_RULE:
+            return feats
     feats = build_features(
         dataset.load(data),
         FeatureConfig(split=split),

@@ -4,8 +4,10 @@ Shapes: n requests, b requests in a batch, A ads, M seen (request, ad) pairs.
 
 Each example row of a split is one request: its user, time and context, with the engaged ad held
 out as the target. A model scores every ad (never sampled candidates). Ads the user engaged with
-before the request are excluded, as in the MovieLens leave-last-out protocol, except the target
-itself: a repeat engagement is still a correct answer. Requests are scored in batches, so memory
+before the request, or in the same second as it, are excluded, as in the MovieLens leave-last-out
+protocol, except the target itself: a repeat engagement is still a correct answer. Same-second
+engagements are other answers of the same request (timestamps are whole seconds and ratings come
+in bursts; see `m31.features.build._split`), so ranking them high is neither a hit nor a miss. Requests are scored in batches, so memory
 is bounded by b x A per model.
 """
 
@@ -83,14 +85,18 @@ def requests_from_split(
     return _examples(feats, split, max_users, seed)[0]
 
 
-def seen_mask(feats: Features, req: Requests) -> tuple[np.ndarray, np.ndarray]:
-    """Ads each user engaged with strictly before its request: (request index [M], ad row [M]).
+def seen_mask(
+    feats: Features, req: Requests, same_second: bool = True
+) -> tuple[np.ndarray, np.ndarray]:
+    """Ads each user engaged with before its request: (request index [M], ad row [M]).
+
+    With `same_second`, engagements at the request's own second count too (the target among them).
 
     Read from the engagement CSR directly, so the whole history counts, not just the last max_len.
     Index a [n, A] score matrix with the pair to mask them.
     """
     seq = feats.engagements
-    n_before = seq.count_before(req.user, req.ts)  # [n]
+    n_before = seq.count_before(req.user, req.ts + 1 if same_second else req.ts)  # [n]
     req_idx = np.repeat(np.arange(len(req)), n_before)  # [M]
     # Event j of request i sits at offsets[user_i] + j; its place in the flat output is
     # sum(n_before[:i]) + j.
