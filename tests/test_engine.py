@@ -269,3 +269,53 @@ def test_writers_do_not_wait_for_a_retrieves_masks(world, monkeypatch):
     monkeypatch.undo()
     after = engine.retrieve([request], k=10).results[0].ad_ids
     assert top not in after
+
+
+@pytest.mark.parametrize("k", [1, 5, 70, 200])
+def test_equal_scores_go_to_the_lower_ad_id(world, k):
+    """Identical ads score identically; their rows are in descending ad-id order and more of
+    them tie than the kernel's margin, so the lower row is not the lower id: the engine still
+    returns them by ascending ad id, as the search and the merge of a sharded index do."""
+    from m31.engine import TIE_MARGIN, eligible_masks, merge, request_context, search
+
+    ds, feats, model, _ = world
+    g, x, b = encode_ads(model, Catalog.from_features(feats))
+    copies = 150  # more copies than TIE_MARGIN: the search must ask again
+    assert copies > TIE_MARGIN
+    ads = ds.ads.to_pylist()
+    ids = list(range(10**6 + copies, 10**6, -1))  # descending ids in ascending rows
+    index = AdIndex.from_table(ds.ads, g, x, b, dtype=torch.float32)
+    best = AdIndex.from_table(ds.ads, g * 0, x * 0, b * 0 + 100, dtype=torch.float32)
+    row = best.get(0)
+    attrs = {**ads[0], "status": "active", "schedule_start": None, "schedule_end": None}
+    attrs = {name: attrs.get(name) for name in index.schema}
+    for name in ("target_countries", "target_genders", "target_platforms", "target_surfaces"):
+        attrs[name] = []
+    attrs["target_age_min"] = attrs["target_age_max"] = None
+    index.upsert(
+        ids, row.g.expand(copies, -1), row.x.expand(copies, -1), [row.b] * copies, [attrs] * copies
+    )
+    engine = Retriever(model, feats, index, ds.users)
+    request = AdRequest(0, ds.meta["time_range"][1], "feed", "ios")
+    got = engine.retrieve([request], k=k).results[0]
+    want = sorted(ids)[: min(k, copies)]
+    assert got.ad_ids[: len(want)].tolist() == want
+    assert (got.scores[: len(want)] == got.scores[0]).all()
+    if k > copies:  # after the tied block, the rest in (score, ad id) order
+        rest_scores, rest_ids = got.scores[copies:], got.ad_ids[copies:]
+        assert (np.diff(rest_scores) <= 0).all() and len(rest_ids) == k - copies
+    # The same rows split into two parts, searched apart and merged: the same answer.
+    view = index.frozen_view()
+    prepared = engine.prepare([request], k)
+    query = engine.encode(prepared)
+    ctx = [(request_context(p.request, p.targeting), p.filter) for p in prepared]
+    whole = search(query, view, eligible_masks(view, ctx), [k])[0]
+    np.testing.assert_array_equal(whole.ad_ids, got.ad_ids)
+    rows = torch.arange(view.row_ids.shape[0])
+    parts = []
+    for keep in (rows % 2 == 0, rows % 2 == 1):
+        mask = eligible_masks(view, ctx) & keep
+        parts.append(search(query, view, mask, [k])[0])
+    merged = merge(parts, k)
+    np.testing.assert_array_equal(merged.ad_ids, got.ad_ids)
+    np.testing.assert_array_equal(merged.scores, got.scores)

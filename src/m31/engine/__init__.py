@@ -1,7 +1,9 @@
 """The retrieval engine: model + index -> ranked ads per request.
 
 requests.py    what is asked: AdRequest (stored or inline user), PreparedRequest
-retriever.py   Retriever: prepare (check once) and retrieve (encode, masks, score·top-K)
+retriever.py   Retriever: prepare (check once) and retrieve (encode, masks, score·top-K);
+               eligible_masks, search (exact top-K, ties to the lower ad id) and merge,
+               which the shards of a cluster (m31.cluster) run on their own rows
 ad_encoder.py  new ads through the model's ad tower
 build.py       offline: the index a trained model makes of a catalogue (`m31 index build`)
 load.py        online: what a server or a shard opens to answer
@@ -14,9 +16,19 @@ from m31.engine.requests import (
     PreparedRequest,
     RequestError,
 )
-from m31.engine.retriever import RetrievalResult, Retrieved, Retriever
+from m31.engine.retriever import (
+    TIE_MARGIN,
+    RetrievalResult,
+    Retrieved,
+    Retriever,
+    eligible_masks,
+    merge,
+    request_context,
+    search,
+)
 
 __all__ = [
+    "TIE_MARGIN",
     "AdRequest",
     "Engagement",
     "InlineUser",
@@ -25,4 +37,8 @@ __all__ = [
     "RetrievalResult",
     "Retrieved",
     "Retriever",
+    "eligible_masks",
+    "merge",
+    "request_context",
+    "search",
 ]

@@ -3,18 +3,28 @@
 Shapes: B requests, N rows of the ad table, E experts, G gate-key dim, D value dim, K results.
 
 `Retriever.prepare` checks requests once (`m31.engine.requests`); one call of
-`Retriever.retrieve` encodes the batch's requests once (user experts, context
-folded in; a user is either a stored user of the feature store or given inline), evaluates each request's eligibility into a bitmask over the index's rows, and runs
-the exhaustive score·filter·top-K pass (`m31.ops.score_topk`). Table and masks come from one
-`frozen_view` of the index, so a batch is answered at one consistent version, and mutations never
-wait for the masks or the pass.
+`Retriever.retrieve` encodes the batch's requests once (`Retriever.encode`: user experts,
+context folded in; a user is either a stored user of the feature store or given inline),
+evaluates each request's eligibility into a bitmask over the index's rows (`eligible_masks`),
+and runs the exhaustive score·filter·top-K pass (`search`, over `m31.ops.score_topk`). Table and
+masks come from one `frozen_view` of the index, so a batch is answered at one consistent
+version, and mutations never wait for the masks or the pass. A shard of a cluster
+(`m31.cluster`) runs `eligible_masks` and `search` on its own rows with the query the ingress
+encoded once.
+
+The tie rule: equal scores go to the lower ad id, everywhere (one index, or any sharding of
+it), so that the answer does not depend on where an ad's row sits. The kernels break ties by
+the lower row; `search` asks them for `TIE_MARGIN` more results than it needs and, while the
+last of those still ties with the K-th, for twice as many (up to every row), then orders the
+candidates by (score descending, ad id ascending). That is exact: every ad scoring above the
+kernel's last result is among its results.
 """
 
 from __future__ import annotations
 
 import numbers
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,10 +33,13 @@ import torch
 from m31.data.schema import GENDERS, PLATFORMS, SURFACES, age_bucket
 from m31.engine.requests import AdRequest, InlineUser, PreparedRequest, RequestError, one_of
 from m31.features import Features
-from m31.index import AdIndex, RequestContext, compile_filter
+from m31.index import AdIndex, CompiledFilter, IndexView, RequestContext, compile_filter
 from m31.model import Catalog, RetrievalModel, make_requests
 from m31.model.inputs import concat_requests, inline_requests
 from m31.ops import NO_ROW, score_topk
+
+# Extra results asked of the kernel beyond K, so that ties at the K-th score rarely need a retry.
+TIE_MARGIN = 64
 
 
 @dataclass
@@ -40,6 +53,81 @@ class RetrievalResult:
     results: list[Retrieved]
     version: int  # index version every request of the batch saw
     timings_ms: dict[str, float] = field(default_factory=dict)  # encode, mask, score_topk
+
+
+def request_context(request: AdRequest, targeting: Mapping) -> RequestContext:
+    """What `request` is eligible against: the user's `targeting` (country, age, gender; what
+    `Retriever.prepare` resolved) in the request's serving context, with its exclusions."""
+    gender = targeting.get("gender")
+    return RequestContext(
+        country=targeting.get("country"),
+        age=targeting.get("age"),
+        gender=gender if gender in GENDERS else None,
+        platform=request.platform,
+        surface=request.surface,
+        ts=request.ts,
+        exclude_ads=request.exclude_ads,
+        exclude_advertisers=request.exclude_advertisers,
+    )
+
+
+def eligible_masks(
+    view: IndexView, requests: Sequence[tuple[RequestContext, CompiledFilter | None]]
+) -> torch.Tensor | None:
+    """[B, N] bool: each (context, compiled filter) evaluated over the view's rows."""
+    masks = [view.eligible_mask(ctx, compiled) for ctx, compiled in requests]
+    return torch.stack(masks) if masks else None
+
+
+def search(
+    query: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    view: IndexView,
+    mask: torch.Tensor | None,
+    ks: Sequence[int],
+    kernel: str = "auto",
+) -> list[Retrieved]:
+    """Each request's top `ks[r]` eligible ads of `view`, best first, ties to the lower ad id.
+
+    query = (q [B, E, G], v [B, E, D], p [B, E]); mask: bool [B, N] or None (every row).
+    """
+    n = int(view.row_ids.shape[0])
+    out: list[Retrieved | None] = [None] * len(ks)
+    todo = np.arange(len(ks))
+    want = min(max(ks, default=0) + TIE_MARGIN, n)
+    empty = Retrieved(np.zeros(0, np.int64), np.zeros(0, np.float32))
+    while len(todo):
+        if want == 0:
+            for r in todo:
+                out[r] = empty
+            break
+        pick = torch.as_tensor(todo, device=view.row_ids.device)
+        sub = tuple(t[pick] for t in query) if len(todo) < len(ks) else query
+        sub_mask = None if mask is None else mask[pick] if len(todo) < len(ks) else mask
+        scores, rows = score_topk(sub, (view.g, view.x, view.b), sub_mask, want, kernel)  # [b, K']
+        ids = torch.where(rows == NO_ROW, NO_ROW, view.row_ids[rows.clamp_min(0)])
+        scores, ids = scores.cpu().numpy(), ids.cpu().numpy()
+        again = []
+        for r, s, i in zip(todo.tolist(), scores, ids, strict=True):
+            found = i != NO_ROW
+            s, i, k = s[found], i[found], ks[r]
+            # Cut short by the kernel while still tied with the K-th: ads of that score (and a
+            # lower id) may lie beyond; fewer than asked means every eligible ad came.
+            if len(s) == want < n and len(s) >= k and s[k - 1] == s[-1]:
+                again.append(r)
+                continue
+            order = np.lexsort((i, -s))[:k]  # score descending, then ad id ascending
+            out[r] = Retrieved(ad_ids=i[order], scores=s[order])
+        todo, want = np.array(again, dtype=np.int64), min(2 * want, n)
+    return out  # type: ignore[return-value]
+
+
+def merge(parts: Sequence[Retrieved], k: int) -> Retrieved:
+    """The top `k` of several disjoint sets of ranked ads (shards), by the same rule as
+    `search`: exact when each part holds its own top `k`."""
+    ids = np.concatenate([p.ad_ids for p in parts]) if parts else np.zeros(0, np.int64)
+    scores = np.concatenate([p.scores for p in parts]) if parts else np.zeros(0, np.float32)
+    order = np.lexsort((ids, -scores))[:k]
+    return Retrieved(ad_ids=ids[order], scores=scores[order])
 
 
 class Retriever:
@@ -188,27 +276,12 @@ class Retriever:
         return prepared
 
     @torch.no_grad()
-    def retrieve(
-        self, requests: Sequence[AdRequest] | Sequence[PreparedRequest], k: int | None = None
-    ) -> RetrievalResult:
-        """The top `k` eligible ads of each request, best first (ties: the lower row).
-
-        Requests as given are prepared first (with `k`); prepared ones keep the k they were
-        prepared with, so one batch can mix them: all are scored at the largest, and each gets
-        its own first k, which is what it would get alone.
-        """
-        if not requests:
-            return RetrievalResult([], self.index.version)
-        if isinstance(requests[0], PreparedRequest):
-            prepared = list(requests)
-        else:
-            if k is None:
-                raise RequestError("k: give how many ads each request wants")
-            prepared = self.prepare(requests, k)
+    def encode(
+        self, prepared: Sequence[PreparedRequest]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The query of each prepared request, (q [B, E, G], v [B, E, D], p [B, E]) on the
+        index's device: user experts, with the serving context folded in."""
         requests = [one.request for one in prepared]
-        k = max(one.k for one in prepared)
-
-        t0 = time.perf_counter()
         context = {
             "ts": np.array([r.ts for r in requests], dtype=np.int64),
             "surface": np.array([SURFACES.index(r.surface) for r in requests]),
@@ -237,40 +310,43 @@ class Retriever:
                 )
             )
         inputs = concat_requests(parts, np.argsort(np.array(stored + inline), kind="stable"))
-        q, v, p = self.model.encode_requests(inputs.to(self.device), self.catalog)  # [B, E, *]
-        t1 = time.perf_counter()
+        return self.model.encode_requests(inputs.to(self.device), self.catalog)  # [B, E, *]
 
+    def _prepared(
+        self, requests: Sequence[AdRequest] | Sequence[PreparedRequest], k: int | None
+    ) -> list[PreparedRequest]:
+        if requests and isinstance(requests[0], PreparedRequest):
+            return list(requests)
+        if k is None:
+            raise RequestError("k: give how many ads each request wants")
+        return self.prepare(requests, k)
+
+    @torch.no_grad()
+    def retrieve(
+        self, requests: Sequence[AdRequest] | Sequence[PreparedRequest], k: int | None = None
+    ) -> RetrievalResult:
+        """The top `k` eligible ads of each request, best first (ties: the lower ad id).
+
+        Requests as given are prepared first (with `k`); prepared ones keep the k they were
+        prepared with, so one batch can mix them: each gets its own first k, which is what it
+        would get alone.
+        """
+        if not requests:
+            return RetrievalResult([], self.index.version)
+        prepared = self._prepared(requests, k)
+        t0 = time.perf_counter()
+        query = self.encode(prepared)
+        t1 = time.perf_counter()
         # Masks are built from the view's own copy of the attributes and the table's rows are
         # write-once (see m31.index.ad_index): no lock is held, so writers never wait for them.
         view = self.index.frozen_view()
-        masks = []
-        for one in prepared:
-            r, who = one.request, one.targeting
-            gender = who.get("gender")
-            ctx = RequestContext(
-                country=who.get("country"),
-                age=who.get("age"),
-                gender=gender if gender in GENDERS else None,
-                platform=r.platform,
-                surface=r.surface,
-                ts=r.ts,
-                exclude_ads=r.exclude_ads,
-                exclude_advertisers=r.exclude_advertisers,
-            )
-            masks.append(view.eligible_mask(ctx, one.filter))
-        mask = torch.stack(masks) if masks else None  # [B, N]
-        table, row_ids, version = (view.g, view.x, view.b), view.row_ids, view.version
+        mask = eligible_masks(
+            view, [(request_context(one.request, one.targeting), one.filter) for one in prepared]
+        )  # [B, N]
         t2 = time.perf_counter()
-        scores, top = score_topk((q, v, p), table, mask, k)  # [B, K']
-        ids = torch.where(top == NO_ROW, NO_ROW, row_ids[top.clamp_min(0)])
+        results = search(query, view, mask, [one.k for one in prepared])
         t3 = time.perf_counter()
-
-        scores, ids = scores.cpu().numpy(), ids.cpu().numpy()
-        results = [
-            Retrieved(ad_ids=i[i != NO_ROW][: one.k], scores=s[i != NO_ROW][: one.k])
-            for s, i, one in zip(scores, ids, prepared, strict=True)
-        ]
         timings = {"encode": t1 - t0, "mask": t2 - t1, "score_topk": t3 - t2}
         return RetrievalResult(
-            results, version, {k_: round(1000 * v_, 3) for k_, v_ in timings.items()}
+            results, view.version, {k_: round(1000 * v_, 3) for k_, v_ in timings.items()}
         )
