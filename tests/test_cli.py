@@ -126,7 +126,12 @@ def test_train_eval_simulate_end_to_end(tmp_path):
         ]
         == 0
     )
-    for kind in ("moe", "two-tower", "ranking"):
+    for kind, seed, out_file in (
+        ("moe", 0, "moe.pt"),
+        ("two-tower", 0, "two-tower.pt"),
+        ("two-tower", 1, "two-tower-s1.pt"),
+        ("ranking", 0, "ranking.pt"),
+    ):
         code, out = run(
             "train",
             "--model",
@@ -134,14 +139,16 @@ def test_train_eval_simulate_end_to_end(tmp_path):
             "--data",
             str(data),
             "--out",
-            str(tmp_path / f"{kind}.pt"),
+            str(tmp_path / out_file),
             "--preset",
             "tiny",
             "--epochs",
             "1",
+            "--seed",
+            str(seed),
         )
         assert code == 0, out
-        assert f"wrote {tmp_path / f'{kind}.pt'}" in out and "FLOPs per (request, ad) pair" in out
+        assert f"wrote {tmp_path / out_file}" in out and "FLOPs per (request, ad) pair" in out
     assert (data / "features" / "leave-last-out" / "meta.json").is_file(), "features kept for reuse"
 
     models = [f"--model={k}={tmp_path / f'{k}.pt'}" for k in ("moe", "two-tower", "ranking")]
@@ -161,12 +168,44 @@ def test_train_eval_simulate_end_to_end(tmp_path):
     )
     assert code == 0, out
     assert "60 test requests, 2,000 ads each" in out
-    metrics = json.loads((tmp_path / "m.json").read_text())
+    doc = json.loads((tmp_path / "m.json").read_text())
+    metrics = doc["means"]
     assert set(metrics) == {"moe", "two-tower", "ranking"}
     assert (
         metrics["ranking"]["ref_overlap@10"] == 1.0 and 0 <= metrics["moe"]["truth_recall@50"] <= 1
     )
+    assert doc["std"]["moe"]["hr@10"] is None, "one seed: no standard deviation"
+    assert doc["paired"]["a"] == "moe" and doc["paired"]["hr@10"]["requests"] == 60
     assert (tmp_path / "recall.png").read_bytes()[:4] == b"\x89PNG"
+
+    # Two seeds of the two-tower (a glob), baselines, a chosen pair.
+    code, out = run(
+        "eval",
+        "--data",
+        str(data),
+        f"--model=two-tower={tmp_path / 'two-tower*.pt'}",
+        f"--model=moe={tmp_path / 'moe.pt'}",
+        "--baselines",
+        "popularity,item-knn",
+        "--compare",
+        "two-tower,popularity",
+        "--ks",
+        "10,50",
+        "--max-users",
+        "60",
+        "--json",
+        str(tmp_path / "m2.json"),
+    )
+    assert code == 0, out
+    doc = json.loads((tmp_path / "m2.json").read_text())
+    assert set(doc["means"]) == {"popularity", "item-knn", "two-tower", "moe"}
+    assert len(doc["runs"]["two-tower"]) == 2 and doc["std"]["two-tower"]["hr@10"] is not None
+    hr = [r["hr@10"] for r in doc["runs"]["two-tower"]]
+    assert doc["means"]["two-tower"]["hr@10"] == pytest.approx(sum(hr) / 2)
+    assert doc["paired"]["b"] == "popularity" and "two-tower vs popularity" in out
+    assert doc["paired"]["hr@10"]["mean_a"] == pytest.approx(sum(hr) / 2)
+    code, out = run("eval", "--data", str(data), "--baselines", "nope")
+    assert code == 2 and "unknown baseline" in out
 
     code, out = run(
         "simulate",

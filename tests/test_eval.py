@@ -310,3 +310,15 @@ def test_funnel_batches_and_eligibility(world):
         simulate({"o": oracle}, rank, truth, req, slots=0)
     with pytest.raises(ValueError, match="outside"):
         simulate({"o": lambda r: np.full((len(r), 5), truth.n_ads)}, rank, truth, req)
+
+
+def test_evaluate_returns_each_requests_target_rank(world):
+    feats, _ = world
+    fns = {"random": random_scores(feats.n_ads, 3)}
+    metrics, ranks = evaluate(fns, feats, ks=(10, 100), return_ranks=True)
+    r = ranks["random"]
+    assert r.shape == (len(feats.splits["test"]["user"]),)
+    assert metrics["random"]["hr@10"] == pytest.approx(np.mean(r < 10))
+    assert metrics["random"]["ndcg@100"] == pytest.approx(
+        np.mean(np.where(r < 100, 1 / np.log2(r + 2.0), 0.0))
+    )

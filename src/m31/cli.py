@@ -248,11 +248,47 @@ def train_cmd(
         typer.echo(f"expert usage: {_json.dumps(best['experts'])}")
 
 
+def _named_runs(values: list[str], option: str) -> list[tuple[str, Path]]:
+    """NAME=PATH pairs, a name repeated for several training seeds; PATH may be a glob (sorted).
+    A bare path is named by its checkpoint's model kind when loaded ("")."""
+    import glob
+
+    out = []
+    for v in values:
+        name, sep, path = v.partition("=")
+        if not sep:
+            name, path = "", v
+        if glob.has_magic(path):
+            matches = sorted(glob.glob(path))
+            if not matches:
+                _fail(f"{option}: no checkpoint matches {path!r}")
+            out += [(name, Path(m)) for m in matches]
+        else:
+            out.append((name, Path(path)))
+    return out
+
+
 @app.command("eval")
 @cli_errors
 def eval_cmd(
     data: Annotated[Path, typer.Option(help="Dataset folder.")],
-    model: Annotated[list[str], typer.Option(help="NAME=CHECKPOINT, repeatable.")],
+    model: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="NAME=CHECKPOINT, repeatable; repeat a NAME (or give a glob) for several "
+            "training seeds of one model."
+        ),
+    ] = None,
+    baselines: Annotated[
+        str | None,
+        typer.Option(
+            help="Comma-separated: popularity, recent-popularity, item-knn, recency-knn, als."
+        ),
+    ] = None,
+    compare: Annotated[
+        str | None,
+        typer.Option(help="A,B: paired comparison of two models (default: moe,two-tower)."),
+    ] = None,
     split: Annotated[
         str, typer.Option(help="Which split's features (leave-last-out or time).")
     ] = "leave-last-out",
@@ -272,19 +308,36 @@ def eval_cmd(
     ] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
 ) -> None:
-    """Full-corpus offline metrics (every ad scored) of one or more models, side by side."""
+    """Full-corpus offline metrics (every ad scored) of models and baselines on the same requests.
+
+    A model given with several checkpoints (training seeds) is reported as mean ± sample standard
+    deviation over them; two models are compared request by request (per-request metric averaged
+    over seeds) with a 95% percentile-bootstrap interval over test requests (m31.eval.stats).
+    """
+    import numpy as np
+
     from m31.data import dataset
-    from m31.eval import evaluate, format_table, plot_recall_at_k
+    from m31.eval import evaluate, plot_recall_at_k
+    from m31.eval.baselines import make_baselines
+    from m31.eval.stats import (
+        aggregate_seeds,
+        format_paired,
+        format_seed_table,
+        paired_comparison,
+        per_request,
+    )
+    from m31.model import Catalog, ScoreFunction, load_checkpoint
     from m31.pipeline import features_for
 
     try:
         cutoffs = tuple(int(k) for k in ks.split(","))
     except ValueError:
         _fail(f"--ks: expected comma-separated integers, got {ks!r}")
+    runs = _named_runs(model or [], "--model")
+    base_names = [b for b in (baselines or "").split(",") if b]
+    if not runs and not base_names:
+        _fail("nothing to evaluate: give --model and/or --baselines")
     feats = features_for(data, split)
-    fns = _load_models(_named_paths(model, "--model"), feats, device)
-    if reference is None and "ranking" in fns and len(fns) > 1:
-        reference = "ranking"
     truth = None
     if (data / "truth.npz").is_file():
         from m31.world.truth import GroundTruth
@@ -292,32 +345,91 @@ def eval_cmd(
         truth = GroundTruth.from_arrays(dataset.load_truth(data))
     if exclude_seen is None:
         exclude_seen = feats.meta.get("source") == "movielens"
-    bar, callback = progress_bar()
-    with bar:
-        results = evaluate(
-            fns,
-            feats,
-            split="test",
-            ks=cutoffs,
-            max_users=max_users,
-            exclude_seen=exclude_seen,
-            truth=truth,
-            reference=reference,
-            progress=callback,
-        )
-    n = (
-        len(feats.splits["test"]["user"])
-        if max_users is None
-        else min(max_users, len(feats.splits["test"]["user"]))
-    )
+    try:
+        base_fns = make_baselines(base_names, feats)
+    except ValueError as e:
+        _fail(f"--baselines: {e}")
+
+    # Checkpoints in rounds: round s holds the s-th checkpoint of every model, so memory holds one
+    # checkpoint per model; baselines (deterministic) go with round 0.
+    groups: dict[str, list[Path]] = {}
+    for name, path in runs:
+        groups.setdefault(name or f"\0{path}", []).append(path)
+    catalog = Catalog.from_features(feats).to(device)
+    per_seed: dict[str, list[dict]] = {}
+    ranks: dict[str, list[np.ndarray]] = {}
+    for s in range(max((len(p) for p in groups.values()), default=1)):
+        fns = dict(base_fns) if s == 0 else {}
+        for key, paths in groups.items():
+            if s < len(paths):
+                m, blob = load_checkpoint(paths[s], feats, device=device)
+                name = blob["config"]["kind"] if key.startswith("\0") else key
+                if name in fns:
+                    _fail(f"two models are named {name!r}; name them NAME=PATH")
+                fns[name] = ScoreFunction(m, feats, catalog)
+        if reference is None and "ranking" in fns and len(fns) > 1:
+            reference = "ranking"
+        bar, callback = progress_bar()
+        with bar:
+            metrics, r = evaluate(
+                fns,
+                feats,
+                split="test",
+                ks=cutoffs,
+                max_users=max_users,
+                exclude_seen=exclude_seen,
+                truth=truth,
+                reference=reference if reference in fns else None,
+                progress=callback,
+                return_ranks=True,
+            )
+        for name in fns:
+            per_seed.setdefault(name, []).append(metrics[name])
+            ranks.setdefault(name, []).append(r[name])
+        del fns
+
+    n = len(next(iter(ranks.values()))[0])
     typer.echo(
-        f"{n:,} test requests, {feats.n_ads:,} ads each (full corpus), seen ads {'excluded' if exclude_seen else 'kept'}"
+        f"{n:,} test requests, {feats.n_ads:,} ads each (full corpus), "
+        f"seen ads {'excluded' if exclude_seen else 'kept'}"
     )
-    typer.echo(format_table(results))
+    summaries = {name: aggregate_seeds(seeds) for name, seeds in per_seed.items()}
+    typer.echo(format_seed_table(summaries))
+    if compare is None and {"moe", "two-tower"} <= set(ranks):
+        compare = "moe,two-tower"
+    paired = None
+    if compare is not None:
+        a, _, b = compare.partition(",")
+        if a not in ranks or b not in ranks:
+            _fail(f"--compare: need two evaluated models A,B, got {compare!r}")
+        paired = {
+            metric: paired_comparison(
+                per_request(np.stack(ranks[a]), metric), per_request(np.stack(ranks[b]), metric)
+            )
+            for metric in [f"{kind}@{k}" for kind in ("hr", "ndcg") for k in cutoffs]
+        }
+        typer.echo(
+            f"\n{a} vs {b}, paired on the same {n:,} requests (per-request metric averaged over "
+            f"seeds; 95% percentile bootstrap over requests):"
+        )
+        typer.echo(format_paired(a, b, paired))
+    means = {name: {k: v.mean for k, v in m.items()} for name, m in summaries.items()}
     if json_out:
-        json_out.write_text(json.dumps(results, indent=2) + "\n")
+        doc = {
+            "requests": n,
+            "means": means,
+            "std": {  # null with one seed
+                name: {k: None if np.isnan(v.std) else v.std for k, v in m.items()}
+                for name, m in summaries.items()
+            },
+            "runs": per_seed,
+            "paired": None
+            if paired is None
+            else {"a": a, "b": b, **{k: c.as_dict() for k, c in paired.items()}},
+        }
+        json_out.write_text(json.dumps(doc, indent=2) + "\n")
     if plot:
-        plot_recall_at_k(results, plot, metric_prefix="truth_recall" if truth is not None else "hr")
+        plot_recall_at_k(means, plot, metric_prefix="truth_recall" if truth is not None else "hr")
         typer.echo(f"wrote {plot}")
 
 

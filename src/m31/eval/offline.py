@@ -128,8 +128,13 @@ def evaluate(
     reference: str | None = None,
     batch: int = 256,
     progress: Progress | None = None,
-) -> dict[str, dict[str, float]]:
+    return_ranks: bool = False,
+):
     """Full-corpus metrics of each model on the same requests: model -> metric -> mean.
+
+    With `return_ranks`, (metrics, ranks): ranks maps each model to the 0-based rank of every
+    request's target [n] (`target_rank`, after the exclusions), from which any request's HR@K and
+    NDCG@K follow, for paired comparisons (`m31.eval.stats`).
 
     Metrics for every K: `hr@K`, `ndcg@K`; with `truth`, `truth_recall@K` (share of the K ads
     with the highest true conversion probability for the request's user, context and time that
@@ -152,6 +157,7 @@ def evaluate(
     k_top = min(max(ks), n_ads)
     all_ads = np.arange(n_ads)[None, :]  # [1, A] one candidate list shared by the whole batch
     sums = {name: defaultdict(float) for name in score_fns}
+    all_ranks = {name: np.empty(n, dtype=np.int64) for name in score_fns}
 
     for lo in range(0, n, batch):
         r, t = req.take(slice(lo, lo + batch)), target[lo : lo + batch]
@@ -168,6 +174,7 @@ def evaluate(
         for name, fn in score_fns.items():
             s = _masked(fn(r), drop, (b, n_ads), name)  # [b, A]
             ranks = target_rank(s, t)  # [b]
+            all_ranks[name][lo : lo + b] = ranks
             m = sums[name]
             for k in ks:
                 m[f"hr@{k}"] += hit_rate_at_k(ranks, k) * b
@@ -184,7 +191,8 @@ def evaluate(
                     sums[name][f"ref_overlap@{k}"] += overlap_at_k(top, tops[reference], k) * b
         if progress is not None:
             progress("evaluate", lo + b, n)
-    return {name: {key: v / n for key, v in m.items()} for name, m in sums.items()}
+    metrics = {name: {key: v / n for key, v in m.items()} for name, m in sums.items()}
+    return (metrics, all_ranks) if return_ranks else metrics
 
 
 def format_table(results: dict[str, dict[str, float]]) -> str:
