@@ -1,0 +1,15 @@
+"""Scale-out on Ray (DESIGN §7): the ad index sharded over Ray actors, exact scatter-gather,
+two-phase commits with one global version, and the HTTP API through Ray Serve.
+
+layout.py       which shard owns an ad (splitmix64(ad_id) mod S), the state folder, and the
+                offline commands `m31 cluster init` and `m31 cluster reshard` (no Ray)
+records.py      the fsync'd record log of shards' transactions and the coordinator's decisions
+shard.py        Shard: one shard's DurableIndex, its search and its side of the commit
+coordinator.py  Coordinator: global versions, read points, the two-phase commit
+cluster.py      Cluster: the ingress's handle: start the actors, scatter-gather, mutations
+service.py      ClusterService: what the HTTP routes drive, over a Cluster
+serve.py        the Ray Serve deployment of the HTTP API (`m31 serve --ray`)
+bench.py        scatter-gather overhead against the single-process engine
+
+Needs the `ray` extra (`pip install m31[ray]`); nothing outside this package imports Ray.
+"""

@@ -1,0 +1,294 @@
+"""One shard of a cluster: the ads that `shard_of` routes to it, in its own DurableIndex, and
+its side of the two-phase commit (DESIGN §7). Plain Python: `m31.cluster.cluster` runs it as a
+Ray actor (restarted by Ray when it dies), the tests also run it in-process.
+
+Shapes: B requests, N rows of the shard's table, E experts, G gate-key dim, D value dim.
+
+Search: the ingress sends the query it encoded once (q [B, E, G], v [B, E, D], p [B, E]), the
+requests (filter trees and targeting, compiled here against this shard's schema) and each
+request's k; the shard builds the masks over its rows and runs `m31.engine.search`, so its
+answer is its own exact top-k under the global tie rule. It answers at a global version: the
+last transaction it committed (`applied`), or an older one it still holds a view of.
+
+Mutations (two-phase, one transaction at a time; the coordinator serialises them):
+
+* `prepare(txn, op, args)` validates the mutation against the index (touching nothing), appends
+  ("prepare", txn, op, args, local version it will make) to `txn.log` and fsyncs it, then
+  holds the shard for `txn`: no other transaction prepares until this one is decided. An
+  invalid mutation raises `AdIndexError` and logs nothing.
+* `commit(txn, version)` appends ("commit", txn, version) and fsyncs, then applies the
+  mutation to the DurableIndex (its own log, fsync'd) and answers at the new global version.
+* `abort(txn)` appends ("abort", txn) and lets go.
+
+Recovery (a new process on the folder, as after a kill): the DurableIndex replays its log; the
+transaction log is read in order. A commit record whose mutation is not in the index yet (a
+crash between the two fsyncs of `commit`; the index's local version tells) is applied now. A
+prepare record without a decision stays prepared ("in doubt") until the coordinator sends
+commit or abort: its own retry of the decision, or `resolve` when the coordinator restarts.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from m31.cluster.records import RecordLog
+from m31.engine import eligible_masks, request_context, search
+from m31.index import AdIndexError, DurableIndex, DurableIndexError, compile_filter
+
+# Views of older versions a shard keeps for reads that started before its last commit.
+KEEP_VIEWS = 2
+# How long a (re)starting shard waits for its folder's lock before it gives up.
+LOCK_WAIT_S = 300.0
+
+
+class TransactionError(RuntimeError):
+    """A commit or prepare this shard cannot take (another transaction holds it, or the
+    transaction is unknown here)."""
+
+
+@dataclass
+class _Prepared:
+    txn: str
+    op: str
+    args: dict[str, Any]
+    local_version: int  # the DurableIndex version applying it makes
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A shard's search answer: per request (ad ids [k'], scores [k']), at global `version`."""
+
+    results: list[tuple[np.ndarray, np.ndarray]]
+    version: int
+    rows: int  # rows scored (N)
+
+
+@dataclass(frozen=True)
+class Moved:
+    """The shard no longer holds a view of the asked version (it is at `version` now)."""
+
+    version: int
+
+
+class Shard:
+    def __init__(self, path: str | Path, index: int, device: str = "cpu") -> None:
+        self.path, self.number, self.device = Path(path), index, device
+        self._store = self._open(self.path / "index", device)
+        self._log, records = RecordLog.open(self.path / "txn.log")
+        self._mutex = threading.Lock()  # one prepare/commit/abort/snapshot at a time
+        self._state = threading.Condition()  # guards applied and views
+        self._prepared: _Prepared | None = None
+        self.applied, self._last_txn = 0, None
+        for record in records:
+            self._recover(record)
+        self._views: dict[int, Any] = {}
+
+    @staticmethod
+    def _open(path: Path, device: str) -> DurableIndex:
+        """Open the shard's DurableIndex, waiting while another process still holds it: the
+        process a restart replaces may take a moment to be gone (or hang, stopped)."""
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
+            try:
+                return DurableIndex.open(path, device=device)
+            except DurableIndexError as e:
+                if "already open" not in str(e) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def _recover(self, record: tuple) -> None:
+        kind = record[0]
+        if kind == "base":
+            self.applied, self._last_txn = record[1], record[2]
+        elif kind == "prepare":
+            self._prepared = _Prepared(*record[1:])
+        elif kind == "commit":
+            txn, version = record[1], record[2]
+            prepared = self._prepared
+            if prepared is None or prepared.txn != txn:
+                raise TransactionError(f"{self.path}/txn.log: commit of unknown txn {txn}")
+            if self._store.version < prepared.local_version:  # decided, not yet applied
+                self._apply(prepared)
+            self._prepared, self.applied, self._last_txn = None, version, txn
+        elif kind == "abort":
+            self._prepared = None
+
+    # ---- reading ------------------------------------------------------------------------
+
+    def info(self) -> dict:
+        index = self._store.index
+        return {
+            "shard": self.number,
+            "ads": len(index),
+            "rows": index.num_rows,
+            "version": self.applied,
+            "local_version": self._store.version,
+            "in_doubt": self._prepared.txn if self._prepared else None,
+            "schema": index.schema,
+            "dim_g": index.dim_g,
+            "dim_x": index.dim_x,
+            "dtype": str(index.dtype).removeprefix("torch."),
+            "model_hash": index.model_hash,
+        }
+
+    def _view(self, at: int | None):
+        """(view, version) at global version `at` (None: the latest), or None if not held."""
+        with self._state:
+            if at is None or at == self.applied:
+                view = self._store.index.frozen_view()
+                self._views[self.applied] = view
+                for old in sorted(self._views)[: -KEEP_VIEWS - 1]:
+                    del self._views[old]
+                return view, self.applied
+            view = self._views.get(at)
+            return None if view is None else (view, at)
+
+    @torch.no_grad()
+    def search(
+        self,
+        payload: tuple[tuple[np.ndarray, np.ndarray, np.ndarray], Sequence[tuple], Sequence[int]],
+        at: int | None = None,
+    ) -> Answer | Moved:
+        """payload = (query (q, v, p) as numpy, requests [(AdRequest, targeting)], ks)."""
+        (q, v, p), requests, ks = payload
+        got = self._view(at)
+        if got is None:
+            return Moved(self.applied)
+        view, version = got
+        schema = self._store.index.schema
+        masks = eligible_masks(
+            view,
+            [
+                (request_context(r, who), compile_filter(r.filter, schema) if r.filter else None)
+                for r, who in requests
+            ],
+        )  # [B, N]
+        query = tuple(torch.tensor(t, device=self.device) for t in (q, v, p))  # [B, E, *]
+        found = search(query, view, masks, ks)
+        return Answer([(r.ad_ids, r.scores) for r in found], version, int(view.row_ids.shape[0]))
+
+    def get(self, ad_id: int) -> tuple[dict, int] | None:
+        """(attributes, global version) of a live ad, None if this shard does not hold it."""
+        with self._state:
+            index = self._store.index
+            if ad_id not in index:
+                return None
+            return index.get(ad_id).attributes, self.applied
+
+    def contains(self, ad_id: int) -> bool:
+        return ad_id in self._store.index
+
+    # ---- two-phase commit ---------------------------------------------------------------
+
+    def prepare(self, txn: str, op: str, args: Mapping[str, Any], check: Callable | None = None):
+        """Validate and log `op` (upsert, update_attributes, delete) for `txn`; AdIndexError
+        (ValueError) if invalid. `check(attrs, stored)`: an extra check of an update against
+        the ad's stored attributes (e.g. a range with one end changed)."""
+        with self._mutex:
+            if self._prepared is not None:
+                if self._prepared.txn == txn:
+                    return
+                raise TransactionError(
+                    f"shard {self.number}: txn {self._prepared.txn} is prepared; {txn} must wait"
+                )
+            index = self._store.index
+            if op == "upsert":
+                checked = index.check_upsert(args["ad_ids"], args["g"], args["x"], args["b"],
+                                             args["attributes"])  # fmt: skip
+                index.check_vocabulary(checked.columns, checked.ids)
+                logged = {
+                    "ad_ids": checked.ids,  # [n]
+                    "g": checked.g.float().cpu().numpy(),  # [n, G], exact for bf16 tables
+                    "x": checked.x.float().cpu().numpy(),  # [n, D]
+                    "b": checked.b.float().cpu().numpy(),  # [n]
+                    "attributes": checked.columns,
+                }
+            elif op == "update_attributes":
+                checked = index.check_update(args["ad_id"], args["attrs"])
+                if check is not None:
+                    check(args["attrs"], index.get(args["ad_id"]).attributes)
+                logged = {"ad_id": checked.ad_id, "attrs": checked.attrs}
+            elif op == "delete":
+                logged = {"ad_ids": index.check_delete(args["ad_ids"])}
+            else:
+                raise AdIndexError(f"unknown operation {op!r}")
+            prepared = _Prepared(txn, op, logged, self._store.version + 1)
+            self._log.append(("prepare", txn, op, logged, prepared.local_version))
+            self._prepared = prepared
+
+    def commit(self, txn: str, version: int) -> int:
+        """Apply the prepared `txn` as global `version`; idempotent (a retried commit)."""
+        with self._mutex:
+            prepared = self._prepared
+            if prepared is None or prepared.txn != txn:
+                if txn == self._last_txn:
+                    return self.applied
+                raise TransactionError(f"shard {self.number}: no prepared txn {txn}")
+            self._log.append(("commit", txn, version))
+            with self._state:  # a view is labelled with the version its rows are at
+                self._apply(prepared)
+                self._prepared, self.applied, self._last_txn = None, version, txn
+                self._state.notify_all()
+            return version
+
+    def abort(self, txn: str) -> None:
+        """Drop the prepared `txn`; nothing if this shard does not hold it."""
+        with self._mutex:
+            if self._prepared is not None and self._prepared.txn == txn:
+                self._log.append(("abort", txn))
+                self._prepared = None
+
+    def resolve(self, last: tuple[str, int] | None) -> None:
+        """After a coordinator restart: `last` = (txn, version) of the last transaction the
+        coordinator committed on this shard. A transaction in doubt is that one (commit) or
+        one never decided (abort)."""
+        prepared = self._prepared
+        if prepared is None:
+            return
+        if last is not None and prepared.txn == last[0]:
+            self.commit(*last)
+        else:
+            self.abort(prepared.txn)
+
+    def _apply(self, prepared: _Prepared) -> None:
+        a, store = prepared.args, self._store
+        if prepared.op == "upsert":
+            store.upsert(a["ad_ids"], a["g"], a["x"], a["b"], a["attributes"])
+        elif prepared.op == "update_attributes":
+            store.update_attributes(a["ad_id"], **a["attrs"])
+        else:
+            store.delete(a["ad_ids"])
+        if store.version != prepared.local_version:
+            raise TransactionError(
+                f"shard {self.number}: applying txn {prepared.txn} made local version "
+                f"{store.version}, prepared for {prepared.local_version}"
+            )
+
+    # ---- maintenance --------------------------------------------------------------------
+
+    def snapshot(self) -> int:
+        """Snapshot the DurableIndex and fold the transaction log into one base record."""
+        with self._mutex:
+            if self._prepared is not None:
+                raise TransactionError(f"shard {self.number}: a transaction is in doubt")
+            self._store.snapshot()
+            self._log.rewrite([("base", self.applied, self._last_txn)])
+            return self.applied
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+    def close(self) -> None:
+        with self._mutex:
+            self._log.close()
+            self._store.close()
