@@ -475,6 +475,41 @@ def _single_threaded(restore: int) -> Iterator[None]:
         torch.set_num_threads(restore)
 
 
+def _in_threads(n_threads: int, spans, work, last=None) -> None:
+    """work(i, lo, hi) for every span (lo, hi), then last(i), in threads i < n_threads (the
+    caller's is 0) that take the spans in turn, each running torch on one core. Products and
+    most other ops release the GIL; many small OpenMP regions instead stall on a busy machine,
+    each waiting for its slowest thread. The first error is re-raised here."""
+    todo: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
+    for span in spans:
+        todo.put(span)
+    caller_threads = torch.get_num_threads()
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            with _single_threaded(caller_threads):
+                while True:
+                    try:
+                        lo, hi = todo.get_nowait()
+                    except queue.Empty:
+                        break
+                    work(i, lo, hi)
+                if last is not None:
+                    last(i)
+        except BaseException as err:  # re-raised in the caller below
+            errors.append(err)
+
+    pool = [threading.Thread(target=run, args=(i,)) for i in range(1, n_threads)]
+    for t in pool:
+        t.start()
+    run(0)
+    for t in pool:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
 def _by_request(req: torch.Tensor, row: torch.Tensor, n_req: int):
     """Pairs (req [S], row [S]) sorted by request, then row -> (rows [B, C], valid [B, C]): each
     request's rows left-aligned, in row order; C is the most any request has."""
@@ -488,21 +523,26 @@ def _by_request(req: torch.Tensor, row: torch.Tensor, n_req: int):
     return rows, valid
 
 
-def _exact_topk(q, v, p, g, x, b, rows, valid, k_out: int):
+def _exact_topk(q, v, p, g, x, b, rows, valid, k_out: int, threads: int = 1):
     """Step 4: the reference's fp32 §2 scores of the candidates and an exact top k_out.
 
     rows [B, C] (each request's candidates in row order) or [1, C] (the same for every request);
     valid [B, C] marks the real candidates (None: all are). The scores come from the same
     `rounded_score` as the reference's, so they depend on an ad's row alone, not on
     where it sits among the candidates; the stable sort then puts tied ads in row order.
+    `threads`: threads that score chunks of candidates (`_in_threads`).
     """
     n_req, width = q.shape[0], rows.shape[1]
     scores = torch.empty(n_req, width)  # [B, C]
     step = max(1, _RESCORE_PAIRS // n_req)
-    for lo in range(0, width, step):
-        r = rows[:, lo : lo + step]  # [B or 1, c]
+    spans = [(lo, min(lo + step, width)) for lo in range(0, width, step)]
+
+    def rescore(_: int, lo: int, hi: int) -> None:
+        r = rows[:, lo:hi]  # [B or 1, c]
         ads = (g[r[0]], x[r[0]], b[r[0]]) if len(r) == 1 else (g[r], x[r], b[r])
-        scores[:, lo : lo + step] = rounded_score(q, v, p, *ads)  # [B, c]
+        scores[:, lo:hi] = rounded_score(q, v, p, *ads)  # [B, c]
+
+    _in_threads(min(threads, len(spans)), spans, rescore)
     if valid is not None:
         scores.masked_fill_(~valid, -math.inf)
     scores, pick = torch.sort(scores, dim=1, descending=True, stable=True)
@@ -513,15 +553,17 @@ def _exact_topk(q, v, p, g, x, b, rows, valid, k_out: int):
     return scores, rows.masked_fill(scores == -math.inf, NO_ROW)
 
 
-def _every_eligible(q, v, p, g, x, b, mask, k_out: int):
+def _every_eligible(q, v, p, g, x, b, mask, k_out: int, threads: int):
     """Requests with at most k_out eligible ads: every one of them is in the answer, so there is
     nothing to filter, only the eligible ads' scores to sort (step 4 on all of them)."""
     if mask is None:
-        return _exact_topk(q, v, p, g, x, b, torch.arange(g.shape[0])[None], None, k_out)
-    if mask.dim() == 1:
-        return _exact_topk(q, v, p, g, x, b, mask.nonzero()[:, 0][None], None, k_out)
-    req, row = mask.nonzero().unbind(1)  # by request, then row
-    return _exact_topk(q, v, p, g, x, b, *_by_request(req, row, q.shape[0]), k_out)
+        rows, valid = torch.arange(g.shape[0])[None], None  # [1, N]
+    elif mask.dim() == 1:
+        rows, valid = mask.nonzero()[:, 0][None], None  # [1, N']
+    else:
+        req, row = mask.nonzero().unbind(1)  # by request, then row
+        rows, valid = _by_request(req, row, q.shape[0])  # [B, C] each
+    return _exact_topk(q, v, p, g, x, b, rows, valid, k_out, threads)
 
 
 def _few_eligible(mask, n_req: int, n_ads: int, k_out: int) -> torch.Tensor:
@@ -595,7 +637,7 @@ def cpu_score_topk(
         return _filtered_topk(q, v, p, g, x, b, stats, mask, k_out, block, threads)
 
     def every(q, v, p, mask):
-        return _every_eligible(q, v, p, g, x, b, mask, k_out)
+        return _every_eligible(q, v, p, g, x, b, mask, k_out, threads or torch.get_num_threads())
 
     scores = torch.empty(n_req, k_out)  # [B, K']
     rows = torch.empty(n_req, k_out, dtype=torch.long)  # [B, K']
@@ -618,36 +660,11 @@ def _filtered_topk(q, v, p, g, x, b, stats, mask, k_out: int, block, threads):
     block = min(block, n_ads)
     spans = _spans(n_ads, block)
     n_workers = min(threads or torch.get_num_threads(), len(spans))
-    todo: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
-    for span in spans:
-        todo.put(span)
     shared = _Threshold(n_req, k_out, plan.u_scan)
     workers = [_Worker(plan, (g, x), stats, mask, shared, block) for _ in range(n_workers)]
-    caller_threads = torch.get_num_threads()
-
-    errors: list[BaseException] = []
-
-    def run(worker: _Worker) -> None:
-        try:
-            with _single_threaded(caller_threads):
-                while True:
-                    try:
-                        lo, hi = todo.get_nowait()
-                    except queue.Empty:
-                        break
-                    worker.scan(lo, hi)
-                worker.finish()
-        except BaseException as err:  # re-raised in the caller below
-            errors.append(err)
-
-    pool = [threading.Thread(target=run, args=(w,)) for w in workers[1:]]
-    for t in pool:
-        t.start()
-    run(workers[0])
-    for t in pool:
-        t.join()
-    if errors:
-        raise errors[0]
+    _in_threads(
+        n_workers, spans, lambda i, lo, hi: workers[i].scan(lo, hi), lambda i: workers[i].finish()
+    )
     parts = [w.cands[0] for w in workers if w.cands]
     if not parts:
         return torch.full((n_req, k_out), -math.inf), torch.full((n_req, k_out), NO_ROW)
@@ -657,5 +674,5 @@ def _filtered_topk(q, v, p, g, x, b, stats, mask, k_out: int, block, threads):
     order = torch.argsort(req * n_ads + row)  # by request, then row
     rows, valid = _by_request(req[order], row[order], n_req)
     # the finish is small: one core avoids waking a thread team (costly on a busy machine)
-    with _single_threaded(caller_threads):
+    with _single_threaded(torch.get_num_threads()):
         return _exact_topk(q, v, p, g, x, b, rows, valid, k_out)
