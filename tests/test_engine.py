@@ -232,14 +232,14 @@ def test_writers_do_not_wait_for_a_retrieves_masks(world, monkeypatch):
     top = int(before.results[0].ad_ids[0])
 
     building, release = threading.Event(), threading.Event()
-    build = IndexView.eligible_mask
+    build = IndexView.eligible_masks
 
     def held(view, *args):
         building.set()
         assert release.wait(60), "never released"
         return build(view, *args)
 
-    monkeypatch.setattr(IndexView, "eligible_mask", held)
+    monkeypatch.setattr(IndexView, "eligible_masks", held)
     answers, errors = [], []
 
     def retrieve():

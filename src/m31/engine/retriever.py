@@ -74,9 +74,13 @@ def request_context(request: AdRequest, targeting: Mapping) -> RequestContext:
 def eligible_masks(
     view: IndexView, requests: Sequence[tuple[RequestContext, CompiledFilter | None]]
 ) -> torch.Tensor | None:
-    """[B, N] bool: each (context, compiled filter) evaluated over the view's rows."""
-    masks = [view.eligible_mask(ctx, compiled) for ctx, compiled in requests]
-    return torch.stack(masks) if masks else None
+    """[B, N] bool: each (context, compiled filter) evaluated over the view's rows, from the
+    index's row bitmaps; requests with the same targeting share one mask (`IndexView.eligible_masks`:
+    a mask all B share comes expanded, to be read only)."""
+    if not requests:
+        return None
+    contexts, filters = zip(*requests, strict=True)
+    return view.eligible_masks(contexts, filters)
 
 
 def search(

@@ -3,6 +3,7 @@
 * `ad_index`: `AdIndex`, the ad table g, x, b with its attributes, versions, views, snapshots;
 * `attributes`: `AttributeTable`, the encoded attribute storage, and the arrow column checks;
 * `filters`: the filter language, `compile_filter` -> `CompiledFilter`, and `evaluate_row`;
+* `eligibility`: the row bitmaps (status, targeting, cached predicates) masks are built from;
 * `durable`: `DurableIndex`, an `AdIndex` behind a write-ahead log and snapshots on disk;
 * `hierarchical`: k-means clusters of ads, scored coarse to fine;
 * `limits`: the bounds on list attributes.

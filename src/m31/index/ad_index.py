@@ -6,6 +6,8 @@ call, cap the allocated capacity (N <= cap).
 `AdIndex` holds the ad table g, x, b and the ads' attributes in an `AttributeTable`
 (`m31.index.attributes`); eligibility is the built-in targeting rules of a `RequestContext`
 and, optionally, a filter (`m31.index.filters`), and comes out as a bool mask [N] over rows.
+It is computed from row bitmaps that every mutation keeps up to date (`m31.index.eligibility`);
+`_eligible_reference` computes the same mask from the attribute columns, the plain definition.
 `m31.index.durable` puts an index behind a write-ahead log.
 
 Rows of the ad table are write-once. An upsert appends fresh rows and tombstones the ids' old
@@ -48,6 +50,7 @@ from m31.index.attributes import (
     columns_from_arrow,
     columns_from_rows,
 )
+from m31.index.eligibility import Eligibility
 from m31.index.filters import CompiledFilter, compile_filter
 from m31.index.limits import (
     COUNTRY_CODE,
@@ -169,6 +172,20 @@ class IndexView:
                 )
             return self._index._eligible(request, filter_fn)
 
+    def eligible_masks(
+        self,
+        requests: Sequence[RequestContext],
+        filters: Sequence[CompiledFilter | Mapping | None] | None = None,
+    ) -> torch.Tensor:
+        """bool [B, N]: `AdIndex.eligible_masks` over this view's rows."""
+        with self._index._lock:
+            if self._index._version != self.version:
+                raise AdIndexError(
+                    f"view of version {self.version} used after the index moved to "
+                    f"{self._index._version} (use it inside its snapshot_view block)"
+                )
+            return self._index._eligible_masks(requests, filters)
+
 
 def _ids(ad_ids: Any, what: str = "ad_ids") -> np.ndarray:
     """Any sequence of integer ids (or one id) -> int64 [n]."""
@@ -262,6 +279,7 @@ class AdIndex:
         self._row_ids = torch.full((capacity,), -1, dtype=torch.int64, device=self.device)
         self._live = torch.zeros(capacity, dtype=torch.bool, device=self.device)  # [cap]
         self._attrs = AttributeTable(self._schema, self.device, capacity)
+        self._bitmaps = Eligibility(self.device, capacity)  # follows _live and _attrs
         self._frozen: AdIndex | None = None  # copy of the last version `frozen_view` saw
 
     # ---- reading -------------------------------------------------------------------------
@@ -333,6 +351,8 @@ class AdIndex:
                 frozen._lock = threading.RLock()
                 frozen._live = self._live[:n].clone()
                 frozen._attrs = self._attrs.take(torch.arange(n, device=self.device), n)
+                self._bitmaps.adopt(self._attrs, n)
+                frozen._bitmaps = self._bitmaps.copy(n)
                 frozen._rows = None  # the live map moves on; masks read `_row_ids` instead
                 frozen._frozen = None
                 self._frozen = frozen
@@ -350,9 +370,39 @@ class AdIndex:
         with self._lock:
             return self._eligible(request, filter_fn)
 
+    def eligible_masks(
+        self,
+        requests: Sequence[RequestContext],
+        filters: Sequence[CompiledFilter | Mapping | None] | None = None,
+    ) -> torch.Tensor:
+        """bool [B, N]: row b is `eligible_mask(requests[b], filters[b])` (`filters`: one per
+        request, or None for none). Requests with the same targeting context, second and filter
+        share one computation; when all B share one mask and exclude nothing, the result is
+        that mask expanded to [B, N]: read it, do not write into it."""
+        with self._lock:
+            return self._eligible_masks(requests, filters)
+
+    def _eligible_masks(
+        self,
+        requests: Sequence[RequestContext],
+        filters: Sequence[CompiledFilter | Mapping | None] | None,
+    ) -> torch.Tensor:
+        if filters is None:
+            filters = [None] * len(requests)
+        compiled = [
+            compile_filter(f, self._schema) if isinstance(f, Mapping) else f for f in filters
+        ]
+        return self._bitmaps.masks(requests, compiled, self._attrs, self._row_ids, self._n)
+
     def _eligible(
         self, request: RequestContext, filter_fn: CompiledFilter | Mapping | None
     ) -> torch.Tensor:
+        return self._eligible_masks([request], [filter_fn])[0]  # a fresh tensor
+
+    def _eligible_reference(
+        self, request: RequestContext, filter_fn: CompiledFilter | Mapping | None
+    ) -> torch.Tensor:
+        """The mask of `_eligible` from the attribute columns alone, the definition it keeps."""
         if isinstance(filter_fn, Mapping):
             filter_fn = compile_filter(filter_fn, self._schema)
         attrs, n = self._attrs, self._n
@@ -528,11 +578,15 @@ class AdIndex:
             self._g[new], self._x[new], self._b[new] = checked.g, checked.x, checked.b
             self._row_ids[new] = torch.from_numpy(ids).to(self.device)  # [n]
             self._live[new] = True
-            self._attrs.write(torch.arange(start, start + n, device=self.device), checked.columns)
+            rows = torch.arange(start, start + n, device=self.device)  # [n]
+            self._attrs.write(rows, checked.columns)
+            self._bitmaps.write(rows, self._attrs)
+            self._bitmaps.set_live(rows, True)
             # A changed ad moves to its new row, so rows already handed out stay as they were.
             old = [self._rows[i] for i in ids.tolist() if i in self._rows]
             if old:
                 self._live[torch.tensor(old, device=self.device)] = False
+                self._bitmaps.set_live(torch.tensor(old, device=self.device), False)
             self._rows.update(zip(ids.tolist(), range(start, start + n), strict=True))
             self._n = start + n
             self._version += 1
@@ -551,6 +605,7 @@ class AdIndex:
             grown[:n] = old[:n]
             setattr(self, name, grown)
         self._attrs.reserve(cap)
+        self._bitmaps.reserve(cap)
         self._cap = cap
 
     def update_attributes(self, ad_id: int, **attrs: Any) -> int:
@@ -559,6 +614,7 @@ class AdIndex:
             checked = self.check_update(ad_id, attrs)
             rows = torch.tensor([self._rows[checked.ad_id]], device=self.device)  # [1]
             self._attrs.write(rows, checked.columns)
+            self._bitmaps.write(rows, self._attrs)
             self._version += 1
             return self._version
 
@@ -575,6 +631,7 @@ class AdIndex:
             rows = [self._rows[i] for i in ids.tolist()]
             if rows:
                 self._live[torch.tensor(rows, device=self.device)] = False
+                self._bitmaps.set_live(torch.tensor(rows, device=self.device), False)
             for i in ids.tolist():
                 del self._rows[i]
             self._version += 1
@@ -598,9 +655,13 @@ class AdIndex:
             )
             alive[:k] = True
             attrs = self._attrs.take(live, self._cap)
+            bitmaps = Eligibility(self.device, self._cap)
+            kept = torch.arange(k, device=self.device)  # [k]
+            bitmaps.write(kept, attrs)
+            bitmaps.set_live(kept, True)
             # New tensors rather than moving rows in place: views already handed out stay valid.
             self._g, self._x, self._b, self._row_ids, self._live = g, x, b, row_ids, alive
-            self._attrs = attrs
+            self._attrs, self._bitmaps = attrs, bitmaps
             self._rows = dict(zip(row_ids[:k].tolist(), range(k), strict=True))
             self._n = k
             self._version += 1

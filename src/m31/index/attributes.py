@@ -427,6 +427,15 @@ class AttributeTable:
         """[N] bool: rows whose list field `name` is not empty."""
         return self._lists[name].count[: self._n] > 0
 
+    def vocabulary(self, name: str) -> list[str]:
+        """The values of a str or str_list field in code order (the table's own list: read it,
+        do not change it). Codes only grow while the table lives; `take` renumbers."""
+        return self._words[name]
+
+    def rows(self, rows: torch.Tensor) -> AttributeRows:
+        """The rows [k] of this table, read like a table of k rows (no copy of the columns)."""
+        return AttributeRows(self, rows)
+
     def to_arrow(self, rows: torch.Tensor | None = None) -> pa.Table:
         """The decoded attributes of `rows` (default all N rows) as `arrow_schema(self.schema)`."""
         if rows is None:
@@ -454,3 +463,47 @@ class AttributeTable:
             offsets = np.concatenate([[0], np.cumsum(count)])  # [k+1]
             arrays.append(pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), held.take(order)))
         return pa.Table.from_arrays(arrays, schema=arrow_schema(self.schema))
+
+
+class AttributeRows:
+    """Rows [k] of an `AttributeTable`, with the table's reading methods over just those rows,
+    so that what a filter or an eligibility rule computes for a whole table (a compiled filter
+    runs on either) can be recomputed for the few rows a write changed. Valid until the table's
+    next write."""
+
+    def __init__(self, table: AttributeTable, rows: torch.Tensor):
+        self.schema, self.device = table.schema, table.device
+        self._table, self._rows = table, rows
+
+    @property
+    def n_rows(self) -> int:
+        return len(self._rows)
+
+    def numeric(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(values [k], valid [k]) of an int or float field."""
+        t = self._table
+        return t._values[name][self._rows], t._valid[name][self._rows]
+
+    def codes(self, name: str) -> torch.Tensor:
+        """Codes [k] of a str field, -1 for null."""
+        return self._table._values[name][self._rows]
+
+    def code(self, name: str, word: str | None) -> int | None:
+        return self._table.code(name, word)
+
+    def lists(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes [m], counts [k]) of a list field: the rows' entries, row after row."""
+        return self._table._lists[name].gather(self._rows)
+
+    def contains(self, name: str, word: str | None) -> torch.Tensor:
+        """[k] bool: rows whose list field `name` holds `word`."""
+        hit = torch.zeros(len(self._rows), dtype=torch.bool, device=self.device)  # [k]
+        code = self.code(name, word)
+        if code is None:
+            return hit
+        codes, count = self.lists(name)  # [m], [k]
+        owner = torch.repeat_interleave(
+            torch.arange(len(self._rows), device=self.device), count, output_size=len(codes)
+        )  # [m]
+        hit[owner[codes == code]] = True
+        return hit

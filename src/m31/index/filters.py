@@ -12,7 +12,10 @@ A filter is a JSON boolean tree::
 `compile_filter` validates a tree once against a schema (field name -> kind) and returns a
 `CompiledFilter`: a function from an `AttributeTable` (`m31.index.attributes`, where the
 attributes are stored and encoded) to a bool mask [N], computed with a handful of tensor ops on
-the table's device. `evaluate_row` is the plain-Python definition of the same semantics:
+the table's device. It keeps the validated tree (`node`): all / any / not over `Predicate`
+leaves, each named by a key of plain values, so that `m31.index.eligibility` can evaluate the
+same filter over per-predicate row bitmaps and share them between requests. `evaluate_row` is
+the plain-Python definition of the same semantics:
 a null value never equals, lies in or contains anything (so `not` of such a predicate holds),
 and a value the table has never seen simply matches nothing.
 """
@@ -21,7 +24,8 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,8 +41,6 @@ _ARGS = {
 }
 _ARITY = {"eq": 2, "in": 2, "range": 3, "contains": 2}
 
-CompiledFilter = Callable[[AttributeTable], torch.Tensor]  # table -> bool mask [N]
-
 
 class FilterError(ValueError):
     """An invalid filter expression; the message names the path of the bad node in the tree."""
@@ -47,9 +49,58 @@ class FilterError(ValueError):
 MAX_DEPTH = 32  # nesting of all/any/not: deeper trees are refused, not recursed into
 
 
+@dataclass(frozen=True, eq=False)
+class Predicate:
+    """A leaf of a compiled filter: `run` maps a table (or `AttributeRows`) of n rows to a bool
+    mask [n]. Predicates with equal keys hold on the same rows of every table."""
+
+    key: tuple[Hashable, ...]  # (op, field, *normalised arguments)
+    run: Callable[[AttributeTable], torch.Tensor]
+
+
+# ("all", (node, ...)) | ("any", (node, ...)) | ("not", node) | Predicate
+Node = tuple | Predicate
+
+
+class CompiledFilter:
+    """A validated filter: call it on a table for its bool mask [N]. `node` is the tree and
+    `key` a hashable name of it: filters with equal keys hold on the same rows."""
+
+    def __init__(self, node: Node):
+        self.node = node
+        self.key = _key(node)
+
+    def __call__(self, table: AttributeTable) -> torch.Tensor:
+        return _run(self.node, table)
+
+
+def _key(node: Node) -> tuple:
+    if isinstance(node, Predicate):
+        return node.key
+    op, arg = node
+    return (op, _key(arg)) if op == "not" else (op, tuple(_key(c) for c in arg))
+
+
+def _run(node: Node, table: AttributeTable) -> torch.Tensor:
+    if isinstance(node, Predicate):
+        return node.run(table)
+    op, arg = node
+    if op == "not":
+        return ~_run(arg, table)
+    if op == "all":
+        mask = torch.ones(table.n_rows, dtype=torch.bool, device=table.device)  # [N]
+        for child in arg:
+            mask &= _run(child, table)
+        return mask
+    mask = torch.zeros(table.n_rows, dtype=torch.bool, device=table.device)  # [N]
+    for child in arg:
+        mask |= _run(child, table)
+    return mask
+
+
 def compile_filter(expr: Any, schema: Mapping[str, str]) -> CompiledFilter:
     """Validate `expr` once against `schema`; return table -> bool mask [N] on its device."""
-    return _compile(expr, check_schema(schema), "filter", 0)
+    return CompiledFilter(_compile(expr, check_schema(schema), "filter", 0))
 
 
 def _short(value: Any, limit: int = 120) -> str:
@@ -57,7 +108,7 @@ def _short(value: Any, limit: int = 120) -> str:
     return text if len(text) <= limit else text[:limit] + "…"
 
 
-def _compile(node: Any, schema: dict[str, str], path: str, depth: int) -> CompiledFilter:
+def _compile(node: Any, schema: dict[str, str], path: str, depth: int) -> Node:
     if depth > MAX_DEPTH:
         raise FilterError(f"{path}: nested deeper than {MAX_DEPTH} levels")
     if not isinstance(node, Mapping) or len(node) != 1:
@@ -70,35 +121,14 @@ def _compile(node: Any, schema: dict[str, str], path: str, depth: int) -> Compil
         if not isinstance(arg, list | tuple):
             raise FilterError(f"{where}: expected a list of filters, got {_short(arg)}")
         parts = [_compile(child, schema, f"{where}[{i}]", depth + 1) for i, child in enumerate(arg)]
-        return _all(parts) if op == "all" else _any(parts)
+        return (op, tuple(parts))
     if op == "not":
-        inner = _compile(arg, schema, where, depth + 1)
-        return lambda table: ~inner(table)
+        return ("not", _compile(arg, schema, where, depth + 1))
     if op in _ARITY:
         return _predicate(op, arg, schema, where)
     raise FilterError(
         f"{path}: unknown operator {op!r} (one of all, any, not, {', '.join(_ARITY)})"
     )
-
-
-def _all(parts: list[CompiledFilter]) -> CompiledFilter:
-    def run(table: AttributeTable) -> torch.Tensor:
-        mask = torch.ones(table.n_rows, dtype=torch.bool, device=table.device)  # [N]
-        for part in parts:
-            mask &= part(table)
-        return mask
-
-    return run
-
-
-def _any(parts: list[CompiledFilter]) -> CompiledFilter:
-    def run(table: AttributeTable) -> torch.Tensor:
-        mask = torch.zeros(table.n_rows, dtype=torch.bool, device=table.device)  # [N]
-        for part in parts:
-            mask |= part(table)
-        return mask
-
-    return run
 
 
 def _check_value(kind: str, v: Any, where: str, what: str = "value") -> Any:
@@ -122,7 +152,7 @@ def _check_value(kind: str, v: Any, where: str, what: str = "value") -> Any:
     return v
 
 
-def _predicate(op: str, arg: Any, schema: dict[str, str], where: str) -> CompiledFilter:
+def _predicate(op: str, arg: Any, schema: dict[str, str], where: str) -> Predicate:
     if not isinstance(arg, list | tuple) or len(arg) != _ARITY[op]:
         raise FilterError(f"{where}: expected {_ARGS[op]}, got {arg!r}")
     field = arg[0]
@@ -140,7 +170,7 @@ def _predicate(op: str, arg: Any, schema: dict[str, str], where: str) -> Compile
                 f"{where}: {field!r} holds ISO 3166-1 alpha-2 codes (two uppercase letters), "
                 f"got {word!r}"
             )
-        return lambda table: table.contains(field, word)
+        return Predicate(("contains", field, word), lambda table: table.contains(field, word))
     if kind == "str_list":
         raise FilterError(f"{where}: {op!r} does not apply to list field {field!r}; use 'contains'")
     if op == "range":
@@ -156,7 +186,7 @@ def _predicate(op: str, arg: Any, schema: dict[str, str], where: str) -> Compile
     return _in(field, kind, [_check_value(kind, v, where) for v in arg[1]])
 
 
-def _range(field: str, lo: Any, hi: Any) -> CompiledFilter:
+def _range(field: str, lo: Any, hi: Any) -> Predicate:
     def run(table: AttributeTable) -> torch.Tensor:
         values, mask = table.numeric(field)  # [N], [N]
         if lo is not None:
@@ -165,10 +195,10 @@ def _range(field: str, lo: Any, hi: Any) -> CompiledFilter:
             mask = mask & (values <= hi)
         return mask
 
-    return run
+    return Predicate(("range", field, lo, hi), run)
 
 
-def _in(field: str, kind: str, wanted: list) -> CompiledFilter:
+def _in(field: str, kind: str, wanted: list) -> Predicate:
     def run(table: AttributeTable) -> torch.Tensor:
         if kind == "str":
             values = table.codes(field)  # [N]; null = -1 is never a wanted code
@@ -184,7 +214,8 @@ def _in(field: str, kind: str, wanted: list) -> CompiledFilter:
         hit = values == test[0] if len(wanted) == 1 else torch.isin(values, test)
         return valid & hit
 
-    return run
+    # Sorted and deduplicated, so that equal sets share a key (a float field holds no NaN).
+    return Predicate(("in", field, tuple(sorted(set(wanted)))), run)
 
 
 def evaluate_row(expr: Mapping[str, Any], row: Mapping[str, Any]) -> bool:

@@ -1,0 +1,196 @@
+"""Eligibility masks per request: the column builder (before) against the row bitmaps (after),
+beside the score·top-K pass they feed, on one index of N ads.
+
+    python bench/eligibility.py [--n 1M,10M] [--batches 1,64] [--repeat 5] [--engine]
+
+The index is `m31 bench --engine`'s (`m31.bench.engine.synthetic_index`: the `tiny` world's ad
+attributes repeated, random bf16 vectors, E = 8, G = D = 64); requests are random users of the
+world (country, age, gender) on a random platform and surface, at the end of the log. Per N and
+B it prints milliseconds per request of:
+* before: each request's mask from the attribute columns (`AdIndex._eligible_reference`, the
+  builder the engine used), stacked into [B, N] as the engine did;
+* after, warm: `IndexView.eligible_masks` on a view whose caches already hold the batch's ages
+  and second (every batch after the first of an index version);
+* after, cold: the first batch of a new version (one attribute update before it), which computes
+  the schedule at its second and the predicates it lacks; the view's copy of the bitmaps and of
+  the attributes, made once per version, is shown apart;
+* score·top-K: `score_topk` (K = 100, auto kernel) on the batch with the after mask;
+and with --engine (first N only), `Retriever.retrieve` end to end with each builder
+(`m31.bench.engine.run_engine`, which builds its own index).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+from m31.bench.common import random_query
+from m31.bench.engine import synthetic_index
+from m31.data.schema import GENDERS, PLATFORMS, SURFACES
+from m31.index import AdIndex, RequestContext
+from m31.ops import score_topk
+
+E, GDIM, DDIM, K = 8, 64, 64, 100
+
+
+def _count(text: str) -> int:
+    text = text.strip().upper()
+    scale = {"K": 1_000, "M": 1_000_000}.get(text[-1], 1)
+    return int(float(text.rstrip("KM")) * scale)
+
+
+def _median_ms(fn, repeat: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def _contexts(users, b: int, ts: int, rng) -> list[RequestContext]:
+    rows = users.select(["country", "age", "gender"]).to_pylist()
+    out = []
+    for i in rng.integers(len(rows), size=b):
+        u = rows[i]
+        out.append(
+            RequestContext(
+                country=u["country"],
+                age=u["age"],
+                gender=u["gender"] if u["gender"] in GENDERS else None,
+                platform=PLATFORMS[rng.integers(len(PLATFORMS))],
+                surface=SURFACES[rng.integers(len(SURFACES))],
+                ts=ts,
+            )
+        )
+    return out
+
+
+def _before(view, contexts) -> torch.Tensor:
+    """The engine's masks before the bitmaps: one column pass per request, then a stack."""
+    return torch.stack([view._index._eligible_reference(c, None) for c in contexts])  # [B, N]
+
+
+def _bitmap_bytes(index: AdIndex) -> int:
+    bitmaps = index._bitmaps
+    tensors = [bitmaps.live, bitmaps._cache, *(f.bits for f in bitmaps._families.values())]
+    return sum(t.numel() for t in tensors)
+
+
+def bench_n(n: int, batches: list[int], repeat: int, ds) -> list[dict]:
+    start = time.perf_counter()
+    index = synthetic_index(ds.ads, n, GDIM, DDIM, torch.device("cpu"))
+    build_s = time.perf_counter() - start
+    ts = int(ds.meta["time_range"][1])
+    rng = np.random.default_rng(0)
+    print(
+        f"N = {n:,}: index built in {build_s:.1f} s; bitmaps {_bitmap_bytes(index) / 1e6:.1f} MB",
+        flush=True,
+    )
+    rows = []
+    for b in batches:
+        contexts = _contexts(ds.users, b, ts, rng)
+        view = index.frozen_view()
+        before = _median_ms(lambda: _before(view, contexts), repeat)  # noqa: B023
+        after = view.eligible_masks(contexts)
+        assert torch.equal(after, _before(view, contexts)), "the builders disagree"
+        warm = _median_ms(lambda: view.eligible_masks(contexts), repeat)  # noqa: B023
+        cold, copies = [], []
+        for _ in range(max(1, repeat // 2)):
+            ad = int(view.row_ids[0])
+            index.update_attributes(ad, tags=index.get(ad).attributes["tags"])
+            start = time.perf_counter()
+            view = index.frozen_view()
+            copies.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            view.eligible_masks(contexts)
+            cold.append(time.perf_counter() - start)
+        copy_start = time.perf_counter()
+        index._bitmaps.copy(index.num_rows)
+        bitmap_copy = time.perf_counter() - copy_start
+        query = random_query(b, E, GDIM, DDIM, torch.device("cpu"), 0)
+        table = (view.g, view.x, view.b)
+        score = _median_ms(lambda: score_topk(query, table, after, K), max(1, repeat // 2))  # noqa: B023
+        keys = len({(c.country, c.age, c.gender, c.platform, c.surface) for c in contexts})
+        row = {
+            "n": n,
+            "b": b,
+            "keys": keys,
+            "before_ms": before / b,
+            "warm_ms": warm / b,
+            "cold_ms": 1e3 * statistics.median(cold) / b,
+            "version_copy_ms": 1e3 * statistics.median(copies),
+            "bitmap_copy_ms": 1e3 * bitmap_copy,
+            "score_topk_ms": score,
+        }
+        rows.append(row)
+        print(
+            f"  B = {b} ({keys} keys): mask ms/request before {row['before_ms']:.3f}, after "
+            f"warm {row['warm_ms']:.3f}, cold {row['cold_ms']:.3f} (view copy per version "
+            f"{row['version_copy_ms']:.0f} ms, of which bitmaps {row['bitmap_copy_ms']:.1f}); "
+            f"score·top-K {score:.1f} ms for the batch",
+            flush=True,
+        )
+    return rows
+
+
+@contextmanager
+def _column_masks():
+    """The engine with the mask builder it had before the bitmaps."""
+    import m31.engine.retriever as retriever
+
+    def old(view, requests):
+        return _before(view, [c for c, _ in requests]) if requests else None
+
+    saved = retriever.eligible_masks
+    retriever.eligible_masks = old
+    try:
+        yield
+    finally:
+        retriever.eligible_masks = saved
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", default="1M,10M")
+    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--engine", action="store_true")
+    args = ap.parse_args()
+    from m31.world.config import preset
+    from m31.world.generate import generate
+
+    ds, _ = generate(preset("tiny"), seed=0)
+    ns = [_count(t) for t in args.n.split(",")]
+    batches = [int(t) for t in args.batches.split(",")]
+    print(f"{torch.get_num_threads()} threads, PyTorch {torch.__version__}", flush=True)
+    for n in ns:
+        bench_n(n, batches, args.repeat, ds)
+    if args.engine:
+        from m31.bench.engine import run_engine
+
+        for label, ctx in (("before", _column_masks()), ("after", _nothing())):
+            with ctx:
+                for r in run_engine(torch.device("cpu"), ns[0], batches, K, repeat=args.repeat,
+                                    log=lambda _: None):  # fmt: skip
+                    print(
+                        f"engine {label}, N = {r.n:,}, B = {r.b}: {r.median_ms:.1f} ms, "
+                        f"{r.pairs_per_s / 1e6:.1f} M ads scored/s (encode {r.encode_ms:.1f}, "
+                        f"masks {r.mask_ms:.1f}, score·top-K {r.score_topk_ms:.1f} ms)",
+                        flush=True,
+                    )
+
+
+@contextmanager
+def _nothing():
+    yield
+
+
+if __name__ == "__main__":
+    main()

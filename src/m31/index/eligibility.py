@@ -1,0 +1,411 @@
+"""Eligibility as row bitmaps (DESIGN §4), in the spirit of the boolean-expression indexes of ad
+serving (Whang et al., "Indexing Boolean Expressions", VLDB 2009): one bitmap of rows per
+attribute value, kept up to date by every write, so that a request's mask is a few bytewise
+AND / OR / NOT over N / 8 bytes rather than a pass over every attribute column.
+
+Shapes: N rows, cap allocated, W = ceil(cap / 8) bytes per bitmap (ceil(N / 8) in a frozen
+copy), V values of one field, C cached predicates, k rows in one write, B requests, U distinct
+eligibility keys among them.
+
+Layout: row r is bit r % 8 of byte r // 8 (`numpy.packbits(bitorder="little")`), so that read as
+int32 words (little-endian) row r is bit r % 32 of word r // 32: the packed mask the Triton
+kernel builds from a bool mask today, which it could take as it is.
+
+`Eligibility` keeps, beside an `AttributeTable` it does not own (`m31.index.attributes`):
+* `live`: the rows not tombstoned;
+* a family of bitmaps for each field of bounded vocabulary that every request reads (`FAMILIES`:
+  status and the targeting lists): one per value, plus one for null or the empty list (for a
+  targeting list, "no restriction");
+* a bounded cache of predicates (`MAX_CACHED_BITMAPS`, oldest out) whose values are open or
+  depend on the request: the leaves of filters (`m31.index.filters.Predicate`: tags, format,
+  advertiser, ranges, ...), the ads' age range at one age, one blocked advertiser. A predicate
+  is computed from the columns when first asked, then kept up to date by writes like the
+  families;
+* the schedule at one request second: a range check on the two int64 columns, kept until the
+  next write.
+
+A request's mask is `live & active & schedule(ts) & ages(age) & filter & AND over the targeting
+lists of (empty | holds(value))`. Requests of a batch with the same key (targeting context,
+second, filter) share one computation; exclusions come last, per request.
+
+`AdIndex` (`m31.index.ad_index`) updates its `Eligibility` with every mutation and gives each
+`frozen_view` a copy of it, made once per version like the copy of the attributes. A predicate
+a copy had to compute is reported back to the index it was copied from, which adds it to its own
+cache when it next makes a copy, so that the next version does not compute it again.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from m31.index.attributes import AttributeTable
+from m31.index.filters import CompiledFilter, Node, Predicate, compile_filter
+
+# Fields with a bitmap per value. Their vocabularies are bounded: closed ones, and at most 676
+# two-letter country codes (`m31.index.limits.COUNTRY_CODE`).
+TARGETING = {  # targeting list -> the `RequestContext` field it is matched against
+    "target_countries": "country",
+    "target_genders": "gender",
+    "target_platforms": "platform",
+    "target_surfaces": "surface",
+}
+FAMILIES = ("status", *TARGETING)
+
+MAX_CACHED_BITMAPS = 128
+"""Predicate bitmaps one `Eligibility` keeps (N / 8 bytes each; 1.25 MB at 10 M ads): enough
+for every age of a user base plus the filters and blocked advertisers in use."""
+
+MAX_SCHEDULES = 8  # request seconds whose schedule bitmap is kept until the next write
+_CHUNK = 1 << 20  # rows per step of a large write, which bounds its [V, k] temporaries
+_SHIFTS = torch.arange(8, dtype=torch.uint8)
+
+Bitmap = torch.Tensor  # uint8 [W]
+Fn = Callable[[Any], torch.Tensor]  # an AttributeTable (or AttributeRows) of n rows -> bool [n]
+
+
+def n_bytes(n: int) -> int:
+    return -(-n // 8)
+
+
+def pack(mask: torch.Tensor) -> torch.Tensor:
+    """bool [..., n] -> uint8 [..., ceil(n / 8)]: row r is bit r % 8 of byte r // 8."""
+    if mask.device.type == "cpu":  # numpy packs 15x faster than the tensor ops on a CPU
+        return torch.from_numpy(np.packbits(mask.numpy(), axis=-1, bitorder="little"))
+    return _pack_torch(mask)
+
+
+def unpack(bits: torch.Tensor, n: int) -> torch.Tensor:
+    """uint8 [..., W] -> bool [..., n], a fresh tensor (W >= ceil(n / 8))."""
+    if bits.device.type == "cpu":
+        out = np.unpackbits(bits.numpy(), axis=-1, count=n, bitorder="little")
+        return torch.from_numpy(out).view(torch.bool)
+    return _unpack_torch(bits, n)
+
+
+def _pack_torch(mask: torch.Tensor) -> torch.Tensor:
+    n = mask.shape[-1]
+    padded = torch.zeros(*mask.shape[:-1], 8 * n_bytes(n), dtype=torch.uint8, device=mask.device)
+    padded[..., :n] = mask
+    shifts = _SHIFTS.to(mask.device)
+    return (padded.view(*mask.shape[:-1], -1, 8) << shifts).sum(-1, dtype=torch.uint8)
+
+
+def _unpack_torch(bits: torch.Tensor, n: int) -> torch.Tensor:
+    shifts = _SHIFTS.to(bits.device)
+    spread = (bits[..., : n_bytes(n), None] >> shifts) & 1  # [..., ceil(n / 8), 8]
+    return spread.view(*bits.shape[:-1], -1)[..., :n].view(torch.bool)
+
+
+def _assign(bits: torch.Tensor, rows: torch.Tensor, match: torch.Tensor) -> None:
+    """Set the bits of distinct rows [k] in bitmaps [V, W] to match [V, k] (bool), in place."""
+    k = len(rows)
+    if k == 0:
+        return
+    dev = bits.device
+    first = int(rows[0])
+    if (
+        k > 64
+        and int(rows[-1]) - first == k - 1
+        and torch.equal(rows, torch.arange(first, first + k, device=dev))
+    ):  # a run of rows, as an upsert appends: pack the run's bytes
+        lead, span = first % 8, n_bytes(first % 8 + k)
+        new = torch.zeros(match.shape[0], 8 * span, dtype=torch.bool, device=dev)  # [V, 8·span]
+        new[:, lead : lead + k] = match
+        keep = torch.ones(8 * span, dtype=torch.bool, device=dev)  # [8·span]
+        keep[lead : lead + k] = False
+        part = bits[:, first // 8 : first // 8 + span]  # [V, span]
+        part.copy_((part & pack(keep)) | pack(new))
+        return
+    byte = rows // 8  # [k]
+    bit = torch.ones(k, dtype=torch.int32, device=dev) << (rows % 8).to(torch.int32)  # [k]
+    touched, where = torch.unique(byte, return_inverse=True)  # [u], [k]
+    # The rows are distinct, so within one byte their bits are distinct and their sum is their OR.
+    clear = torch.zeros(len(touched), dtype=torch.int32, device=dev).index_add_(0, where, bit)
+    put = torch.zeros(match.shape[0], len(touched), dtype=torch.int32, device=dev)  # [V, u]
+    put.index_add_(1, where, match.to(torch.int32) * bit)
+    bits[:, touched] = (bits[:, touched] & ~clear.to(torch.uint8)) | put.to(torch.uint8)
+
+
+def _ages(age: int | None) -> Fn:
+    """The ads whose age range admits `age` (None: unknown, which only open ranges admit)."""
+
+    def run(table) -> torch.Tensor:
+        lo, has_lo = table.numeric("target_age_min")  # [n], [n]
+        hi, has_hi = table.numeric("target_age_max")
+        if age is None:
+            return ~has_lo & ~has_hi
+        return (~has_lo | (lo <= age)) & (~has_hi | (age <= hi))
+
+    return run
+
+
+def _scheduled(table, ts: int) -> torch.Tensor:
+    """[n] bool: ads whose schedule holds second `ts` (a null bound is open)."""
+    start, has_start = table.numeric("schedule_start")
+    end, has_end = table.numeric("schedule_end")
+    return (~has_start | (start <= ts)) & (~has_end | (ts < end))
+
+
+class _Family:
+    """The bitmaps of one field by value: row 0 for null (a str field) or the empty list, row
+    1 + c for the value of code c in the table the family follows."""
+
+    def __init__(self, width: int, device: torch.device):
+        self.bits = torch.zeros(1, width, dtype=torch.uint8, device=device)  # [1 + V (cap), W]
+        self.rows: dict[str, int] = {}  # value -> its row in `bits`
+
+    def follow(self, words: Sequence[str]) -> int:
+        """Add rows for the values the table added since; the number of rows in use."""
+        for w in words[len(self.rows) :]:
+            self.rows[w] = 1 + len(self.rows)
+        used = 1 + len(self.rows)
+        if used > len(self.bits):
+            grown = torch.zeros(
+                max(used, 2 * len(self.bits)),
+                self.bits.shape[1],
+                dtype=torch.uint8,
+                device=self.bits.device,
+            )  # [1 + V (cap), W]
+            grown[: len(self.bits)] = self.bits
+            self.bits = grown
+        return used
+
+    def get(self, word: str | None) -> Bitmap | None:
+        row = self.rows.get(word) if word is not None else None
+        return None if row is None else self.bits[row]
+
+
+class Eligibility:
+    """Bitmaps of the rows of one index (see the module docstring); not thread-safe: its index
+    calls it under its lock, or on a frozen copy that only that copy's view reads."""
+
+    def __init__(self, device: torch.device, capacity: int):
+        self.device = torch.device(device)
+        self.width = n_bytes(capacity)
+        self.live = torch.zeros(self.width, dtype=torch.uint8, device=self.device)  # [W]
+        self._families = {name: _Family(self.width, self.device) for name in FAMILIES}
+        self._cache = torch.zeros(0, self.width, dtype=torch.uint8, device=self.device)  # [C, W]
+        self._slots: OrderedDict[Hashable, int] = OrderedDict()  # key -> row of `_cache`
+        self._fns: dict[Hashable, Fn] = {}  # key -> how to compute it
+        self._schedules: dict[int, Bitmap] = {}  # request second -> its schedule bitmap
+        self._origin: Eligibility | None = None  # the index's own, for a frozen copy
+        self._asked: dict[Hashable, Fn] = {}  # predicates frozen copies had to compute
+        self._asked_lock = threading.Lock()  # copies report from their readers' threads
+        self.key_masks = 0  # eligibility keys computed so far (what grouping saves)
+
+    # ---- writes (under the index's lock) ---------------------------------------------------
+
+    def reserve(self, capacity: int) -> None:
+        width = n_bytes(capacity)
+        if width <= self.width:
+            return
+
+        def grow(t: torch.Tensor) -> torch.Tensor:
+            out = torch.zeros(*t.shape[:-1], width, dtype=t.dtype, device=t.device)
+            out[..., : self.width] = t
+            return out
+
+        self.live = grow(self.live)
+        for family in self._families.values():
+            family.bits = grow(family.bits)
+        self._cache = grow(self._cache)
+        self._schedules.clear()
+        self.width = width
+
+    def set_live(self, rows: torch.Tensor, alive: bool) -> None:
+        match = torch.full((1, len(rows)), alive, dtype=torch.bool, device=self.device)
+        _assign(self.live[None], rows, match)
+
+    def write(self, rows: torch.Tensor, attrs: AttributeTable) -> None:
+        """Follow `attrs` after it wrote the distinct rows [k]."""
+        self._schedules.clear()
+        for lo in range(0, len(rows), _CHUNK):
+            self._write(rows[lo : lo + _CHUNK], attrs)
+
+    def _write(self, rows: torch.Tensor, attrs: AttributeTable) -> None:
+        view, k = attrs.rows(rows), len(rows)
+        for name, family in self._families.items():
+            used = family.follow(attrs.vocabulary(name))
+            if attrs.schema[name] == "str":
+                codes = view.codes(name) + 1  # [k], 0 for null
+                match = codes[None] == torch.arange(used, device=self.device)[:, None]  # [V, k]
+            else:
+                codes, count = view.lists(name)  # [m], [k]
+                match = torch.zeros(used, k, dtype=torch.bool, device=self.device)  # [V, k]
+                match[0] = count == 0
+                owner = torch.repeat_interleave(
+                    torch.arange(k, device=self.device), count, output_size=len(codes)
+                )  # [m]
+                match[codes.long() + 1, owner] = True
+            _assign(family.bits[:used], rows, match)
+        if self._slots:
+            slots = torch.tensor(list(self._slots.values()), device=self.device)  # [C]
+            match = torch.stack([self._fns[key](view) for key in self._slots])  # [C, k]
+            part = self._cache[slots]  # [C, W]
+            _assign(part, rows, match)
+            self._cache[slots] = part
+
+    # ---- predicates ------------------------------------------------------------------------
+
+    def _cached(self, key: Hashable, fn: Fn, attrs: AttributeTable, n: int) -> Bitmap:
+        slot = self._slots.get(key)
+        if slot is not None:
+            return self._cache[slot]
+        bits = self._store(key, fn, fn(attrs), n)
+        if self._origin is not None:
+            with self._origin._asked_lock:
+                self._origin._asked[key] = fn
+        return bits
+
+    def _store(self, key: Hashable, fn: Fn, mask: torch.Tensor, n: int) -> Bitmap:
+        if len(self._slots) >= MAX_CACHED_BITMAPS:
+            oldest, slot = self._slots.popitem(last=False)
+            del self._fns[oldest]
+        elif len(self._slots) < len(self._cache):
+            slot = len(self._slots)
+        else:
+            slot = len(self._cache)
+            grown = torch.zeros(
+                min(MAX_CACHED_BITMAPS, max(1, 2 * slot)),
+                self.width,
+                dtype=torch.uint8,
+                device=self.device,
+            )  # [C (cap), W]
+            grown[:slot] = self._cache
+            self._cache = grown
+        self._cache[slot] = 0
+        self._cache[slot, : n_bytes(n)] = pack(mask)
+        self._slots[key], self._fns[key] = slot, fn
+        return self._cache[slot]
+
+    def adopt(self, attrs: AttributeTable, n: int) -> None:
+        """Cache the predicates frozen copies had to compute, from the current `attrs`."""
+        with self._asked_lock:
+            asked, self._asked = self._asked, {}
+        for key, fn in asked.items():
+            if key not in self._slots:
+                self._store(key, fn, fn(attrs), n)
+
+    def copy(self, n: int) -> Eligibility:
+        """A copy of the bitmaps of rows 0..n-1, for a frozen view of this version."""
+        out = Eligibility.__new__(Eligibility)
+        out.device, out.width = self.device, n_bytes(n)
+        out.live = self.live[: out.width].clone()
+        out._families = {}
+        for name, family in self._families.items():
+            copied = _Family.__new__(_Family)
+            copied.bits = family.bits[: 1 + len(family.rows), : out.width].clone()
+            copied.rows = dict(family.rows)
+            out._families[name] = copied
+        out._cache = self._cache[:, : out.width].clone()
+        out._slots, out._fns = OrderedDict(self._slots), dict(self._fns)
+        out._schedules = {}
+        out._origin, out._asked, out._asked_lock = self, {}, threading.Lock()
+        out.key_masks = 0
+        return out
+
+    # ---- masks -----------------------------------------------------------------------------
+
+    def _schedule(self, ts: int, attrs: AttributeTable, n: int) -> Bitmap:
+        bits = self._schedules.get(ts)
+        if bits is None:
+            if len(self._schedules) >= MAX_SCHEDULES:
+                self._schedules.pop(next(iter(self._schedules)))
+            bits = torch.zeros(self.width, dtype=torch.uint8, device=self.device)  # [W]
+            bits[: n_bytes(n)] = pack(_scheduled(attrs, ts))
+            self._schedules[ts] = bits
+        return bits
+
+    def _filter(self, node: Node, attrs: AttributeTable, n: int) -> Bitmap:
+        if isinstance(node, Predicate):
+            return self._cached(node.key, node.run, attrs, n)
+        op, arg = node
+        if op == "not":
+            return ~self._filter(arg, attrs, n)
+        if not arg:  # all() holds everywhere, any() nowhere
+            fill = 0xFF if op == "all" else 0
+            return torch.full((self.width,), fill, dtype=torch.uint8, device=self.device)
+        bits = self._filter(arg[0], attrs, n).clone()
+        for child in arg[1:]:
+            if op == "all":
+                bits &= self._filter(child, attrs, n)
+            else:
+                bits |= self._filter(child, attrs, n)
+        return bits
+
+    def key_bits(
+        self, request, filter_fn: CompiledFilter | None, attrs: AttributeTable, n: int
+    ) -> Bitmap:
+        """[W] the rows eligible for `request` (a `RequestContext`) and `filter_fn`, before the
+        request's exclusions."""
+        self.key_masks += 1
+        active = self._families["status"].get("active")
+        if active is None:
+            return torch.zeros(self.width, dtype=torch.uint8, device=self.device)
+        bits = self.live & active
+        bits &= self._schedule(int(request.ts), attrs, n)
+        age = None if request.age is None else int(request.age)
+        bits &= self._cached(("ages", age), _ages(age), attrs, n)
+        for name, asked in TARGETING.items():
+            family = self._families[name]
+            held = family.get(getattr(request, asked))
+            bits &= family.bits[0] if held is None else family.bits[0] | held
+        if filter_fn is not None:
+            bits &= self._filter(filter_fn.node, attrs, n)
+        return bits
+
+    def blocked(self, advertisers: Sequence[int], attrs: AttributeTable, n: int) -> Bitmap:
+        """[W] the rows of the given advertisers."""
+        bits = torch.zeros(self.width, dtype=torch.uint8, device=self.device)  # [W]
+        for a in advertisers:
+            leaf = compile_filter({"eq": ["advertiser_id", int(a)]}, attrs.schema).node
+            bits |= self._cached(leaf.key, leaf.run, attrs, n)
+        return bits
+
+    def masks(
+        self,
+        requests: Sequence,
+        filters: Sequence[CompiledFilter | None],
+        attrs: AttributeTable,
+        row_ids: torch.Tensor,
+        n: int,
+    ) -> torch.Tensor:
+        """bool [B, n]: each `RequestContext` with its filter, exclusions included. Requests
+        with the same key share one computation; when all B share one mask and none excludes
+        anything, the result is that mask [n] expanded to [B, n] (read it, do not write it)."""
+        if not requests:
+            return torch.zeros(0, n, dtype=torch.bool, device=self.device)
+        keys: dict[Hashable, int] = {}  # eligibility key -> its row in `shared`
+        shared: list[Bitmap] = []
+        which: list[int] = []
+        for request, filter_fn in zip(requests, filters, strict=True):
+            f_key = None if filter_fn is None else filter_fn.key
+            key = (request.country, request.age, request.gender, request.platform,
+                   request.surface, int(request.ts), f_key)  # fmt: skip
+            if key not in keys:
+                keys[key] = len(shared)
+                shared.append(self.key_bits(request, filter_fn, attrs, n))
+            which.append(keys[key])
+        own = [r for r, request in enumerate(requests) if len(request.exclude_advertisers)]
+        ads = [r for r, request in enumerate(requests) if len(request.exclude_ads)]
+        if len(shared) == 1 and not own and not ads:
+            return unpack(shared[0], n).expand(len(requests), n)
+        rows = [shared[u] for u in which]  # [B] of [W]
+        for r in own:
+            blocked = self.blocked(requests[r].exclude_advertisers, attrs, n)
+            rows[r] = rows[r] & ~blocked
+        mask = unpack(torch.stack(rows), n)  # [B, n]
+        for r in ads:
+            # By id over the rows, not through an id -> row map, so that a frozen view needs no
+            # copy of that map; rows of other versions of an ad are not live anyway.
+            excluded = torch.tensor(
+                [int(a) for a in requests[r].exclude_ads], dtype=torch.int64, device=self.device
+            )
+            mask[r] &= ~torch.isin(row_ids[:n], excluded)
+        return mask
