@@ -177,8 +177,11 @@ def main() -> None:
 
         for label, ctx in (("before", _column_masks()), ("after", _nothing())):
             with ctx:
-                for r in run_engine(torch.device("cpu"), ns[0], batches, K, repeat=args.repeat,
-                                    log=lambda _: None):  # fmt: skip
+                timed = run_engine(
+                    torch.device("cpu"), ns[0], batches, K, repeat=args.repeat, budget_s=30.0,
+                    log=lambda _: None,
+                )  # fmt: skip
+                for r in timed:
                     print(
                         f"engine {label}, N = {r.n:,}, B = {r.b}: {r.median_ms:.1f} ms, "
                         f"{r.pairs_per_s / 1e6:.1f} M ads scored/s (encode {r.encode_ms:.1f}, "

@@ -97,8 +97,10 @@ def run_engine(
     cfg = model_preset(model, "moe")
     net = build_model(cfg, vocab_sizes(feats), feats.text_emb.shape[1], feats.cooc_emb.shape[1])
     log(f"engine: tiny world and features in {time.perf_counter() - start:.1f} s")
-    # the bf16 table, about 200 bytes of encoded attributes per ad, a [B, N] bool mask per call
-    per_ad = 2 * (cfg.gate_dim + cfg.value_dim) + 2 + 200 + max(batches)
+    # The bf16 table; the arrow table the attributes come from, their encoding and the frozen
+    # view's copy of it (about 850 bytes per ad together: the process peaked at 11.7 GB with
+    # N = 10 M, B = 64 on CPU); a [B, N] bool mask per call and its copy for a retry.
+    per_ad = 2 * (cfg.gate_dim + cfg.value_dim) + 2 + 850 + 2 * max(batches)
     fits(n * per_ad, device, f"an index of {n:,} ads and its masks")
     start = time.perf_counter()
     index = synthetic_index(ds.ads, n, cfg.gate_dim, cfg.value_dim, device, seed)
