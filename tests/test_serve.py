@@ -44,10 +44,17 @@ def config(world: World, state, **over) -> ServeConfig:
 
 
 @pytest.fixture(scope="module")
-def server(world):
-    """One server for the read-mostly tests (loaded through its lifespan, as `m31 serve` is)."""
-    app = create_app(config(world, fresh_state(world, "shared"), max_queue_delay_ms=5.0))
-    with ThreadServer(app) as s:
+def launch():
+    """How a test starts a server on a config: uvicorn in a thread here (loaded through its
+    lifespan, as `m31 serve` is); tests/test_cluster_serve.py runs the same tests through
+    Ray Serve over a sharded index."""
+    return lambda cfg: ThreadServer(create_app(cfg))
+
+
+@pytest.fixture(scope="module")
+def server(world, launch):
+    """One server for the read-mostly tests."""
+    with launch(config(world, fresh_state(world, "shared"), max_queue_delay_ms=5.0)) as s:
         yield s
 
 
@@ -179,7 +186,7 @@ def test_bad_input_is_4xx(world, server):
     assert httpx.get(f"{server.url}/v1/ads/123456789").status_code == 404
 
 
-def test_auth(world, server):
+def test_auth(world, server, launch):
     ad = new_ad(900_001, "auth")
     r = httpx.put(f"{server.url}/v1/ads", json={"ads": [ad]})
     assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
@@ -189,8 +196,7 @@ def test_auth(world, server):
     assert httpx.patch(f"{server.url}/v1/ads/1", json={"status": "paused"}).status_code == 401
     assert httpx.post(f"{server.url}/v1/admin/snapshot").status_code == 401
     # A read token protects the read endpoints; health and metrics stay open.
-    app = create_app(config(world, fresh_state(world, "auth"), read_token=READ))
-    with ThreadServer(app) as s:
+    with launch(config(world, fresh_state(world, "auth"), read_token=READ)) as s:
         users, _ = users_and_time(world, 1)
         body = {"requests": [{"user_id": users[0], "surface": "feed", "platform": "ios"}]}
         assert httpx.post(f"{s.url}/v1/retrieve", json=body).status_code == 401
@@ -198,16 +204,15 @@ def test_auth(world, server):
             assert len(c.retrieve(body["requests"])["results"]) == 1
         assert httpx.get(f"{s.url}/metrics").status_code == 200
     # Without an admin token ad management is off.
-    app = create_app(config(world, fresh_state(world, "noadmin"), admin_token=None))
-    with ThreadServer(app) as s:
+    with launch(config(world, fresh_state(world, "noadmin"), admin_token=None)) as s:
         r = httpx.put(f"{s.url}/v1/ads", json={"ads": [ad]}, headers={"Authorization": "Bearer x"})
         assert r.status_code == 403 and "disabled" in r.json()["detail"]
 
 
-def test_overload_and_deadlines(world):
-    app = create_app(config(world, fresh_state(world, "overload"), max_batch_size=1, max_queue=2))
+def test_overload_and_deadlines(world, launch):
+    overload = config(world, fresh_state(world, "overload"), max_batch_size=1, max_queue=2)
     users, _ = users_and_time(world, 64, seed=2)
-    with ThreadServer(app) as s:
+    with launch(overload) as s:
 
         def one(u):
             body = {
@@ -280,15 +285,14 @@ def test_ad_management_and_versions(world, server):
         assert tagged(c, users[0], "mgmt", min_version=v)["results"][0]["ad_ids"]
 
 
-def test_concurrent_updates_and_queries_stay_consistent(world):
+def test_concurrent_updates_and_queries_stay_consistent(world, launch):
     """Ad i is upserted at version v_i; a query answered at version V sees exactly the ads
     with v_i <= V, whatever the interleaving."""
-    app = create_app(config(world, fresh_state(world, "consistency")))
     users, _ = users_and_time(world, 1)
     versions: dict[int, int] = {}
     done = threading.Event()
     seen: list[tuple[int, list[int], int]] = []
-    with ThreadServer(app) as s:
+    with launch(config(world, fresh_state(world, "consistency"))) as s:
 
         def writer():
             with Client(s.url, admin_token=ADMIN) as c:

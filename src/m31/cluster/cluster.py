@@ -45,6 +45,7 @@ class Gathered:
     version: int  # the global version every answering shard was read at
     missing: list[int] = field(default_factory=list)  # shards without an answer (partial)
     rows: int = 0  # rows scored per request, over the shards that answered
+    timings_ms: dict[str, float] = field(default_factory=dict)  # the slowest shard's mask, score
 
 
 @dataclass
@@ -72,6 +73,7 @@ class Cluster:
     def __init__(self, shards: list, coordinator) -> None:
         self.shards, self.coordinator = list(shards), coordinator
         self._down: set[int] = set()  # shards whose last call failed
+        self.ads: int | None = None  # live ads after this handle's last mutation
 
     @classmethod
     def start(cls, state: str | Path, options: ClusterOptions | None = None) -> Cluster:
@@ -123,8 +125,30 @@ class Cluster:
         """The top ks[r] ads of each request over every shard, at one global version.
 
         query = (q [B, E, G], v [B, E, D], p [B, E]) fp32 numpy; requests: (AdRequest,
-        targeting) pairs; deadline: `time.monotonic()` seconds.
+        targeting) pairs; deadline: `time.monotonic()` seconds. Shards that did not answer by
+        the deadline raise `Unavailable`, unless `allow_partial` (then `missing` names them,
+        and shards seen failing are not waited for).
         """
+        out = self.gather(query, requests, ks, deadline, wait_for_failed=not allow_partial)
+        if out.missing and not allow_partial:
+            raise Unavailable(
+                f"shards {out.missing} did not answer within the deadline (down or restarting); "
+                "pass allow_partial for an answer without them",
+                out.missing,
+            )
+        return out
+
+    def gather(
+        self,
+        query: tuple[np.ndarray, np.ndarray, np.ndarray],
+        requests: Sequence[tuple[Any, Mapping]],
+        ks: Sequence[int],
+        deadline: float,
+        wait_for_failed: bool = True,
+    ) -> Gathered:
+        """`search`, with the shards that did not answer listed in `missing` rather than
+        raised; `wait_for_failed`: wait for shards seen failing too (else only for the
+        others)."""
         import ray
         from ray.exceptions import RayActorError, RayTaskError
 
@@ -148,7 +172,7 @@ class Cluster:
         def settled() -> bool:
             if point is None:
                 return False
-            need = set(range(n)) - (self._down | failed if allow_partial else set())
+            need = set(range(n)) - (set() if wait_for_failed else self._down | failed)
             return all(s in answers and answers[s].version == point[1][s] for s in need)
 
         while not settled():
@@ -197,18 +221,16 @@ class Cluster:
             raise Unavailable("the coordinator did not answer within the deadline", [])
         ok = {s: a for s, a in answers.items() if a.version == point[1][s]}
         missing = sorted(set(range(n)) - set(ok))
-        if missing and not allow_partial:
-            raise Unavailable(
-                f"shards {missing} did not answer within the deadline (down or restarting); "
-                "pass allow_partial for an answer without them",
-                missing,
-            )
         results = []
         for r, k in enumerate(ks):
             parts = [Retrieved(*ok[s].results[r]) for s in sorted(ok)]
             results.append(merge(parts, k))
         rows = sum(a.rows for a in ok.values())
-        return Gathered(results, point[0], missing, rows)
+        timings = {
+            stage: max((a.timings_ms[stage] for a in ok.values()), default=0.0)
+            for stage in ("mask", "score_topk")
+        }
+        return Gathered(results, point[0], missing, rows, timings)
 
     def get(self, ad_id: int) -> tuple[dict, int] | None:
         """(attributes, version) of a live ad, None if no shard holds it."""
@@ -229,6 +251,7 @@ class Cluster:
             raise Unavailable(f"the coordinator did not answer ({e}); the mutation may or "
                               "may not have been applied", []) from e  # fmt: skip
         if out[0] == "ok":
+            self.ads = out[2]
             return out[1]
         if out[0] == "invalid":
             from m31.index import AdIndexError

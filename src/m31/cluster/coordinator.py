@@ -35,6 +35,13 @@ from typing import Any
 
 from m31.cluster.records import RecordLog
 
+
+def ray_get(refs):
+    import ray
+
+    return ray.get(refs)
+
+
 # How long a decided commit is retried against a shard that does not come back.
 COMMIT_RETRY_S = 600.0
 
@@ -66,19 +73,22 @@ class Coordinator:
                 for s in participants:
                     self.touched[s], last[s] = version, (txn, version)
         self._resolve(last)
+        self.ads = [info["ads"] for info in ray_get([s.info.remote() for s in self.shards])]
 
     def _resolve(self, last: list[tuple[str, int] | None]) -> None:
-        import ray
+        ray_get([shard.resolve.remote(t) for shard, t in zip(self.shards, last, strict=True)])
 
-        ray.get([shard.resolve.remote(t) for shard, t in zip(self.shards, last, strict=True)])
+    def live_ads(self) -> int:
+        with self._state:
+            return sum(self.ads)
 
     def read_point(self) -> tuple[int, list[int]]:
         with self._state:
             return self.version, list(self.touched)
 
     def mutate(self, ops: Mapping[int, tuple[str, dict[str, Any], Any]]) -> tuple:
-        """Apply {shard: (op, args, check)} atomically. ("ok", version), ("invalid", message)
-        when a shard refused it, or ("unavailable", message, shards)."""
+        """Apply {shard: (op, args, check)} atomically. ("ok", version, live ads), ("invalid",
+        message) when a shard refused it, or ("unavailable", message, shards)."""
         import ray
         from ray.exceptions import RayActorError, RayTaskError
 
@@ -110,27 +120,29 @@ class Coordinator:
                 return ("unavailable", f"shards {down} unavailable; nothing was changed", down)
             version = self.version + 1
             self._log.append(("commit", txn, version, participants))
-            self._decide_all(participants, lambda s: self.shards[s].commit.remote(txn, version))
+            ads = self._decide_all(
+                participants, lambda s: self.shards[s].commit.remote(txn, version)
+            )
             with self._state:
                 self.version = version
                 for s in participants:
-                    self.touched[s] = version
-            return ("ok", version)
+                    self.touched[s], self.ads[s] = version, ads[s]
+            return ("ok", version, sum(self.ads))
 
-    def _decide_all(self, participants: list[int], send) -> None:
+    def _decide_all(self, participants: list[int], send) -> dict[int, Any]:
         """Send a decision to every participant, again to those that died meanwhile (their
-        restarted actors hold the transaction in doubt), until all took it."""
+        restarted actors hold the transaction in doubt), until all took it; their replies."""
         import ray
         from ray.exceptions import RayActorError
 
         deadline = time.monotonic() + COMMIT_RETRY_S
-        todo = list(participants)
+        todo, replies = list(participants), {}
         while todo:
             refs = {s: send(s) for s in todo}
             todo = []
             for s, ref in refs.items():
                 try:
-                    ray.get(ref)
+                    replies[s] = ray.get(ref)
                 except RayActorError:
                     todo.append(s)
             if todo and time.monotonic() > deadline:
@@ -139,6 +151,7 @@ class Coordinator:
                     f"{COMMIT_RETRY_S:.0f} s; mutations are refused until the coordinator restarts"
                 )
                 raise RuntimeError(self._failed)
+        return replies
 
     def snapshot(self) -> int:
         """Snapshot every shard; the global version (unchanged)."""

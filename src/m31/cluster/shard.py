@@ -69,6 +69,7 @@ class Answer:
     results: list[tuple[np.ndarray, np.ndarray]]
     version: int
     rows: int  # rows scored (N)
+    timings_ms: dict[str, float]  # mask, score_topk
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ class Shard:
         self._store = self._open(self.path / "index", device)
         self._log, records = RecordLog.open(self.path / "txn.log")
         self._mutex = threading.Lock()  # one prepare/commit/abort/snapshot at a time
-        self._state = threading.Condition()  # guards applied and views
+        self._state = threading.Lock()  # guards applied and views
         self._prepared: _Prepared | None = None
         self.applied, self._last_txn = 0, None
         for record in records:
@@ -163,6 +164,7 @@ class Shard:
         if got is None:
             return Moved(self.applied)
         view, version = got
+        t0 = time.perf_counter()
         schema = self._store.index.schema
         masks = eligible_masks(
             view,
@@ -172,8 +174,12 @@ class Shard:
             ],
         )  # [B, N]
         query = tuple(torch.tensor(t, device=self.device) for t in (q, v, p))  # [B, E, *]
+        t1 = time.perf_counter()
         found = search(query, view, masks, ks)
-        return Answer([(r.ad_ids, r.scores) for r in found], version, int(view.row_ids.shape[0]))
+        t2 = time.perf_counter()
+        timings = {"mask": round(1000 * (t1 - t0), 3), "score_topk": round(1000 * (t2 - t1), 3)}
+        rows = int(view.row_ids.shape[0])
+        return Answer([(r.ad_ids, r.scores) for r in found], version, rows, timings)
 
     def get(self, ad_id: int) -> tuple[dict, int] | None:
         """(attributes, global version) of a live ad, None if this shard does not hold it."""
@@ -225,19 +231,19 @@ class Shard:
             self._prepared = prepared
 
     def commit(self, txn: str, version: int) -> int:
-        """Apply the prepared `txn` as global `version`; idempotent (a retried commit)."""
+        """Apply the prepared `txn` as global `version`; idempotent (a retried commit). The
+        shard's live ads after it."""
         with self._mutex:
             prepared = self._prepared
             if prepared is None or prepared.txn != txn:
                 if txn == self._last_txn:
-                    return self.applied
+                    return len(self._store.index)
                 raise TransactionError(f"shard {self.number}: no prepared txn {txn}")
             self._log.append(("commit", txn, version))
             with self._state:  # a view is labelled with the version its rows are at
                 self._apply(prepared)
                 self._prepared, self.applied, self._last_txn = None, version, txn
-                self._state.notify_all()
-            return version
+            return len(self._store.index)
 
     def abort(self, txn: str) -> None:
         """Drop the prepared `txn`; nothing if this shard does not hold it."""

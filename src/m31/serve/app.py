@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
@@ -43,9 +44,14 @@ __all__ = ["ServeConfig", "Service", "create_app"]
 log = logging.getLogger("m31.serve")
 
 
-def create_app(config: ServeConfig, service: Service | None = None) -> FastAPI:
-    """The app; with `service` given (already loaded) it is ready at once, else it loads at
-    start-up in a thread while /health/live answers."""
+def create_app(
+    config: ServeConfig,
+    service: Service | None = None,
+    load: Callable[[ServeConfig], Service] = Service.load,
+) -> FastAPI:
+    """The app; with `service` given (already loaded) it is ready at once, else `load(config)`
+    makes it at start-up in a thread while /health/live answers. (`m31.cluster.serve` loads a
+    `ClusterService`, which drives the same routes over a sharded index.)"""
     metrics = Metrics()
 
     @asynccontextmanager
@@ -65,7 +71,7 @@ def create_app(config: ServeConfig, service: Service | None = None) -> FastAPI:
                 await app.state.batcher.stop()
             app.state.writer.shutdown(wait=True)
             if app.state.service is not None:
-                app.state.service.store.close()
+                app.state.service.close()
 
     app = FastAPI(
         title="m31",
@@ -85,7 +91,7 @@ def create_app(config: ServeConfig, service: Service | None = None) -> FastAPI:
 
     async def _load(app: FastAPI) -> None:
         try:
-            app.state.service = await asyncio.to_thread(Service.load, config)
+            app.state.service = await asyncio.to_thread(load, config)
         except Exception as e:  # reported by /health/ready and the log; live stays up
             log.exception("loading failed")
             app.state.load_error = f"{type(e).__name__}: {e}"
@@ -99,7 +105,7 @@ def create_app(config: ServeConfig, service: Service | None = None) -> FastAPI:
             metrics.batch_size.observe(size)
             metrics.batch_seconds.observe(seconds)
             metrics.device_calls.inc()
-            metrics.ads_scored.inc(size * svc.store.index.num_rows)
+            metrics.ads_scored.inc(size * svc.rows)
 
         batcher = DynamicBatcher(
             svc.retrieve_batch,
@@ -113,8 +119,8 @@ def create_app(config: ServeConfig, service: Service | None = None) -> FastAPI:
         metrics.ready.set(1)
         log.info(
             "ready: %d ads, index version %d, batches of up to %d requests",
-            len(svc.store.index),
-            svc.store.version,
+            svc.ads,
+            svc.version,
             config.max_batch_size,
         )
 

@@ -28,7 +28,7 @@ from m31.serve.schemas import (
     UpsertBody,
     VersionResponse,
 )
-from m31.serve.service import Service
+from m31.serve.service import Ask, NotFound, Service, Unavailable
 
 
 def ready_service(request: Request) -> Service:
@@ -41,15 +41,20 @@ def ready_service(request: Request) -> Service:
 
 
 async def write(request: Request, fn, *args) -> Any:
-    """Run a mutation on the writer thread; index errors become 422 naming the field."""
+    """Run a mutation on the writer thread; index errors become 422 naming the field, an
+    unknown ad 404, an index part that is down 503."""
     try:
         return await asyncio.get_running_loop().run_in_executor(request.app.state.writer, fn, *args)
+    except NotFound as e:
+        raise HTTPException(404, str(e)) from e
+    except Unavailable as e:
+        raise HTTPException(503, str(e), {"Retry-After": "1"}) from e
     except (AdIndexError, ValueError) as e:
         raise HTTPException(422, str(e)) from e
 
 
 def version_response(svc: Service, version: int) -> VersionResponse:
-    return VersionResponse(index_version=version, ads=len(svc.store.index))
+    return VersionResponse(index_version=version, ads=svc.ads)
 
 
 def to_engine(r: RetrieveRequest, now: int) -> AdRequest:
@@ -94,11 +99,11 @@ def add_routes(app: FastAPI, config: ServeConfig, metrics: Metrics) -> None:
     async def retrieve(request: Request, body: RetrieveBody) -> RetrieveResponse:
         svc = ready_service(request)
         start = time.perf_counter()
-        if body.min_version is not None and svc.store.version < body.min_version:
+        if body.min_version is not None and not await asyncio.to_thread(
+            svc.reached, body.min_version
+        ):
             raise HTTPException(
-                409,
-                f"index is at version {svc.store.version}, older than min_version "
-                f"{body.min_version}",
+                409, f"index is at version {svc.version}, older than min_version {body.min_version}"
             )
         now = int(time.time())
         try:  # checked once, here: a bad request fails alone, before batching
@@ -108,9 +113,13 @@ def add_routes(app: FastAPI, config: ServeConfig, metrics: Metrics) -> None:
         except (RequestError, ValueError) as e:
             raise HTTPException(422, str(e)) from e
         timeout = (body.timeout_ms or config.timeout_ms) / 1000
+        deadline = time.monotonic() + timeout
+        asks = [Ask(p, deadline, body.allow_partial) for p in prepared]
         metrics.queue_depth.set(request.app.state.batcher.depth)
         try:
-            parts = await request.app.state.batcher.submit(prepared, timeout)
+            parts = await request.app.state.batcher.submit(asks, timeout)
+        except Unavailable as e:
+            raise HTTPException(503, str(e), {"Retry-After": "1"}) from e
         except Overloaded as e:
             raise HTTPException(429, str(e), {"Retry-After": "1"}) from e
         except WouldMissDeadline as e:
@@ -121,13 +130,15 @@ def add_routes(app: FastAPI, config: ServeConfig, metrics: Metrics) -> None:
             raise HTTPException(422, str(e)) from e
         finally:
             metrics.queue_depth.set(request.app.state.batcher.depth)
-        results, version, timings, batch = Service.assemble(parts)
+        results, version, timings, batch, missing = Service.assemble(parts)
         total = round(1000 * (time.perf_counter() - start), 3)
         return RetrieveResponse(
             results=results,
             index_version=version,
             batch_requests=batch,
             timings_ms={**timings, "total": total},
+            partial=bool(missing),
+            missing_shards=missing,
         )
 
     @app.get(
@@ -138,14 +149,13 @@ def add_routes(app: FastAPI, config: ServeConfig, metrics: Metrics) -> None:
     )
     async def get_ad(request: Request, ad_id: AdIdPath) -> AdOut:
         svc = ready_service(request)
-        index = svc.store.index
         try:
-            with index.snapshot_view() as view:
-                row = index.get(ad_id)
-                version = view.version
-        except AdIndexError as e:
+            attributes, version = await asyncio.to_thread(svc.get_ad, ad_id)
+        except NotFound as e:
             raise HTTPException(404, str(e)) from e
-        return AdOut(ad_id=ad_id, attributes=row.attributes, index_version=version)
+        except Unavailable as e:
+            raise HTTPException(503, str(e), {"Retry-After": "1"}) from e
+        return AdOut(ad_id=ad_id, attributes=attributes, index_version=version)
 
     @app.put(
         "/v1/ads",
@@ -156,7 +166,7 @@ def add_routes(app: FastAPI, config: ServeConfig, metrics: Metrics) -> None:
     async def upsert_ads(request: Request, body: UpsertBody) -> VersionResponse:
         svc = ready_service(request)
         version = await write(request, svc.upsert, body.ads)
-        metrics.index_gauges(svc.store)
+        metrics.index_gauges(svc)
         return version_response(svc, version)
 
     @app.patch(
@@ -167,13 +177,11 @@ def add_routes(app: FastAPI, config: ServeConfig, metrics: Metrics) -> None:
     )
     async def patch_ad(request: Request, ad_id: AdIdPath, body: AttributesPatch) -> VersionResponse:
         svc = ready_service(request)
-        if ad_id not in svc.store.index:
-            raise HTTPException(404, f"ad id {ad_id} is not in the index")
         changes = body.model_dump(exclude_unset=True)
         if not changes:
             raise HTTPException(422, "nothing to change: give at least one attribute")
         version = await write(request, svc.update, ad_id, changes)
-        metrics.index_gauges(svc.store)
+        metrics.index_gauges(svc)
         return version_response(svc, version)
 
     @app.delete(
@@ -184,10 +192,8 @@ def add_routes(app: FastAPI, config: ServeConfig, metrics: Metrics) -> None:
     )
     async def delete_ad(request: Request, ad_id: AdIdPath) -> VersionResponse:
         svc = ready_service(request)
-        if ad_id not in svc.store.index:
-            raise HTTPException(404, f"ad id {ad_id} is not in the index")
-        version = await write(request, svc.store.delete, [ad_id])
-        metrics.index_gauges(svc.store)
+        version = await write(request, svc.delete, ad_id)
+        metrics.index_gauges(svc)
         return version_response(svc, version)
 
     @app.post(
@@ -198,8 +204,8 @@ def add_routes(app: FastAPI, config: ServeConfig, metrics: Metrics) -> None:
     )
     async def snapshot(request: Request) -> VersionResponse:
         svc = ready_service(request)
-        version = await write(request, svc.store.snapshot)
-        metrics.index_gauges(svc.store)
+        version = await write(request, svc.snapshot)
+        metrics.index_gauges(svc)
         return version_response(svc, version)
 
     @app.get("/health/live")
@@ -212,9 +218,10 @@ def add_routes(app: FastAPI, config: ServeConfig, metrics: Metrics) -> None:
         (`text_encoder`: "loaded", or "not used" by a model without text features)."""
         svc = ready_service(request)
         loaded = svc.encoder.text_encoder_loaded
+        _, _, version = await asyncio.to_thread(svc.stats)
         return {
             "status": "ready",
-            "index_version": svc.store.version,
+            "index_version": version,
             "text_encoder": "not used" if loaded is None else "loaded" if loaded else "not loaded",
         }
 
@@ -222,7 +229,7 @@ def add_routes(app: FastAPI, config: ServeConfig, metrics: Metrics) -> None:
     async def prometheus(request: Request) -> Response:
         svc = request.app.state.service
         if svc is not None and request.app.state.batcher is not None:
-            metrics.index_gauges(svc.store)
+            await asyncio.to_thread(svc.stats)  # refreshes what the gauges read
+            metrics.index_gauges(svc)
             metrics.queue_depth.set(request.app.state.batcher.depth)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-

@@ -146,6 +146,12 @@ class RetrieveBody(Strict):
     timeout_ms: int | None = Field(
         None, ge=1, le=60_000, description="deadline; default: the server's"
     )
+    allow_partial: bool = Field(
+        False,
+        description="a sharded server (m31 serve --ray) may answer without shards that are "
+        "down, saying so (partial, missing_shards); else it waits for them within the deadline "
+        "and answers 503 if they do not come back",
+    )
 
 
 class Ranked(BaseModel):
@@ -158,6 +164,10 @@ class RetrieveResponse(BaseModel):
     index_version: int
     batch_requests: int = Field(description="requests scored in the same device call")
     timings_ms: dict[str, float]
+    partial: bool = Field(False, description="true: some shards did not answer (allow_partial)")
+    missing_shards: list[int] = Field(
+        default_factory=list, description="the shards whose ads the answer lacks"
+    )
 
 
 def _null_is_empty(value: list | None) -> list:

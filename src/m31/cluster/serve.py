@@ -1,0 +1,77 @@
+"""The HTTP API on Ray Serve (`m31 serve --ray`): the routes of `m31.serve` over a
+`ClusterService`, in ingress replicas that Ray Serve starts, balances and autoscales.
+
+Each replica builds the same FastAPI app as `m31 serve` (`m31.serve.app.create_app`) at its
+start (`__serve_build_asgi_app__`, so nothing unpicklable travels: metrics registries,
+locks), and runs its lifespan as uvicorn would: the model loads in a thread while
+/health/live answers, then the dynamic batcher runs inside the replica. So batching,
+admission (429/503/504), body limits and the Prometheus metrics are per replica, as they are
+per process in `m31 serve`. Ray Serve is told to pass every request on
+(`max_ongoing_requests`), so admission is the batcher's, not the proxy's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from m31.cluster.cluster import Cluster
+from m31.serve.config import ServeConfig
+
+# Requests a replica takes at once: enough that the batcher, not Ray Serve's proxy, decides
+# what is admitted (its queue holds MAX_QUEUE requests; a call may hold many).
+MAX_ONGOING = 4096
+
+
+@dataclass
+class IngressOptions:
+    replicas: int = 1  # ingress replicas at the start (the minimum when autoscaling)
+    max_replicas: int | None = None  # > replicas: autoscale between them
+    target_ongoing_requests: float = 64.0  # per replica, what autoscaling aims at
+    cpus: float = 1.0  # per replica
+    gpus: float = 0.0  # per replica (the query encoder)
+
+
+class Ingress:
+    """One ingress replica: the app over the cluster's actors."""
+
+    def __init__(self, config: ServeConfig, cluster: Cluster) -> None:
+        self.config, self.cluster = config, cluster
+
+    def __serve_build_asgi_app__(self):
+        from m31.cluster.service import ClusterService
+        from m31.serve.app import create_app
+
+        return create_app(self.config, load=lambda cfg: ClusterService.load(cfg, self.cluster))
+
+
+def deploy(
+    config: ServeConfig,
+    cluster: Cluster,
+    options: IngressOptions | None = None,
+    name: str = "m31",
+    route_prefix: str = "/",
+):
+    """Deploy the API as the Serve application `name` at `route_prefix` (Serve must be
+    started: `serve.start(http_options=...)`); returns once it is deployed (the replicas
+    then load the model: /health/ready says when)."""
+    from ray import serve
+
+    options = options or IngressOptions()
+    scaling: dict = {"num_replicas": options.replicas}
+    if options.max_replicas is not None and options.max_replicas > options.replicas:
+        scaling = {
+            "autoscaling_config": {
+                "min_replicas": options.replicas,
+                "max_replicas": options.max_replicas,
+                "target_ongoing_requests": options.target_ongoing_requests,
+            }
+        }
+    deployment = serve.deployment(
+        name=f"{name}-ingress",
+        max_ongoing_requests=MAX_ONGOING,
+        ray_actor_options={"num_cpus": options.cpus, "num_gpus": options.gpus},
+        **scaling,
+    )(serve.ingress()(Ingress))
+    serve.run(
+        deployment.bind(config, cluster), name=name, route_prefix=route_prefix, blocking=False
+    )
