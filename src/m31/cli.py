@@ -30,6 +30,8 @@ app.add_typer(world_app, name="world")
 app.add_typer(data_app, name="data")
 app.add_typer(features_app, name="features")
 app.add_typer(index_app, name="index")
+cluster_app = typer.Typer(no_args_is_help=True, help="A sharded index on Ray: offline commands.")
+app.add_typer(cluster_app, name="cluster")
 
 
 def _fail(msg: str) -> None:
@@ -561,6 +563,37 @@ def index_build(
     )
 
 
+@cluster_app.command("init")
+@cli_errors
+def cluster_init(
+    index: Annotated[Path, typer.Option(help="Index snapshot (m31 index build writes one).")],
+    shards: Annotated[int, typer.Option(help="Shards.")],
+    out: Annotated[Path, typer.Option(help="Cluster state folder to create.")],
+    device: Annotated[str, typer.Option(help="cpu or cuda: where the shards are built.")] = "cpu",
+) -> None:
+    """Partition a snapshot over S shards: a cluster state folder for `m31 serve --ray`."""
+    from m31.cluster.layout import init_cluster
+
+    init_cluster(index, out, shards, device, log=typer.echo)
+    typer.echo(f"wrote {out}: {shards} shards")
+
+
+@cluster_app.command("reshard")
+@cli_errors
+def cluster_reshard(
+    from_: Annotated[Path, typer.Option("--from", help="Cluster state folder (not served).")],
+    shards: Annotated[int, typer.Option(help="Shards of the new state.")],
+    out: Annotated[Path, typer.Option(help="Cluster state folder to create.")],
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+) -> None:
+    """Re-partition a cluster state over a new number of shards, offline, from its shards'
+    snapshots and logs; the global version carries over."""
+    from m31.cluster.layout import reshard
+
+    reshard(from_, shards, out, device, log=typer.echo)
+    typer.echo(f"wrote {out}: {shards} shards")
+
+
 @app.command("serve")
 @cli_errors
 def serve_cmd(
@@ -620,8 +653,32 @@ def serve_cmd(
     access_log: Annotated[
         bool, typer.Option(help="Log every HTTP call (off: /metrics counts them).")
     ] = False,
+    ray: Annotated[
+        bool,
+        typer.Option(
+            "--ray",
+            help="Serve a sharded index on Ray: shard actors, the same API through Ray Serve "
+            "(needs the ray extra; docs/SCALING.md).",
+        ),
+    ] = False,
+    shards: Annotated[
+        int | None,
+        typer.Option(
+            help="With --ray: shards of a new cluster state (default 2); an existing one must "
+            "match (else `m31 cluster reshard`)."
+        ),
+    ] = None,
+    address: Annotated[
+        str | None,
+        typer.Option(help="With --ray: the Ray cluster to join (e.g. auto); default: a local one."),
+    ] = None,
+    replicas: Annotated[int, typer.Option(help="With --ray: ingress replicas.")] = 1,
+    max_replicas: Annotated[
+        int | None,
+        typer.Option(help="With --ray: autoscale ingress replicas up to this many."),
+    ] = None,
 ) -> None:
-    """Serve retrieval and ad management over HTTP (FastAPI on uvicorn)."""
+    """Serve retrieval and ad management over HTTP (FastAPI on uvicorn, or Ray Serve)."""
     import logging
 
     import uvicorn
@@ -643,8 +700,16 @@ def serve_cmd(
         raise ValueError(f"--body-timeout-s must be positive, got {body_timeout_s}")
     if not model.is_file():
         raise FileNotFoundError(f"--model: {model}: no such checkpoint")
+    if not ray and (shards is not None or address is not None or max_replicas is not None):
+        raise ValueError("--shards, --address and --max-replicas go with --ray")
+    if ray:
+        from m31.cluster.layout import serving_cluster
+
+        served = serving_cluster(index, state, shards, device, log=typer.echo)
+    else:
+        served = _serving_state(index, state, device)
     config = ServeConfig(
-        index=_serving_state(index, state, device),
+        index=served,
         model=model,
         data=data,
         device=device,
@@ -659,6 +724,11 @@ def serve_cmd(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if config.admin_token is None:
         typer.echo("no admin token: ad management endpoints answer 403", err=True)
+    if ray:
+        from m31.cluster.serve import IngressOptions, run
+
+        run(config, address, host, port, IngressOptions(replicas, max_replicas), log=typer.echo)
+        return
     uvicorn.run(create_app(config), host=host, port=port, log_level="info", access_log=access_log)
 
 

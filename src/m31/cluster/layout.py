@@ -196,3 +196,31 @@ def reshard(state: Path, shards: int, out: Path, device: str = "cpu", log=None) 
             "attributes": pa.concat_tables([c["attributes"] for c in chunks]),
         }
         return write_cluster(parts, out, shards, version, device, log)
+
+
+def serving_cluster(
+    index: Path, state: Path | None, shards: int | None, device: str = "cpu", log=None
+) -> Path:
+    """The cluster state folder `m31 serve --ray --index INDEX` serves: INDEX itself when it is
+    one, else one made once (at `state`, default INDEX.cluster) from the snapshot INDEX (or
+    the snapshot of the serving folder INDEX) with `shards` shards (default 2)."""
+    index = Path(index)
+    if is_cluster_state(index):
+        found = read_layout(index)
+        if shards is not None and shards != found:
+            raise ClusterStateError(
+                f"--shards: {index} has {found} shards, not {shards}; make a new state with "
+                f"`m31 cluster reshard --from {index} --shards {shards} --out NEW`"
+            )
+        return index
+    snapshot = index / "snapshot" if (index / "wal.log").is_file() else index
+    if not (snapshot / "manifest.json").is_file():
+        raise ClusterStateError(
+            f"--index: {index} is neither an index snapshot, a serving folder nor a cluster state"
+        )
+    state = Path(state) if state is not None else index.with_name(index.name + ".cluster")
+    if is_cluster_state(state):
+        return serving_cluster(state, None, shards)
+    if log is not None:
+        log(f"initialising the cluster state {state} from the snapshot {snapshot}")
+    return init_cluster(snapshot, state, shards or 2, device, log)

@@ -75,3 +75,42 @@ def deploy(
     serve.run(
         deployment.bind(config, cluster), name=name, route_prefix=route_prefix, blocking=False
     )
+
+
+def run(
+    config: ServeConfig,
+    address: str | None,
+    host: str,
+    port: int,
+    options: IngressOptions | None = None,
+    log=print,
+) -> None:
+    """`m31 serve --ray`: join the Ray cluster at `address` (None: start a local one), start
+    the shards and the coordinator of the cluster state `config.index`, deploy the API on
+    Ray Serve at http://host:port, and serve until interrupted."""
+    import signal
+    import threading
+
+    import ray
+    from ray import serve
+
+    from m31.cluster.cluster import ClusterOptions
+
+    ray.init(address=address, include_dashboard=False)
+    gpu = config.device.startswith("cuda")
+    cluster = Cluster.start(
+        config.index,
+        ClusterOptions(device=config.device, shard_gpus=1.0 if gpu else 0.0),
+    )
+    serve.start(http_options={"host": host, "port": port})
+    deploy(config, cluster, options or IngressOptions())
+    log(f"serving {len(cluster.shards)} shards on Ray at http://{host}:{port} (Ctrl-C stops)")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()
+        ray.shutdown()

@@ -38,6 +38,11 @@ def schema_index(info: dict, device: str) -> AdIndex:
     return AdIndex(info["dim_g"], info["dim_x"], device, getattr(torch, info["dtype"]), 1, extra)
 
 
+# The gather stops this long before the call's deadline, so that a missing shard is answered
+# as such (503 naming it, or a partial answer) rather than by the deadline's 504.
+ANSWER_MARGIN_S = 0.05
+
+
 class ClusterService(Service):
     def __init__(self, retriever: Retriever, encoder: AdEncoder, cluster: Cluster) -> None:
         self.retriever, self.encoder, self.cluster = retriever, encoder, cluster
@@ -97,7 +102,7 @@ class ClusterService(Service):
 
     def retrieve_batch(self, chunks: Sequence[Sequence[Ask]]):
         """As `Service.retrieve_batch`, scattered to the shards and merged. The batch waits for
-        the shards until the latest deadline among its calls; a call that did not allow a
+        the shards until just before the latest deadline among its calls; a call that did not allow a
         partial answer fails (`Unavailable`, 503) when a shard is missing then."""
         asks = [a for chunk in chunks for a in chunk]
         prepared = [a.prepared for a in asks]
@@ -108,7 +113,7 @@ class ClusterService(Service):
             (q, v, p),
             [(one.request, dict(one.targeting)) for one in prepared],
             [one.k for one in prepared],
-            max(a.deadline for a in asks),
+            max(a.deadline for a in asks) - ANSWER_MARGIN_S,
             wait_for_failed=not all(a.allow_partial for a in asks),
         )
         t2 = time.perf_counter()

@@ -16,6 +16,13 @@ from m31.serve.errors import error
 from m31.serve.metrics import Metrics
 
 
+def _route_path(scope) -> str:
+    """The path the routes match: without the prefix the app is mounted at (`root_path`, as
+    behind Ray Serve's proxy)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
+
+
 def _body_route(method: str, path: str) -> str | None:
     """The token kind of the route `method path` if it reads a body, else None."""
     if method == "POST" and path == "/v1/retrieve":
@@ -40,7 +47,9 @@ class BodyGuard:
         self.app, self.config = app, config
 
     async def __call__(self, scope, receive, send) -> None:
-        which = _body_route(scope["method"], scope["path"]) if scope["type"] == "http" else None
+        which = (
+            _body_route(scope["method"], _route_path(scope)) if scope["type"] == "http" else None
+        )
         if which is None:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
@@ -118,7 +127,7 @@ class Counted:
         finally:
             # A call that BodyGuard answered (or saw leave) never reached the router.
             route = scope.get("route") or next(
-                (r for r in self.routes if r.path_regex.match(scope["path"])), None
+                (r for r in self.routes if r.path_regex.match(_route_path(scope))), None
             )
             path = route.path if route is not None else "unmatched"
             self.metrics.requests.labels(path, status).inc()

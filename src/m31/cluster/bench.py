@@ -1,0 +1,159 @@
+"""Scatter-gather overhead: the single-process engine against S shards on Ray, same corpus,
+same requests, one run (`python -m m31.cluster.bench`).
+
+Shapes: N ads, B requests per batch, E experts, G gate-key dim, D value dim, K results.
+
+Both sides get the same encoded queries (q [B, E, G], v [B, E, D], p [B, E]; encoding is the
+same work on both, done once by the ingress) and the same requests (targeting and a filter
+that keeps about half the ads). The single process builds the masks and runs `search` over
+the whole index; the cluster puts the query into Ray's object store once, each shard builds
+its masks and runs `search` over its rows, and the ingress merges. Every cluster answer is
+checked against the single process's (ids and order). The shards share this machine's cores:
+each gets cores / S (so at S = 4 on 2 cores the shards take turns), and the ratio is the price
+of the split and of Ray's calls on one machine — on a cluster each shard has its own device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def corpus(n: int, dim: int, seed: int = 0):
+    from m31.index import AdIndex
+
+    rng = np.random.default_rng(seed)
+    index = AdIndex(dim, dim, capacity=n, extra_fields={"format": "str"})  # bf16 table
+    ids = rng.choice(10 * n, n, replace=False)
+    attrs = [
+        {"advertiser_id": int(a), "status": "active", "format": ["video", "image"][int(f)]}
+        for a, f in zip(rng.integers(0, 1000, n), rng.integers(0, 2, n), strict=True)
+    ]
+    index.upsert(
+        ids,
+        rng.normal(size=(n, dim)).astype(np.float32),
+        rng.normal(size=(n, dim)).astype(np.float32) / dim**0.5,
+        rng.normal(size=n).astype(np.float32),
+        attrs,
+    )
+    return index
+
+
+def queries(b: int, experts: int, dim: int, seed: int):
+    from m31.engine import AdRequest
+
+    rng = np.random.default_rng(seed)
+    query = (
+        rng.normal(size=(b, experts, dim)).astype(np.float32),  # [B, E, G]
+        rng.normal(size=(b, experts, dim)).astype(np.float32),  # [B, E, D]
+        rng.normal(size=(b, experts)).astype(np.float32),  # [B, E]
+    )
+    requests = [
+        (AdRequest(None, 0, "feed", "ios", filter={"eq": ["format", "video"]}), {})
+        for _ in range(b)
+    ]
+    return query, requests
+
+
+def single(index, query, requests, ks):
+    from m31.engine import eligible_masks, request_context, search
+    from m31.index import compile_filter
+
+    view = index.frozen_view()
+    ctx = [(request_context(r, w), compile_filter(r.filter, index.schema)) for r, w in requests]
+    return search(tuple(torch.tensor(t) for t in query), view, eligible_masks(view, ctx), ks)
+
+
+def timed(fn, repeat: int) -> tuple[float, object]:
+    fn()  # warm-up (a shard's first frozen view, caches)
+    times, out = [], None
+    for _ in range(repeat):
+        t = time.perf_counter()
+        out = fn()
+        times.append(1000 * (time.perf_counter() - t))
+    return statistics.median(times), out
+
+
+def main(argv=None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=200_000, help="ads")
+    parser.add_argument("--batches", default="1,64", help="requests per batch")
+    parser.add_argument("--k", type=int, default=100)
+    parser.add_argument("--shards", default="1,2,4")
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--dim", type=int, default=64, help="G = D")
+    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--cpus", type=int, default=os.cpu_count())
+    parser.add_argument("--out", type=Path, default=None, help="write the table here too")
+    args = parser.parse_args(argv)
+
+    import ray
+
+    from m31.cluster.cluster import Cluster, ClusterOptions
+    from m31.cluster.layout import init_cluster
+
+    batches = [int(b) for b in args.batches.split(",")]
+    shard_counts = [int(s) for s in args.shards.split(",")]
+    index = corpus(args.n, args.dim)
+    work = Path(tempfile.mkdtemp(prefix="m31-cluster-bench-"))
+    rows = []
+    try:
+        snapshot = index.save(work / "snapshot")
+        base = {}
+        for b in batches:
+            query, requests = queries(b, args.experts, args.dim, seed=b)
+            base[b] = (query, requests, *timed(lambda q=query, r=requests, b=b:
+                                               single(index, q, r, [args.k] * b), args.repeat))  # fmt: skip
+        ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False)
+        for s in shard_counts:
+            state = init_cluster(snapshot, work / f"state-{s}", s)
+            cluster = Cluster.start(state, ClusterOptions(shard_cpus=args.cpus / s))
+            for b in batches:
+                query, requests, ms_single, want = base[b]
+
+                def scatter(query=query, requests=requests, b=b, cluster=cluster):
+                    return cluster.search(
+                        query, requests, [args.k] * b, time.monotonic() + 600
+                    ).results
+
+                ms, got = timed(scatter, args.repeat)
+                exact = all(
+                    g.ad_ids.tolist() == w.ad_ids.tolist() for g, w in zip(got, want, strict=True)
+                )
+                rows.append((b, s, ms_single, ms, exact))
+            for actor in [*cluster.shards, cluster.coordinator]:
+                ray.kill(actor, no_restart=True)
+        ray.shutdown()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    lines = [
+        f"N = {args.n:,} ads (bf16), E = {args.experts}, G = D = {args.dim}, K = {args.k}, "
+        f"half the ads eligible, {args.cpus} cores; median of {args.repeat} batches",
+        "",
+        "| B | shards | single process ms | cluster ms | ratio | same ids and order |",
+        "| ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for b, s, ms_single, ms, exact in rows:
+        lines.append(
+            f"| {b} | {s} | {ms_single:.1f} | {ms:.1f} | {ms / ms_single:.2f}× | "
+            f"{'yes' if exact else 'NO'} |"
+        )
+    table = "\n".join(lines)
+    print(table)
+    if args.out is not None:
+        args.out.write_text(table + "\n")
+    if not all(r[4] for r in rows):
+        raise SystemExit("cluster answers differ from the single process")
+    return table
+
+
+if __name__ == "__main__":
+    main()
