@@ -302,3 +302,49 @@ def test_outage_policy_within_the_deadline(ray_local, tmp_path):
     ray.kill(cluster.shards[0], no_restart=False)
     quick = cluster.search(query, requests, [50], time.monotonic() + 120, allow_partial=True)
     assert quick.missing in ([], [0])
+
+
+def test_reshard_offline_keeps_every_ad_and_the_version(ray_local, tmp_path):
+    """`m31 cluster init` then mutations on 2 shards; stopped, `m31 cluster reshard` to 3:
+    the new cluster answers as the old one did, at the same version, and takes writes."""
+    from typer.testing import CliRunner
+
+    from m31.cli import app
+
+    rng = np.random.default_rng(9)
+    index = AdIndex(G, D, dtype=torch.float32, extra_fields=EXTRA)
+    ids = rng.choice(10_000, 120, replace=False)
+    index.upsert(ids, *ads(ids, rng))
+    runner = CliRunner()
+    snapshot = index.save(tmp_path / "snapshot")
+    out = runner.invoke(app, ["cluster", "init", "--index", str(snapshot), "--shards", "2",
+                              "--out", str(tmp_path / "two")])  # fmt: skip
+    assert out.exit_code == 0, out.output
+    old = Cluster.start(tmp_path / "two", ClusterOptions(shard_cpus=0))
+    more = np.arange(50_000, 50_010)
+    g, x, b, attrs = ads(more, rng)
+    old.upsert(more, g, x, b, attrs)
+    old.delete(ids[:5])
+    old.update_attributes(int(ids[5]), {"tags": ["b"]})
+    query = tuple(rng.normal(size=s).astype(np.float32) for s in ((2, E, G), (2, E, D), (2, E)))
+    requests = [(AdRequest(None, 0, "feed", "ios", filter=f), {}) for f in FILTERS[1:3]]
+    before = old.search(query, requests, [40, 200], time.monotonic() + 60)
+    for actor in [*old.shards, old.coordinator]:
+        ray.kill(actor, no_restart=True)  # offline: nothing serves the old state
+    args = ["cluster", "reshard", "--from", str(tmp_path / "two"), "--shards", "3",
+            "--out", str(tmp_path / "three")]  # fmt: skip
+    deadline = time.monotonic() + 60
+    while (out := runner.invoke(app, args)).exit_code != 0 and time.monotonic() < deadline:
+        assert "already open" in out.output, out.output  # the killed processes still exiting
+        time.sleep(0.1)
+    assert out.exit_code == 0, out.output
+    new = Cluster.start(tmp_path / "three", ClusterOptions(shard_cpus=0))
+    assert len(new.shards) == 3 and sum(i["ads"] for i in new.info()) == 125
+    after = new.search(query, requests, [40, 200], time.monotonic() + 60)
+    assert after.version == before.version
+    for a, w in zip(after.results, before.results, strict=True):
+        assert a.ad_ids.tolist() == w.ad_ids.tolist()
+    assert new.get(int(ids[5]))[0]["tags"] == ["b"]
+    assert new.delete([int(more[0])]) == before.version + 1
+    bad = runner.invoke(app, args)
+    assert bad.exit_code == 2 and "exists" in bad.output
