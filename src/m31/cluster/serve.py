@@ -95,15 +95,22 @@ def run(
     from ray import serve
 
     from m31.cluster.cluster import ClusterOptions
+    from m31.cluster.layout import read_layout
 
     ray.init(address=address, include_dashboard=False)
     gpu = config.device.startswith("cuda")
+    options = options or IngressOptions()
+    # Every actor must be placeable at once: the shards and the most ingress replicas share
+    # the cluster's CPUs (a laptop's few cores included), at most one each.
+    actors = read_layout(config.index) + max(options.replicas, options.max_replicas or 0)
+    cpus = min(1.0, ray.cluster_resources().get("CPU", 1.0) / actors)
+    options.cpus = min(options.cpus, cpus)
     cluster = Cluster.start(
         config.index,
-        ClusterOptions(device=config.device, shard_gpus=1.0 if gpu else 0.0),
+        ClusterOptions(device=config.device, shard_cpus=cpus, shard_gpus=1.0 if gpu else 0.0),
     )
     serve.start(http_options={"host": host, "port": port})
-    deploy(config, cluster, options or IngressOptions())
+    deploy(config, cluster, options)
     log(f"serving {len(cluster.shards)} shards on Ray at http://{host}:{port} (Ctrl-C stops)")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -207,8 +207,9 @@ class Shard:
                 )
             index = self._store.index
             if op == "upsert":
-                checked = index.check_upsert(args["ad_ids"], args["g"], args["x"], args["b"],
-                                             args["attributes"])  # fmt: skip
+                # Copies: arrays from Ray's object store are read-only.
+                g, x, b = (np.array(args[k]) for k in ("g", "x", "b"))
+                checked = index.check_upsert(args["ad_ids"], g, x, b, args["attributes"])
                 index.check_vocabulary(checked.columns, checked.ids)
                 logged = {
                     "ad_ids": checked.ids,  # [n]
