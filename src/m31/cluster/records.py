@@ -14,45 +14,21 @@ from __future__ import annotations
 
 import os
 import pickle
-import struct
-import zlib
 from pathlib import Path
 from typing import Any
 
+from m31.index.framing import frame, next_intact, parse, sync_dir, sync_file, write_all
+
 HEADER = b"M31TXN1\n"
 MAGIC = b"M31T"
-_FRAME = struct.Struct("<4sQI")
 
 
 class RecordLogError(RuntimeError):
     """A log that cannot be used; the message names the file and the byte offset."""
 
 
-def _sync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _frame(record: tuple) -> bytes:
-    payload = pickle.dumps(record, protocol=5)
-    length = struct.pack("<Q", len(payload))
-    return _FRAME.pack(MAGIC, len(payload), zlib.crc32(payload, zlib.crc32(length))) + payload
-
-
-def _parse(data: bytes, offset: int) -> tuple[bytes, int] | None:
-    start = offset + _FRAME.size
-    if start > len(data):
-        return None
-    magic, length, crc = _FRAME.unpack_from(data, offset)
-    if magic != MAGIC or start + length > len(data):
-        return None
-    payload = data[start : start + length]
-    if zlib.crc32(payload, zlib.crc32(data[offset + 4 : offset + 12])) != crc:
-        return None
-    return payload, start + length
+    return frame(MAGIC, pickle.dumps(record, protocol=5))
 
 
 class RecordLog:
@@ -72,9 +48,9 @@ class RecordLog:
             raise RecordLogError(f"{path}: not an m31 record log (bad header)")
         records, offset = [], len(HEADER)
         while offset < len(data):
-            parsed = _parse(data, offset)
+            parsed = parse(MAGIC, data, offset)
             if parsed is None:
-                if any(_parse(data, p) for p in _magic_positions(data, offset + 1)):
+                if next_intact(MAGIC, data, offset) is not None:
                     raise RecordLogError(
                         f"{path}: damaged record at byte {offset} followed by an intact one"
                     )
@@ -97,7 +73,7 @@ class RecordLog:
             os.pwrite(fd, data, 0)
             os.fsync(fd)
             os.replace(tmp, path)
-            _sync_dir(path.parent)
+            sync_dir(path.parent)
         except BaseException:
             os.close(fd)
             raise
@@ -106,11 +82,8 @@ class RecordLog:
     def append(self, record: tuple) -> None:
         """Write `record` and fsync it: once this returns, it survives a crash."""
         data = _frame(record)
-        view, at = memoryview(data), self._end
-        while view:
-            n = os.pwrite(self._fd, view, at)
-            view, at = view[n:], at + n
-        os.fdatasync(self._fd)
+        write_all(self._fd, data, self._end)
+        sync_file(self._fd)
         self._end += len(data)
 
     def rewrite(self, records: list[tuple]) -> None:
@@ -123,13 +96,6 @@ class RecordLog:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-
-
-def _magic_positions(data: bytes, start: int):
-    pos = data.find(MAGIC, start)
-    while pos != -1:
-        yield pos
-        pos = data.find(MAGIC, pos + 1)
 
 
 def read_records(path: str | Path) -> list[Any]:

@@ -57,7 +57,6 @@ import re
 import shutil
 import struct
 import threading
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,6 +68,7 @@ import pyarrow as pa
 import torch
 
 from m31.index.ad_index import AdIndex, AdIndexError, read_manifest
+from m31.index.framing import frame, next_intact, parse, sync_dir, sync_file, write_all
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,6 @@ LINK = "snapshot"
 LOCK = "LOCK"
 LOG_HEADER = b"M31WAL1\n"
 RECORD_MAGIC = b"M31R"
-_FRAME = struct.Struct("<4sQI")  # magic, payload length, CRC32 of (length bytes + payload)
 _META_LEN = struct.Struct("<I")
 _SNAPSHOT = re.compile(r"snapshot-(\d+)")
 # Our own temporaries: `write_atomic`'s folders for a snapshot, the next symlink, the next log.
@@ -118,9 +117,7 @@ class _Record:
             blobs.append(data)
         head = json.dumps(meta, separators=(",", ":")).encode()
         payload = b"".join([_META_LEN.pack(len(head)), head, *blobs])
-        length = struct.pack("<Q", len(payload))
-        crc = zlib.crc32(payload, zlib.crc32(length))
-        return _FRAME.pack(RECORD_MAGIC, len(payload), crc) + payload
+        return frame(RECORD_MAGIC, payload)
 
     @classmethod
     def decode(cls, payload: bytes) -> _Record:
@@ -156,50 +153,6 @@ def _apply(index: AdIndex, record: _Record) -> int:
     raise ValueError(f"unknown operation {record.op!r}")
 
 
-def _parse(buf: mmap.mmap, offset: int) -> tuple[bytes, int] | None:
-    """(payload, offset after it) of a whole, intact record at `offset`; else None."""
-    start = offset + _FRAME.size
-    if start > len(buf):
-        return None
-    magic, length, crc = _FRAME.unpack_from(buf, offset)
-    if magic != RECORD_MAGIC or start + length > len(buf):
-        return None
-    payload = buf[start : start + length]
-    if zlib.crc32(payload, zlib.crc32(buf[offset + 4 : offset + 12])) != crc:
-        return None
-    return payload, start + length
-
-
-def _next_intact(buf: mmap.mmap, offset: int) -> int | None:
-    """Offset of the first intact record starting after `offset`, if any."""
-    pos = buf.find(RECORD_MAGIC, offset + 1)
-    while pos != -1:
-        if _parse(buf, pos) is not None:
-            return pos
-        pos = buf.find(RECORD_MAGIC, pos + 1)
-    return None
-
-
-def _sync_file(fd: int) -> None:
-    # fdatasync persists the data and the file size, which is all an append needs.
-    (os.fdatasync if hasattr(os, "fdatasync") else os.fsync)(fd)
-
-
-def _sync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_all(fd: int, data: bytes, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        written = os.pwrite(fd, view, offset)
-        view, offset = view[written:], offset + written
-
-
 def _snapshot_name(version: int) -> str:
     return f"snapshot-{version:012d}"
 
@@ -228,10 +181,10 @@ def _new_log(path: Path) -> int:
     tmp = path / f"{LOG}.next"
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        _write_all(fd, LOG_HEADER, 0)
-        _sync_file(fd)
+        write_all(fd, LOG_HEADER, 0)
+        sync_file(fd)
         os.replace(tmp, path / LOG)
-        _sync_dir(path)
+        sync_dir(path)
     except BaseException:
         os.close(fd)
         raise
@@ -245,7 +198,7 @@ def _point_link(path: Path, name: str) -> None:
         tmp.unlink()
     os.symlink(name, tmp)
     os.replace(tmp, path / LINK)
-    _sync_dir(path)
+    sync_dir(path)
 
 
 def _current_snapshot(path: Path) -> Path:
@@ -286,7 +239,7 @@ def _remove_leftovers(path: Path) -> None:
             continue
         removed = True
     if removed:
-        _sync_dir(path)
+        sync_dir(path)
 
 
 class DurableIndex:
@@ -341,7 +294,7 @@ class DurableIndex:
             )
         if not path.exists():
             path.mkdir(parents=True)
-            _sync_dir(path.parent)
+            sync_dir(path.parent)
         lock_fd = _lock(path)
         log_fd = -1
         try:
@@ -393,7 +346,7 @@ class DurableIndex:
                     end = DurableIndex._replay_records(file, buf, index)
             if end < size:
                 os.ftruncate(fd, end)
-                _sync_file(fd)
+                sync_file(fd)
         except BaseException:
             os.close(fd)
             raise
@@ -403,9 +356,9 @@ class DurableIndex:
     def _replay_records(file: Path, buf: mmap.mmap, index: AdIndex) -> int:
         offset, last = len(LOG_HEADER), None
         while offset < len(buf):
-            parsed = _parse(buf, offset)
+            parsed = parse(RECORD_MAGIC, buf, offset)
             if parsed is None:
-                later = _next_intact(buf, offset)
+                later = next_intact(RECORD_MAGIC, buf, offset)
                 if later is not None:
                     raise DurableIndexError(
                         f"{file}: damaged record at byte {offset}, yet an intact one follows at "
@@ -534,8 +487,8 @@ class DurableIndex:
         record = prepare(self._version + 1)  # AdIndexError here: nothing logged or changed
         data = record.encode()
         try:
-            _write_all(self._log_fd, data, self._log_end)
-            _sync_file(self._log_fd)
+            write_all(self._log_fd, data, self._log_end)
+            sync_file(self._log_fd)
         except OSError as e:
             self._fail(f"writing the log failed ({e})")
             raise DurableIndexError(
@@ -590,7 +543,7 @@ class DurableIndex:
             name = _snapshot_name(version)
             try:
                 self._index.save(self._path / name, self._index.model_hash, overwrite=True)
-                _sync_dir(self._path)
+                sync_dir(self._path)
             except (OSError, AdIndexError) as e:
                 raise DurableIndexError(
                     f"{self._path / name}: snapshot not written ({e}); the log still holds every "
@@ -616,7 +569,7 @@ class DurableIndex:
             # A plain folder cannot be swapped atomically: move it aside first. A crash
             # right here leaves no DIR/snapshot, and `open` takes the newest snapshot-<v>.
             os.rename(link, self._path / _snapshot_name(self._snapshot_version))
-            _sync_dir(self._path)
+            sync_dir(self._path)
         _point_link(self._path, name)
 
     def _start_new_log(self) -> None:
