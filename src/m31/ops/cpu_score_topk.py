@@ -75,6 +75,16 @@ the rounding of the query, measured exactly once per call; C-S is Cauchy–Schwa
   overflows (gate logits of 10⁴ and more): there ε_gate is inf, or NaN when m = a = 0 (an ad
   with x = 0, or a request with v = 0), and the minimum skips a NaN.
 
+8-bit tables (`cpu_score_topk_int8`, an `Int8Table` read as stored: the answer is the exact top K
+of its dequantized table). The query is rounded to integers too, about 16 bits per value in two
+int8 parts (`_split_query`), so both products are exact integer products (`torch._int_mm`, VNNI
+on x86): step 1 reads 1 byte per value of x, a quarter of fp32's and half of bf16's, and on a CPU
+without bf16 arithmetic runs the product at several times the bf16 rate. The same bounds hold
+with u' = 2⁻²¹ (the fp32 scaling of an exact integer product, `_plan_int8`) and the measured
+rounding of the query in δq, δv. The logits are computed per request over its survivors' rows of
+g at the gate step (`_Worker.logits_int8`), not for every pair of a block. Where int8 products
+are not exact on the CPU (`int8_products_exact`), the dequantized table takes the path above.
+
 The bounds are worst cases (typically 5-20× the actual error), which only costs extra survivors.
 fp32 (or fp16) tables take the same path with fp32 products (u = 0): a quarter of the product
 rate, but tighter bounds; measured 1.3× slower than bf16 at N = 200 K, B = 1 and 64.
@@ -92,6 +102,7 @@ not far in the tail): below roughly 100-200 K ads a compiled dense scorer wins.
 
 from __future__ import annotations
 
+import functools
 import math
 import queue
 import threading
@@ -102,19 +113,31 @@ from dataclasses import dataclass
 
 import torch
 
+from m31.ops.quant import Int8Table
 from m31.ops.torch_score import rounded_score
 from m31.ops.torch_score_topk import NO_ROW, check_args, torch_score_topk
 
 _U32 = 2.0**-24  # fp32 unit roundoff
 _BF16_U = 2.0**-8  # bf16 unit roundoff (8 significant bits, round to nearest)
+_INT8_U = 2.0**-21  # relative rounding of an 8-bit product's scaled result (3 fp32 roundings)
+_INT8_MAX = 127
+_HI = 255  # a split query's high part counts 255 low units (`_split_query`)
+_WIDE = _HI * _INT8_MAX + _INT8_MAX
+_WIDE_DIM = (2**31 - 1) // ((_HI + 1) * _INT8_MAX**2)  # 520
 # B·E·n elements per block (a bf16 product of 2 MiB). A sweep of blocks of 2^9..2^17 ads at
 # B = 1, 16, 64 on the 2-core development machine favoured this size (65,536 ads at B = 1, 8,192 at
 # B = 16, 2,048 at B = 64); smaller blocks pay per-op overhead, larger ones leave the caches.
 _TILE = 1 << 20
+# 8-bit tables: [P·B·E, n] int32 products of up to 2 MiB (65,536 ads at B = 1, 1,024 at B = 64)
+_INT8_TILE = 1 << 19
 _MIN_BLOCK, _MAX_BLOCK = 512, 65_536
 # survivors gathered before the sparse gate step runs: amortises per-op overhead (65,536 measured
 # ~7% faster than 16,384 at B = 64, where a block has ~14 K survivors, and no different at B = 1, 16)
 _REFINE_PAIRS = 65_536
+# ... and with one request, where each block has a few thousand survivors and the threshold that
+# the next blocks are filtered by only rises at a gate step (N = 1 M: 25-30% fewer survivors)
+_REFINE_PAIRS_ONE = 16_384
+_CHUNK = 1 << 16  # rows of an 8-bit table dequantized at a time (for its norms)
 _RESCORE_PAIRS = 1 << 15  # (request, candidate) pairs per chunk of the exact rescoring
 _SLACK = 2.0**-20  # relative slack for the fp32 arithmetic of the filters themselves
 # The filters run on inputs whose logits and scores stay below 2^100 in magnitude: their bound
@@ -148,6 +171,15 @@ class _Plan:
     u_scan: float  # u'' = u'/(1 - u')
     kappa: float
     u_x: float  # coefficient of ‖x‖ in U (all requests)
+    # 8-bit tables (`_plan_int8`): qh is then int8 [B, P·E, G] and vh int8 [P·B·E, D] (P = 1 or 2
+    # parts, `_split_query`), with one scale per request that makes them the rounded query:
+    # q[r]/√G ≈ q_scale[r]·w, v[r] ≈ v_scale[r]·w
+    q_scale: torch.Tensor | None = None  # [B] fp32
+    v_scale: torch.Tensor | None = None  # [B] fp32
+
+    @property
+    def quantized(self) -> bool:
+        return self.v_scale is not None
 
 
 def _plan(q, v, p, g, x, k) -> _Plan:
@@ -189,6 +221,84 @@ def _plan(q, v, p, g, x, k) -> _Plan:
     )
 
 
+def _split_query(t: torch.Tensor, dims: tuple[int, ...]):
+    """Round t [B, E, C] (fp64) to integers for int8 products, in two int8 parts where C allows.
+
+    w = round(t / scale) with one fp32 scale per row (dims=(2,)) or per request (dims=(1, 2)),
+    |w| ≤ 32,512 = 255·127 + 127 split as w = 255·hi + lo (|hi|, |lo| ≤ 127): about 16 bits,
+    whose rounding error is far below bf16's. Then 255·(hi·y) + lo·y = w·y exactly in int32 for
+    int8 rows y of length C ≤ `_WIDE_DIM`; longer rows get one part (|w| ≤ 127).
+    Returns (ints int8 [P, B, E, C] (P parts, high first), scale fp32 [B, E] or [B, 1], the
+    rounding's largest ‖t̂ - t‖ [B] and ‖t̂‖ [B] over E, t̂ = scale·w evaluated exactly)."""
+    wide = t.shape[2] <= _WIDE_DIM
+    top = _WIDE if wide else _INT8_MAX
+    scale = (t.abs().amax(dim=dims, keepdim=True) / top).float()
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    w = torch.round(t / scale.double()).clamp_(-top, top)
+    exact = w * scale.double()  # an integer below 2^15 times an fp32: exact in fp64
+    err, norm = (exact - t).norm(dim=2).amax(1), exact.norm(dim=2).amax(1)
+    if wide:
+        hi = torch.round(w / _HI)
+        ints = torch.stack([hi, w - _HI * hi])
+    else:
+        ints = w[None]
+    return ints.to(torch.int8), scale[..., 0], err, norm
+
+
+def _plan_int8(q, v, p, k) -> _Plan:
+    """`_plan` for an 8-bit table: the query rounded to integers as well (`_split_query`).
+
+    The integer products are exact (int32 sums), then converted to fp32 and scaled twice (the
+    query's scale, then the ad row's), so an affinity or logit is within 3 fp32 roundings of
+    scale·(integer product): u' = 2⁻²¹ covers them. The ads' values are the dequantized table's,
+    which differ from the ad scale times the integers by one fp32 rounding, a relative 2⁻²⁴ of
+    each term, that the γ terms cover (they count no accumulation error here: there is none)."""
+    n_req, n_exp, gdim = q.shape
+    ddim = v.shape[2]
+    kappa = (2 * n_exp + 64) * _U32
+    if gdim:
+        qq, q_scale, dq, q_norm = _split_query(q.double() / math.sqrt(gdim), (1, 2))
+        eta_g = dq + (2 * _gamma(gdim) + 2 * _U32) * q_norm
+        qh = qq.transpose(0, 1).reshape(n_req, -1, gdim).contiguous()  # [B, P·E, G]
+    else:
+        eta_g, qh, q_scale = torch.zeros(n_req, dtype=torch.float64), None, torch.ones(n_req)
+    # one scale per request (for E experts): the max over E of the integer affinities is then the
+    # max over E of the affinities, and a pair's E values share one scale
+    vq, v_scale, dv, v_norm = _split_query(v.double(), (1, 2))
+    p32 = p.float()
+    return _Plan(
+        n_req=n_req,
+        n_exp=n_exp,
+        k=k,
+        qh=qh,
+        vh=vq.reshape(-1, ddim),  # [P·B·E, D]
+        p_t=p32.T.contiguous(),
+        p_abs_max=float(p32.abs().max()),
+        coef=torch.stack(
+            [eta_g, 2.0**-21 * p32.double().abs().amax(1), dv + 2 * _gamma(ddim) * v_norm], dim=1
+        ).float(),
+        eta_l=_INT8_U + 2.0**-21,
+        u_a=_INT8_U,
+        u_scan=_INT8_U / (1 - _INT8_U),
+        kappa=kappa,
+        u_x=float((dv + (2 * _gamma(ddim) + 4 * kappa) * v_norm).max()) * (1 + _SLACK),
+        q_scale=q_scale.reshape(-1).contiguous(),
+        v_scale=v_scale.reshape(-1).contiguous(),
+    )
+
+
+def _int_products(query: torch.Tensor, ads: torch.Tensor, rows: int, buf: torch.Tensor | None):
+    """The exact integer products [rows, n] int32 of a split query (`_split_query`: [P·rows, C],
+    P = 1 or 2 parts) with int8 ads [n, C]; buf: int32 scratch of at least P·rows·n elements
+    (None: allocate; a reused buffer saves the page faults of a fresh one)."""
+    n = ads.shape[0]
+    out = None if buf is None else buf[: len(query) * n].view(len(query), n)
+    ints = torch._int_mm(query, ads.T, out=out)  # [P·rows, n]
+    if len(ints) == rows:
+        return ints
+    return ints[rows:].add_(ints[:rows], alpha=_HI)  # 255·hi + lo
+
+
 @dataclass(frozen=True)
 class _TableStats:
     """Per-ad constants of a table, fp32; no query changes them."""
@@ -211,12 +321,21 @@ _STATS_LOCK = threading.Lock()
 _STATS_TABLES = 4
 
 
-def _table_stats(g: torch.Tensor, x: torch.Tensor, b: torch.Tensor) -> _TableStats:
-    """The constants of the table (g, x, b), computed once per table when it can be tracked.
+def _table_stats(
+    g: torch.Tensor,
+    x: torch.Tensor,
+    b: torch.Tensor,
+    g_scale: torch.Tensor | None = None,
+    x_scale: torch.Tensor | None = None,
+) -> _TableStats:
+    """The constants of the table (g, x, b), or of the 8-bit table (g, x, b, g_scale, x_scale),
+    computed once per table when it can be tracked; an 8-bit table's norms are its dequantized
+    rows' (`Int8Table.dequantize`).
 
     The norms cost a pass over the table (as much as the affinity product at B = 1), and a serving
     process scores the same index over and over."""
-    table = (g, x, b)
+    quantized = g_scale is not None
+    table = (g, x, b, g_scale, x_scale) if quantized else (g, x, b)
     tracked = not any(t.is_inference() for t in table)  # inference tensors have no version
     if tracked:
         key, versions = tuple(map(id, table)), tuple(t._version for t in table)
@@ -230,9 +349,23 @@ def _table_stats(g: torch.Tensor, x: torch.Tensor, b: torch.Tensor) -> _TableSta
                 and all(r() is t for r, t in zip(hit[0], table, strict=True))
             ):
                 return hit[2]
-    u_a = _BF16_U / (1 - _BF16_U) if _product_dtype(x) == torch.bfloat16 else 0.0
+    if quantized:
+        u_a = _INT8_U
+        norms = [
+            torch.cat(
+                [torch.zeros(0)]
+                + [
+                    _row_norms(_dequantize(t[lo : lo + _CHUNK], s[lo : lo + _CHUNK]))
+                    for lo in range(0, len(t), _CHUNK)
+                ]
+            )
+            for t, s in ((g, g_scale), (x, x_scale))
+        ]
+    else:
+        u_a = _BF16_U / (1 - _BF16_U) if _product_dtype(x) == torch.bfloat16 else 0.0
+        norms = [_row_norms(g), _row_norms(x)]
     bias = b.float()
-    per_ad = torch.stack([_row_norms(g), _row_norms(x), bias])  # [3, N]
+    per_ad = torch.stack([*norms, bias])  # [3, N]
     stats = _TableStats(
         per_ad=per_ad,
         scan_bias=bias.abs().mul_(u_a / (1 - u_a) + 2.0**-21 + _SLACK).add_(bias),
@@ -244,6 +377,11 @@ def _table_stats(g: torch.Tensor, x: torch.Tensor, b: torch.Tensor) -> _TableSta
             while len(_STATS) > _STATS_TABLES:
                 del _STATS[next(iter(_STATS))]  # the oldest
     return stats
+
+
+def _dequantize(ints: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Rows of an 8-bit table as `Int8Table.dequantize` makes them (the same fp32 products)."""
+    return ints.float() * scale[..., None]
 
 
 class _Threshold:
@@ -361,13 +499,18 @@ class _Worker:
         self, plan: _Plan, table, stats: _TableStats, mask, shared: _Threshold, block: int
     ):
         self.plan, self.shared, self.stats = plan, shared, stats
-        self.g, self.x = table
+        self.table = table  # (g, x, b) or an Int8Table
+        self.g, self.x = (table.g, table.x) if plan.quantized else table[:2]
         self.mask = mask
-        n_rows = plan.n_req * plan.n_exp
-        self.a_buf = torch.empty(n_rows * block, dtype=plan.vh.dtype)
-        self.l_buf = None if plan.qh is None else torch.empty(n_rows * block, dtype=plan.qh.dtype)
+        # products' scratch: [B·E, n] in the product dtype, or [P·B·E, n] int32 (8-bit tables)
+        out = torch.int32 if plan.quantized else plan.vh.dtype
+        self.a_buf = torch.empty(len(plan.vh) * block, dtype=out)
+        self.l_buf = None  # (8-bit tables compute logits per request, `logits_int8`)
+        if plan.qh is not None and not plan.quantized:
+            self.l_buf = torch.empty(len(plan.qh) * block, dtype=out)
         self.pending: list[tuple[torch.Tensor, ...]] = []
         self.n_pending = 0
+        self.refine_pairs = _REFINE_PAIRS_ONE if plan.n_req == 1 else _REFINE_PAIRS
         self.cands: list[tuple[torch.Tensor, ...]] = []  # (req, row, upper bound h)
         self.n_cands = 0
         self.cap = max(8 * plan.n_req * plan.k, 1 << 15)
@@ -375,6 +518,8 @@ class _Worker:
 
     def scan(self, lo: int, hi: int) -> None:
         """Step 1 on ads [lo, hi): the affinity bound U, eligibility, gather the survivors."""
+        if self.plan.quantized:
+            return self.scan_int8(lo, hi)
         plan, stats, n = self.plan, self.stats, hi - lo
         n_req, n_exp = plan.n_req, plan.n_exp
         xb = self.x[lo:hi].to(plan.vh.dtype)
@@ -391,9 +536,13 @@ class _Worker:
         gate = None if plan.qh is None else self.gate_logits(lo, hi, req, ad)  # [S, E] L̂
         # Â stays [B·E, n] for the max over E along rows; the take gathers E strided values
         gathered = aff.take(_expert_index(req, ad, n_exp, n))  # [E, S] Â
-        self.pending.append((req, row, gate, gathered, stats.per_ad.index_select(1, row)))
+        self.add_pending(req, row, gate, gathered, n)
+
+    def add_pending(self, req, row, gate, aff, n: int) -> None:
+        """Queue survivors (req [S], row [S], L̂ [S, E] or None, Â [E, S]) of a block of n ads."""
+        self.pending.append((req, row, gate, aff, self.stats.per_ad.index_select(1, row)))
         self.n_pending += len(req)
-        if self.n_pending >= _REFINE_PAIRS or hi - lo < self.block:
+        if self.n_pending >= self.refine_pairs or n < self.block:
             self.refine()  # after a short (warm-up) block at once: τ is what prunes the next
 
     def gate_logits(self, lo: int, hi: int, req: torch.Tensor, ad: torch.Tensor) -> torch.Tensor:
@@ -409,6 +558,50 @@ class _Worker:
         logits = torch.mm(gb.to(plan.qh.dtype), plan.qh.T, out=out)  # [n, B·E]
         return logits.view(n * plan.n_req, plan.n_exp).index_select(0, ad * plan.n_req + req)
 
+    def scan_int8(self, lo: int, hi: int) -> None:
+        """`scan` on an 8-bit table: exact integer products, scaled after the max over E.
+
+        Â_e = (I_e·v_scale)·x_scale in fp32 with both scales positive, so max_e Â_e is the same
+        expression of max_e I_e (fp32 rounding is monotone): one [B, n] scaling, not [B·E, n]."""
+        plan, stats, table, n = self.plan, self.stats, self.table, hi - lo
+        n_req, n_exp = plan.n_req, plan.n_exp
+        ints = _int_products(plan.vh, table.x[lo:hi], n_req * n_exp, self.a_buf)  # [B·E, n] I
+        best = ints.view(n_req, n_exp, n).amax(1).float()  # [B, n]
+        x_scale = table.x_scale[lo:hi]
+        best.mul_(plan.v_scale[:, None]).mul_(x_scale)  # M̂
+        offset = _affinity_offset(plan, stats.x_norm[lo:hi], stats.scan_bias[lo:hi])  # [n]
+        keep = best.add_(offset) >= self.shared.for_scan[:, None]  # [B, n]
+        if self.mask is not None:
+            keep &= self.mask[..., lo:hi]
+        req, ad = keep.nonzero().unbind(1)  # [S], [S]
+        if len(req) == 0:
+            return
+        aff = ints.take(_expert_index(req, ad, n_exp, n)).float()  # [E, S]
+        aff.mul_(plan.v_scale.index_select(0, req)).mul_(x_scale.index_select(0, ad))  # Â
+        self.add_pending(req, ad + lo, None, aff, n)  # the logits follow in `refine`
+
+    def logits_int8(self, req, row, aff, per_ad):
+        """L̂ [E, S] of the pending pairs of an 8-bit table, the pairs reordered by request.
+
+        One integer product per request with its surviving ads' gathered rows of g: a pair's
+        logits are computed once, where a product per block would compute all B·n of them (at
+        B = 64, about 12 times as many as survive step 1)."""
+        plan, table = self.plan, self.table
+        if plan.n_req > 1:
+            order = torch.argsort(req, stable=True)
+            req, row = req.index_select(0, order), row.index_select(0, order)
+            aff, per_ad = aff.index_select(1, order), per_ad.index_select(1, order)
+        rows = table.g.index_select(0, row)  # [S, G]
+        ints = torch.empty(plan.n_exp, len(row), dtype=torch.int32)  # [E, S]
+        start = 0
+        for r, count in enumerate(torch.bincount(req, minlength=plan.n_req).tolist()):
+            if count:
+                span = slice(start, start + count)
+                ints[:, span] = _int_products(plan.qh[r], rows[span], plan.n_exp, None)
+            start += count
+        gate = ints.float().mul_(plan.q_scale.index_select(0, req))
+        return req, row, aff, per_ad, gate.mul_(table.g_scale.index_select(0, row))
+
     def refine(self) -> None:
         """Step 2 on the gathered survivors: s̃ ± ε in fp32; keep the pairs with h ≥ τ."""
         if not self.pending:
@@ -417,10 +610,13 @@ class _Worker:
         req, row, gates, affs, per_ad = zip(*self.pending, strict=True)
         self.pending, self.n_pending = [], 0
         req, row, aff = torch.cat(req), torch.cat(row), torch.cat(affs, dim=1)  # aff [E, S]
+        per_ad = torch.cat(per_ad, dim=1)  # [3, S]
         gate = None  # [S, E] -> [E, S] fp32, in one copy
-        if gates[0] is not None:
+        if plan.quantized and plan.qh is not None:
+            req, row, aff, per_ad, gate = self.logits_int8(req, row, aff, per_ad)
+        elif gates[0] is not None:
             gate = torch.cat(gates).T.to(torch.float32, memory_format=torch.contiguous_format)
-        g_norm, x_norm, bias = torch.cat(per_ad, dim=1).unbind(0)  # [S] each (fresh: overwritten)
+        g_norm, x_norm, bias = per_ad.unbind(0)  # [S] each (fresh: overwritten)
         approx, eps = _gate_bounds(plan, req, gate, aff, g_norm, x_norm, bias)  # [S], [S]
         lower, upper = approx - eps, approx + eps
         keep = torch.nonzero(upper >= self.shared.for_refine.index_select(0, req)).squeeze(1)
@@ -523,13 +719,14 @@ def _by_request(req: torch.Tensor, row: torch.Tensor, n_req: int):
     return rows, valid
 
 
-def _exact_topk(q, v, p, g, x, b, rows, valid, k_out: int, threads: int = 1):
+def _exact_topk(q, v, p, take, rows, valid, k_out: int, threads: int = 1):
     """Step 4: the reference's fp32 §2 scores of the candidates and an exact top k_out.
 
-    rows [B, C] (each request's candidates in row order) or [1, C] (the same for every request);
-    valid [B, C] marks the real candidates (None: all are). The scores come from the same
-    `rounded_score` as the reference's, so they depend on an ad's row alone, not on
-    where it sits among the candidates; the stable sort then puts tied ads in row order.
+    take(index) -> the ads' (g, x, b) at index (`_rows_of`); rows [B, C] (each request's
+    candidates in row order) or [1, C] (the same for every request); valid [B, C] marks the real
+    candidates (None: all are). The scores come from the same `rounded_score` as the reference's,
+    so they depend on an ad's row alone, not on where it sits among the candidates; the stable
+    sort then puts tied ads in row order.
     `threads`: threads that score chunks of candidates (`_in_threads`).
     """
     n_req, width = q.shape[0], rows.shape[1]
@@ -539,8 +736,7 @@ def _exact_topk(q, v, p, g, x, b, rows, valid, k_out: int, threads: int = 1):
 
     def rescore(_: int, lo: int, hi: int) -> None:
         r = rows[:, lo:hi]  # [B or 1, c]
-        ads = (g[r[0]], x[r[0]], b[r[0]]) if len(r) == 1 else (g[r], x[r], b[r])
-        scores[:, lo:hi] = rounded_score(q, v, p, *ads)  # [B, c]
+        scores[:, lo:hi] = rounded_score(q, v, p, *take(r[0] if len(r) == 1 else r))  # [B, c]
 
     _in_threads(min(threads, len(spans)), spans, rescore)
     if valid is not None:
@@ -553,17 +749,30 @@ def _exact_topk(q, v, p, g, x, b, rows, valid, k_out: int, threads: int = 1):
     return scores, rows.masked_fill(scores == -math.inf, NO_ROW)
 
 
-def _every_eligible(q, v, p, g, x, b, mask, k_out: int, threads: int):
+def _rows_of(table):
+    """take(index) -> (g, x, b) of the ads at index: as stored, or dequantized for an 8-bit
+    table exactly as `Int8Table.dequantize` does, so the rescored scores are the reference's."""
+    if isinstance(table, Int8Table):
+        return lambda i: (
+            _dequantize(table.g[i], table.g_scale[i]),
+            _dequantize(table.x[i], table.x_scale[i]),
+            table.b[i],
+        )
+    g, x, b = table
+    return lambda i: (g[i], x[i], b[i])
+
+
+def _every_eligible(q, v, p, take, n_ads: int, mask, k_out: int, threads: int):
     """Requests with at most k_out eligible ads: every one of them is in the answer, so there is
     nothing to filter, only the eligible ads' scores to sort (step 4 on all of them)."""
     if mask is None:
-        rows, valid = torch.arange(g.shape[0])[None], None  # [1, N]
+        rows, valid = torch.arange(n_ads)[None], None  # [1, N]
     elif mask.dim() == 1:
         rows, valid = mask.nonzero()[:, 0][None], None  # [1, N']
     else:
         req, row = mask.nonzero().unbind(1)  # by request, then row
         rows, valid = _by_request(req, row, q.shape[0])  # [B, C] each
-    return _exact_topk(q, v, p, g, x, b, rows, valid, k_out, threads)
+    return _exact_topk(q, v, p, take, rows, valid, k_out, threads)
 
 
 def _few_eligible(mask, n_req: int, n_ads: int, k_out: int) -> torch.Tensor:
@@ -617,27 +826,110 @@ def cpu_score_topk(
     is every eligible ad); inputs beyond the filters' range (`_in_range`) go to the reference.
     """
     _check(q, v, p, g, x, b, mask, k)
+    g, x, b = g.contiguous(), x.contiguous(), b.contiguous()
+    return _solve(q, v, p, (g, x, b), mask, k, block, threads)
+
+
+def cpu_score_topk_int8(
+    q: torch.Tensor,
+    v: torch.Tensor,
+    p: torch.Tensor,
+    table: Int8Table,
+    mask: torch.Tensor | None,
+    k: int,
+    *,
+    block: int | None = None,
+    threads: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`cpu_score_topk` reading an 8-bit table as stored: the exact top K of its dequantized
+    table (the `Int8Table` definition), with no dequantized copy of the table.
+
+    The query is rounded to int8 as well (its rounding is measured and bounded like bf16's), so
+    steps 1 and 2 run on integer products (`torch._int_mm`, VNNI on x86): a quarter of the bytes
+    of an fp32 table and half of bf16's, at four times bf16's product rate. Where the integer
+    product is not exact (`int8_products_exact`: a CPU whose int8 kernel saturates), or D or G is
+    too large for int32 sums, this scores the dequantized table with `cpu_score_topk` instead.
+    """
+    if not isinstance(table, Int8Table):
+        raise TypeError(f"table must be an Int8Table, got {type(table).__name__}")
+    g, x, b = table.g, table.x, table.b
+    check_args(q, v, p, g, x, b, mask, k)
+    for name, t in {"q": q, "v": v, "p": p}.items():
+        if not t.is_floating_point() or t.device.type != "cpu":
+            raise ValueError(
+                f"{name} must be a floating-point CPU tensor, got {t.dtype} on {t.device}"
+            )
+    for name, t, dtype in (
+        ("g", g, torch.int8),
+        ("x", x, torch.int8),
+        ("g_scale", table.g_scale, torch.float32),
+        ("x_scale", table.x_scale, torch.float32),
+        ("b", b, torch.float32),
+    ):
+        if t.dtype != dtype or t.device.type != "cpu":
+            raise ValueError(f"{name} must be a {dtype} CPU tensor, got {t.dtype} on {t.device}")
+    if (table.g_scale.shape, table.x_scale.shape) != (b.shape, b.shape):
+        raise ValueError(
+            f"scales must be [N] = {tuple(b.shape)}, got g_scale {tuple(table.g_scale.shape)} and "
+            f"x_scale {tuple(table.x_scale.shape)}"
+        )
+    if max(g.shape[1], x.shape[1]) > _INT32_SUM_DIM or not int8_products_exact():
+        return cpu_score_topk(q, v, p, *table.dequantize(), mask, k, block=block, threads=threads)
+    table = Int8Table(*(t.contiguous() for t in table))
+    return _solve(q, v, p, table, mask, k, block, threads)
+
+
+# |Σ_i a_i b_i| ≤ 127²·C must fit in int32
+_INT32_SUM_DIM = (2**31 - 1) // _INT8_MAX**2
+
+
+@functools.cache
+def int8_products_exact() -> bool:
+    """Whether `torch._int_mm` on this CPU returns exact int32 sums for int8 inputs of ±127.
+
+    Some x86 int8 kernels (without VNNI) sum pairs of products in int16 with saturation, which
+    operands of ±127 can overflow; the 8-bit filters' bounds assume exact sums, so they are only
+    used where a worst-case probe (every sign pattern of ±127 pairs, both orientations the
+    kernel uses) comes back exact."""
+    signs = torch.tensor([[1, 1], [1, -1], [-1, 1], [-1, -1]], dtype=torch.int8)
+    a = (signs * _INT8_MAX).repeat(1, 48).repeat(5, 1)  # [20, 96]: ±127 in every pairing
+    b = torch.cat([a, -a, torch.full((1, 96), -_INT8_MAX, dtype=torch.int8)])  # [41, 96]
+    want = a.long() @ b.long().T
+    with torch.no_grad():  # as the filters call it: a query [m, C] times a block's rows [n, C]ᵀ
+        return all(
+            torch.equal(torch._int_mm(lhs, rhs.T).long(), out)
+            for lhs, rhs, out in ((a, b, want), (b, a, want.T), (a[:1], b, want[:1]))
+        )
+
+
+def _solve(q, v, p, table, mask, k: int, block, threads):
+    """The driver behind both entry points: table (g, x, b) or an Int8Table, arguments checked."""
     if block is not None and block <= 0:
         raise ValueError(f"block must be positive, got {block}")
     if threads is not None and threads <= 0:
         raise ValueError(f"threads must be positive, got {threads}")
-    n_req, n_ads = p.shape[0], g.shape[0]
+    quantized = isinstance(table, Int8Table)
+    n_req, n_ads = p.shape[0], table.b.shape[0] if quantized else table[2].shape[0]
     k_out = min(k, n_ads)
     if n_req == 0 or n_ads == 0:
         return torch.full((n_req, k_out), -math.inf), torch.full((n_req, k_out), NO_ROW)
-    g, x, b = g.contiguous(), x.contiguous(), b.contiguous()
-    stats = _table_stats(g, x, b)
+    if quantized:
+        stats = _table_stats(table.g, table.x, table.b, table.g_scale, table.x_scale)
+    else:
+        stats = _table_stats(*table)
     if not _in_range(q, v, p, stats):
-        return torch_score_topk(q, v, p, g, x, b, mask, k)
+        return torch_score_topk(q, v, p, *(table.dequantize() if quantized else table), mask, k)
     # on one core: an OpenMP team woken here would spin on the cores the workers need next
     with _single_threaded(torch.get_num_threads()):
         few = _few_eligible(mask, n_req, n_ads, k_out)  # [B]
+    take = _rows_of(table)
 
     def filtered(q, v, p, mask):
-        return _filtered_topk(q, v, p, g, x, b, stats, mask, k_out, block, threads)
+        return _filtered_topk(q, v, p, table, take, stats, mask, k_out, block, threads)
 
     def every(q, v, p, mask):
-        return _every_eligible(q, v, p, g, x, b, mask, k_out, threads or torch.get_num_threads())
+        n_threads = threads or torch.get_num_threads()
+        return _every_eligible(q, v, p, take, n_ads, mask, k_out, n_threads)
 
     scores = torch.empty(n_req, k_out)  # [B, K']
     rows = torch.empty(n_req, k_out, dtype=torch.long)  # [B, K']
@@ -649,19 +941,23 @@ def cpu_score_topk(
     return scores, rows
 
 
-def _filtered_topk(q, v, p, g, x, b, stats, mask, k_out: int, block, threads):
+def _filtered_topk(q, v, p, table, take, stats, mask, k_out: int, block, threads):
     """Steps 1-4 (the module docstring) for requests with more than k_out eligible ads."""
     n_req, n_exp = p.shape
-    n_ads = g.shape[0]
-    plan = _plan(q, v, p, g, x, k_out)
+    n_ads = len(stats.scan_bias)
+    if isinstance(table, Int8Table):
+        plan = _plan_int8(q, v, p, k_out)
+    else:
+        plan = _plan(q, v, p, table[0], table[1], k_out)
     if block is None:
-        block = 1 << round(math.log2(max(_TILE / (n_req * n_exp), 1)))
+        tile = _INT8_TILE if plan.quantized else _TILE
+        block = 1 << round(math.log2(max(tile / (n_req * n_exp), 1)))
         block = min(max(block, _MIN_BLOCK), _MAX_BLOCK)
     block = min(block, n_ads)
     spans = _spans(n_ads, block)
     n_workers = min(threads or torch.get_num_threads(), len(spans))
     shared = _Threshold(n_req, k_out, plan.u_scan)
-    workers = [_Worker(plan, (g, x), stats, mask, shared, block) for _ in range(n_workers)]
+    workers = [_Worker(plan, table, stats, mask, shared, block) for _ in range(n_workers)]
     _in_threads(
         n_workers, spans, lambda i, lo, hi: workers[i].scan(lo, hi), lambda i: workers[i].finish()
     )
@@ -675,4 +971,4 @@ def _filtered_topk(q, v, p, g, x, b, stats, mask, k_out: int, block, threads):
     rows, valid = _by_request(req[order], row[order], n_req)
     # the finish is small: one core avoids waking a thread team (costly on a busy machine)
     with _single_threaded(torch.get_num_threads()):
-        return _exact_topk(q, v, p, g, x, b, rows, valid, k_out)
+        return _exact_topk(q, v, p, take, rows, valid, k_out)

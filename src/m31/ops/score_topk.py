@@ -4,10 +4,12 @@ Shapes: B requests, N ads, E experts, G gate-key dim, D value dim, K results.
 
 Implementations of one contract (exact top-K, ties to the lower row):
 * `torch`  — the chunked plain-PyTorch reference (`torch_score_topk`), the definition of correct;
-* `cpu`    — blocked bf16 products, fused gate and a threshold top-K (`cpu_score_topk`);
+* `cpu`    — blocked bf16 (8-bit tables: int8) products, proven bounds, a threshold top-K
+  (`cpu_score_topk`, `cpu_score_topk_int8`);
 * `triton` — the fused GPU kernel (`triton_score_topk`); on CPU only under `TRITON_INTERPRET=1`.
 `kernel="auto"` takes triton for CUDA tensors and cpu otherwise. An 8-bit table
-(`m31.ops.quant.Int8Table`) is scored as its dequantized table.
+(`m31.ops.quant.Int8Table`) is scored as its dequantized table; the `cpu` and `triton` kernels
+read it as stored (8-bit products), the reference dequantizes it.
 """
 
 from __future__ import annotations
@@ -93,12 +95,14 @@ def score_topk(
         if quantized:
             return tr.triton_score_topk_int8(q, v, p, ad_table, mask, k)
         return tr.triton_score_topk(q, v, p, g, x, b, mask, k)
+    if name == "cpu":
+        from m31.ops import cpu_score_topk as cpu
+
+        if quantized:
+            return cpu.cpu_score_topk_int8(q, v, p, ad_table, mask, k)
+        return cpu.cpu_score_topk(q, v, p, g, x, b, mask, k)
     if quantized:  # the 8-bit table's score is the score of its dequantized table
         g, x, b = ad_table.dequantize()
-    if name == "cpu":
-        from m31.ops.cpu_score_topk import cpu_score_topk
-
-        return cpu_score_topk(q, v, p, g, x, b, mask, k)
     return torch_score_topk(q, v, p, g, x, b, mask, k)
 
 
