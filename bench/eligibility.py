@@ -9,12 +9,13 @@ world (country, age, gender) on a random platform and surface, at the end of the
 B it prints milliseconds per request of:
 * before: each request's mask from the attribute columns (`AdIndex._eligible_reference`, the
   builder the engine used), stacked into [B, N] as the engine did;
-* after, warm: `IndexView.eligible_masks` on a view whose caches already hold the batch's ages
-  and second (every batch after the first of an index version);
+* after, warm: `IndexView.eligible_bits` (what the engine asks for: one bitmap per targeting key,
+  `m31.ops.PackedMask`, which the kernels take as it is) on a view whose caches already hold the
+  batch's ages and second (every batch after the first of an index version);
 * after, cold: the first batch of a new version (one attribute update before it), which computes
   the schedule at its second and the predicates it lacks; the view's copy of the bitmaps and of
   the attributes, made once per version, is shown apart;
-* score·top-K: `score_topk` (K = 100, auto kernel) on the batch with the after mask;
+* score·top-K: `score_topk` (K = 100, auto kernel) on the batch with the after (packed) mask;
 and with --engine (first N only), `Retriever.retrieve` end to end with each builder
 (`m31.bench.engine.run_engine`, which builds its own index).
 """
@@ -98,9 +99,9 @@ def bench_n(n: int, batches: list[int], repeat: int, ds) -> list[dict]:
         contexts = _contexts(ds.users, b, ts, rng)
         view = index.frozen_view()
         before = _median_ms(lambda: _before(view, contexts), repeat)  # noqa: B023
-        after = view.eligible_masks(contexts)
-        assert torch.equal(after, _before(view, contexts)), "the builders disagree"
-        warm = _median_ms(lambda: view.eligible_masks(contexts), repeat)  # noqa: B023
+        after = view.eligible_bits(contexts)  # the engine's: bitmaps, one per targeting key
+        assert torch.equal(after.unpack(), _before(view, contexts)), "the builders disagree"
+        warm = _median_ms(lambda: view.eligible_bits(contexts), repeat)  # noqa: B023
         cold, copies = [], []
         for _ in range(max(1, repeat // 2)):
             ad = int(view.row_ids[0])
@@ -109,7 +110,7 @@ def bench_n(n: int, batches: list[int], repeat: int, ds) -> list[dict]:
             view = index.frozen_view()
             copies.append(time.perf_counter() - start)
             start = time.perf_counter()
-            view.eligible_masks(contexts)
+            view.eligible_bits(contexts)
             cold.append(time.perf_counter() - start)
         copy_start = time.perf_counter()
         index._bitmaps.copy(index.num_rows)

@@ -16,7 +16,8 @@ from m31.data.schema import GENDERS, PLATFORMS, STATUSES, SURFACES
 from m31.index import AdIndex, RequestContext, compile_filter, evaluate_row
 from m31.index import eligibility as elig
 from m31.index.ad_index import BASE_FIELDS
-from m31.index.eligibility import _assign, _pack_torch, _unpack_torch, pack, unpack
+from m31.index.eligibility import _assign
+from m31.ops.masks import _pack_torch, _unpack_torch, pack, unpack
 
 G, D = 2, 3
 NOW = 1_000

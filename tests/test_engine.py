@@ -232,14 +232,14 @@ def test_writers_do_not_wait_for_a_retrieves_masks(world, monkeypatch):
     top = int(before.results[0].ad_ids[0])
 
     building, release = threading.Event(), threading.Event()
-    build = IndexView.eligible_masks
+    build = IndexView.eligible_bits
 
     def held(view, *args):
         building.set()
         assert release.wait(60), "never released"
         return build(view, *args)
 
-    monkeypatch.setattr(IndexView, "eligible_masks", held)
+    monkeypatch.setattr(IndexView, "eligible_bits", held)
     answers, errors = [], []
 
     def retrieve():
@@ -314,7 +314,7 @@ def test_equal_scores_go_to_the_lower_ad_id(world, k):
     rows = torch.arange(view.row_ids.shape[0])
     parts = []
     for keep in (rows % 2 == 0, rows % 2 == 1):
-        mask = eligible_masks(view, ctx) & keep
+        mask = eligible_masks(view, ctx).unpack() & keep
         parts.append(search(query, view, mask, [k])[0])
     merged = merge(parts, k)
     np.testing.assert_array_equal(merged.ad_ids, got.ad_ids)

@@ -49,6 +49,9 @@ class Limits:
     bandwidth: float  # bytes/s of a device copy, read + write
     matmul_bf16: float  # FLOP/s
     matmul_fp32: float | None  # FLOP/s (only the CPU's is used: FAISS)
+    # int8 x int8 -> int32 OP/s, measured on a CPU (`torch._int_mm`), where the 8-bit kernel runs
+    # integer products; None on GPUs (the Triton kernel runs bf16 products of the int8 values)
+    matmul_int8: float | None = None
 
 
 H200_ANCHORS = Limits("NVIDIA H200, DESIGN §6 anchors", 4.20e12, 748e12, None)
@@ -79,8 +82,17 @@ def measure_limits(device: torch.device) -> Limits:
         b = torch.randn(size, size, device=device).to(dtype)  # [S, S]
         t, _, _ = time_call(lambda a=a, b=b: a @ b, device, repeat=5, budget_s=5.0)
         rates[dtype] = 2 * size**3 / t
+    int8 = None
+    if not cuda:
+        a = torch.randint(-127, 128, (size, size), dtype=torch.int8)  # [S, S]
+        t, _, _ = time_call(lambda: torch._int_mm(a, a.T), device, repeat=5, budget_s=5.0)
+        int8 = 2 * size**3 / t
     return Limits(
-        f"{device_name(device)}, measured", bandwidth, rates[torch.bfloat16], rates[torch.float32]
+        f"{device_name(device)}, measured",
+        bandwidth,
+        rates[torch.bfloat16],
+        rates[torch.float32],
+        int8,
     )
 
 

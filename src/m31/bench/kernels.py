@@ -155,8 +155,10 @@ class _Bench:
         if variant == "faiss":  # on the CPU whatever the device
             cpu = device_limits(torch.device("cpu"), self.measure)
             return 4 * dim, 2 * dim, cpu, cpu.matmul_fp32
-        table = self.int8 if variant == "kernel-int8" else self.table
-        return row_bytes(table), 2 * self.e * 2 * dim, self.limits, self.limits.matmul_bf16
+        if variant == "kernel-int8":
+            rate = self.limits.matmul_int8 or self.limits.matmul_bf16  # its products' own rate
+            return row_bytes(self.int8), 2 * self.e * 2 * dim, self.limits, rate
+        return row_bytes(self.table), 2 * self.e * 2 * dim, self.limits, self.limits.matmul_bf16
 
 
 def run_timings(

@@ -213,7 +213,8 @@ def timings_report(rows: Sequence[Timing], limits: Limits, gpu: bool, no_plot: s
         "half the ads eligible",
         "",
         f"Limits ({limits.source}): copy {limits.bandwidth / 1e12:.3g} TB/s, bf16 matrix "
-        f"{limits.matmul_bf16 / 1e12:.3g} TFLOP/s.",
+        f"{limits.matmul_bf16 / 1e12:.3g} TFLOP/s"
+        + (f", int8 matrix {limits.matmul_int8 / 1e12:.3g} TOP/s." if limits.matmul_int8 else "."),
         "",
         timings_markdown(rows),
     ]

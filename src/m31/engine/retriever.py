@@ -36,7 +36,7 @@ from m31.features import Features
 from m31.index import AdIndex, CompiledFilter, IndexView, RequestContext, compile_filter
 from m31.model import Catalog, RetrievalModel, make_requests
 from m31.model.inputs import concat_requests, inline_requests
-from m31.ops import NO_ROW, score_topk
+from m31.ops import NO_ROW, PackedMask, score_topk
 
 # Extra results asked of the kernel beyond K, so that ties at the K-th score rarely need a retry.
 TIE_MARGIN = 64
@@ -73,14 +73,14 @@ def request_context(request: AdRequest, targeting: Mapping) -> RequestContext:
 
 def eligible_masks(
     view: IndexView, requests: Sequence[tuple[RequestContext, CompiledFilter | None]]
-) -> torch.Tensor | None:
-    """[B, N] bool: each (context, compiled filter) evaluated over the view's rows, from the
-    index's row bitmaps; requests with the same targeting share one mask (`IndexView.eligible_masks`:
-    a mask all B share comes expanded, to be read only)."""
+) -> PackedMask | None:
+    """Each (context, compiled filter) evaluated over the view's rows, from the index's row
+    bitmaps, as the kernels take it: one bitmap per distinct targeting (and per request with
+    exclusions), N / 8 bytes each, never a [B, N] bool mask (`IndexView.eligible_bits`)."""
     if not requests:
         return None
     contexts, filters = zip(*requests, strict=True)
-    return view.eligible_masks(contexts, filters)
+    return view.eligible_bits(contexts, filters)
 
 
 def search(
@@ -92,7 +92,8 @@ def search(
 ) -> list[Retrieved]:
     """Each request's top `ks[r]` eligible ads of `view`, best first, ties to the lower ad id.
 
-    query = (q [B, E, G], v [B, E, D], p [B, E]); mask: bool [B, N] or None (every row).
+    query = (q [B, E, G], v [B, E, D], p [B, E]); mask: a `PackedMask` of B requests or bool
+    [B, N] or None (every row).
     """
     n = int(view.row_ids.shape[0])
     out: list[Retrieved | None] = [None] * len(ks)
@@ -106,7 +107,9 @@ def search(
             break
         pick = torch.as_tensor(todo, device=view.row_ids.device)
         sub = tuple(t[pick] for t in query) if len(todo) < len(ks) else query
-        sub_mask = None if mask is None else mask[pick] if len(todo) < len(ks) else mask
+        sub_mask = mask
+        if mask is not None and len(todo) < len(ks):
+            sub_mask = mask.select(pick) if isinstance(mask, PackedMask) else mask[pick]
         scores, rows = score_topk(sub, (view.g, view.x, view.b), sub_mask, want, kernel)  # [b, K']
         ids = torch.where(rows == NO_ROW, NO_ROW, view.row_ids[rows.clamp_min(0)])
         scores, ids = scores.cpu().numpy(), ids.cpu().numpy()

@@ -59,6 +59,7 @@ from m31.index.limits import (
     MAX_VALUE_CHARS,
     MAX_VOCABULARY,
 )
+from m31.ops.masks import PackedMask
 
 FORMAT = "m31.ad_index"
 FORMAT_VERSION = 1
@@ -178,13 +179,21 @@ class IndexView:
         filters: Sequence[CompiledFilter | Mapping | None] | None = None,
     ) -> torch.Tensor:
         """bool [B, N]: `AdIndex.eligible_masks` over this view's rows."""
+        return self.eligible_bits(requests, filters).unpack()
+
+    def eligible_bits(
+        self,
+        requests: Sequence[RequestContext],
+        filters: Sequence[CompiledFilter | Mapping | None] | None = None,
+    ) -> PackedMask:
+        """`AdIndex.eligible_bits` over this view's rows."""
         with self._index._lock:
             if self._index._version != self.version:
                 raise AdIndexError(
                     f"view of version {self.version} used after the index moved to "
                     f"{self._index._version} (use it inside its snapshot_view block)"
                 )
-            return self._index._eligible_masks(requests, filters)
+            return self._index._eligible_bits(requests, filters)
 
 
 def _ids(ad_ids: Any, what: str = "ad_ids") -> np.ndarray:
@@ -379,14 +388,24 @@ class AdIndex:
         request, or None for none). Requests with the same targeting context, second and filter
         share one computation; when all B share one mask and exclude nothing, the result is
         that mask expanded to [B, N]: read it, do not write into it."""
-        with self._lock:
-            return self._eligible_masks(requests, filters)
+        return self.eligible_bits(requests, filters).unpack()
 
-    def _eligible_masks(
+    def eligible_bits(
+        self,
+        requests: Sequence[RequestContext],
+        filters: Sequence[CompiledFilter | Mapping | None] | None = None,
+    ) -> PackedMask:
+        """The masks of `eligible_masks` as the kernels take them: one bitmap per distinct
+        targeting context, second and filter, plus one per request that excludes advertisers
+        or ads (`m31.ops.masks.PackedMask`: N / 8 bytes a bitmap)."""
+        with self._lock:
+            return self._eligible_bits(requests, filters)
+
+    def _eligible_bits(
         self,
         requests: Sequence[RequestContext],
         filters: Sequence[CompiledFilter | Mapping | None] | None,
-    ) -> torch.Tensor:
+    ) -> PackedMask:
         if filters is None:
             filters = [None] * len(requests)
         compiled = [
@@ -397,7 +416,7 @@ class AdIndex:
     def _eligible(
         self, request: RequestContext, filter_fn: CompiledFilter | Mapping | None
     ) -> torch.Tensor:
-        return self._eligible_masks([request], [filter_fn])[0]  # a fresh tensor
+        return self._eligible_bits([request], [filter_fn]).unpack()[0]  # a fresh tensor
 
     def _eligible_reference(
         self, request: RequestContext, filter_fn: CompiledFilter | Mapping | None

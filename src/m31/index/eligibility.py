@@ -41,11 +41,11 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from m31.index.attributes import AttributeTable
 from m31.index.filters import CompiledFilter, Node, Predicate, compile_filter
+from m31.ops.masks import PackedMask, n_bytes, pack
 
 # Fields with a bitmap per value. Their vocabularies are bounded: closed ones, and at most 676
 # two-letter country codes (`m31.index.limits.COUNTRY_CODE`).
@@ -63,43 +63,9 @@ for every age of a user base plus the filters and blocked advertisers in use."""
 
 MAX_SCHEDULES = 8  # request seconds whose schedule bitmap is kept until the next write
 _CHUNK = 1 << 20  # rows per step of a large write, which bounds its [V, k] temporaries
-_SHIFTS = torch.arange(8, dtype=torch.uint8)
 
 Bitmap = torch.Tensor  # uint8 [W]
 Fn = Callable[[Any], torch.Tensor]  # an AttributeTable (or AttributeRows) of n rows -> bool [n]
-
-
-def n_bytes(n: int) -> int:
-    return -(-n // 8)
-
-
-def pack(mask: torch.Tensor) -> torch.Tensor:
-    """bool [..., n] -> uint8 [..., ceil(n / 8)]: row r is bit r % 8 of byte r // 8."""
-    if mask.device.type == "cpu":  # numpy packs 15x faster than the tensor ops on a CPU
-        return torch.from_numpy(np.packbits(mask.numpy(), axis=-1, bitorder="little"))
-    return _pack_torch(mask)
-
-
-def unpack(bits: torch.Tensor, n: int) -> torch.Tensor:
-    """uint8 [..., W] -> bool [..., n], a fresh tensor (W >= ceil(n / 8))."""
-    if bits.device.type == "cpu":
-        out = np.unpackbits(bits.numpy(), axis=-1, count=n, bitorder="little")
-        return torch.from_numpy(out).view(torch.bool)
-    return _unpack_torch(bits, n)
-
-
-def _pack_torch(mask: torch.Tensor) -> torch.Tensor:
-    n = mask.shape[-1]
-    padded = torch.zeros(*mask.shape[:-1], 8 * n_bytes(n), dtype=torch.uint8, device=mask.device)
-    padded[..., :n] = mask
-    shifts = _SHIFTS.to(mask.device)
-    return (padded.view(*mask.shape[:-1], -1, 8) << shifts).sum(-1, dtype=torch.uint8)
-
-
-def _unpack_torch(bits: torch.Tensor, n: int) -> torch.Tensor:
-    shifts = _SHIFTS.to(bits.device)
-    spread = (bits[..., : n_bytes(n), None] >> shifts) & 1  # [..., ceil(n / 8), 8]
-    return spread.view(*bits.shape[:-1], -1)[..., :n].view(torch.bool)
 
 
 def _assign(bits: torch.Tensor, rows: torch.Tensor, match: torch.Tensor) -> None:
@@ -375,37 +341,38 @@ class Eligibility:
         attrs: AttributeTable,
         row_ids: torch.Tensor,
         n: int,
-    ) -> torch.Tensor:
-        """bool [B, n]: each `RequestContext` with its filter, exclusions included. Requests
-        with the same key share one computation; when all B share one mask and none excludes
-        anything, the result is that mask [n] expanded to [B, n] (read it, do not write it)."""
-        if not requests:
-            return torch.zeros(0, n, dtype=torch.bool, device=self.device)
-        keys: dict[Hashable, int] = {}  # eligibility key -> its row in `shared`
-        shared: list[Bitmap] = []
+    ) -> PackedMask:
+        """Each `RequestContext` with its filter, exclusions included, as bitmaps: requests with
+        the same key share one computation and one bitmap, and a request that excludes
+        advertisers or ads gets its own."""
+        keys: dict[Hashable, int] = {}  # eligibility key -> its bitmap
+        maps: list[Bitmap] = []
         which: list[int] = []
         for request, filter_fn in zip(requests, filters, strict=True):
             f_key = None if filter_fn is None else filter_fn.key
             key = (request.country, request.age, request.gender, request.platform,
                    request.surface, int(request.ts), f_key)  # fmt: skip
             if key not in keys:
-                keys[key] = len(shared)
-                shared.append(self.key_bits(request, filter_fn, attrs, n))
+                keys[key] = len(maps)
+                maps.append(self.key_bits(request, filter_fn, attrs, n))
             which.append(keys[key])
-        own = [r for r, request in enumerate(requests) if len(request.exclude_advertisers)]
-        ads = [r for r, request in enumerate(requests) if len(request.exclude_ads)]
-        if len(shared) == 1 and not own and not ads:
-            return unpack(shared[0], n).expand(len(requests), n)
-        rows = [shared[u] for u in which]  # [B] of [W]
-        for r in own:
-            blocked = self.blocked(requests[r].exclude_advertisers, attrs, n)
-            rows[r] = rows[r] & ~blocked
-        mask = unpack(torch.stack(rows), n)  # [B, n]
-        for r in ads:
-            # By id over the rows, not through an id -> row map, so that a frozen view needs no
-            # copy of that map; rows of other versions of an ad are not live anyway.
-            excluded = torch.tensor(
-                [int(a) for a in requests[r].exclude_ads], dtype=torch.int64, device=self.device
-            )
-            mask[r] &= ~torch.isin(row_ids[:n], excluded)
-        return mask
+        for r, request in enumerate(requests):
+            if not len(request.exclude_advertisers) and not len(request.exclude_ads):
+                continue
+            own = maps[which[r]]
+            if len(request.exclude_advertisers):
+                own = own & ~self.blocked(request.exclude_advertisers, attrs, n)
+            if len(request.exclude_ads):
+                # By id over the rows, not through an id -> row map, so that a frozen view needs
+                # no copy of that map; rows of other versions of an ad are not live anyway.
+                excluded = torch.tensor(
+                    [int(a) for a in request.exclude_ads], dtype=torch.int64, device=self.device
+                )
+                hit = torch.zeros(self.width, dtype=torch.uint8, device=self.device)  # [W]
+                hit[: n_bytes(n)] = pack(torch.isin(row_ids[:n], excluded))
+                own = own & ~hit
+            which[r] = len(maps)
+            maps.append(own)
+        empty = torch.zeros(0, self.width, dtype=torch.uint8, device=self.device)
+        bits = torch.stack(maps) if maps else empty  # [U, W]
+        return PackedMask(bits, torch.tensor(which, dtype=torch.int64, device=self.device), n)

@@ -1,5 +1,6 @@
 """Hot operations, each a public dispatcher over implementations of one stem (DESIGN §5)."""
 
+from m31.ops.masks import PackedMask
 from m31.ops.quant import Int8Table, quantize_ad_table
 from m31.ops.score_topk import (
     KERNELS,
@@ -15,6 +16,7 @@ __all__ = [
     "NO_ROW",
     "Int8Table",
     "NonFiniteQueryError",
+    "PackedMask",
     "available_kernels",
     "gate_weights",
     "quantize_ad_table",

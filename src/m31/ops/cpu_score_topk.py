@@ -113,6 +113,7 @@ from dataclasses import dataclass
 
 import torch
 
+from m31.ops.masks import PackedMask
 from m31.ops.quant import Int8Table
 from m31.ops.torch_score import rounded_score
 from m31.ops.torch_score_topk import NO_ROW, check_args, torch_score_topk
@@ -528,7 +529,7 @@ class _Worker:
         offset = _affinity_offset(plan, stats.x_norm[lo:hi], stats.scan_bias[lo:hi])  # [n]
         keep = torch.add(best, offset) >= self.shared.for_scan[:, None]  # [B, n]
         if self.mask is not None:
-            keep &= self.mask[..., lo:hi]
+            keep &= _rows(self.mask, lo, hi)
         req, ad = keep.nonzero().unbind(1)  # [S], [S]
         if len(req) == 0:
             return
@@ -572,7 +573,7 @@ class _Worker:
         offset = _affinity_offset(plan, stats.x_norm[lo:hi], stats.scan_bias[lo:hi])  # [n]
         keep = best.add_(offset) >= self.shared.for_scan[:, None]  # [B, n]
         if self.mask is not None:
-            keep &= self.mask[..., lo:hi]
+            keep &= _rows(self.mask, lo, hi)
         req, ad = keep.nonzero().unbind(1)  # [S], [S]
         if len(req) == 0:
             return
@@ -765,6 +766,8 @@ def _rows_of(table):
 def _every_eligible(q, v, p, take, n_ads: int, mask, k_out: int, threads: int):
     """Requests with at most k_out eligible ads: every one of them is in the answer, so there is
     nothing to filter, only the eligible ads' scores to sort (step 4 on all of them)."""
+    if isinstance(mask, PackedMask):
+        mask = mask.unpack()  # [B, N] of these few requests
     if mask is None:
         rows, valid = torch.arange(n_ads)[None], None  # [1, N]
     elif mask.dim() == 1:
@@ -784,6 +787,8 @@ def _few_eligible(mask, n_req: int, n_ads: int, k_out: int) -> torch.Tensor:
     in full."""
     if mask is None:
         return torch.full((n_req,), n_ads <= k_out)
+    if isinstance(mask, PackedMask):  # a popcount per distinct bitmap
+        return mask.counts() <= k_out
     rows = mask if mask.dim() == 2 else mask[None]  # [B or 1, N]
     head = min(n_ads, 16 * k_out)
     count = torch.count_nonzero(rows[:, :head], dim=-1)  # [B or 1]
@@ -793,8 +798,20 @@ def _few_eligible(mask, n_req: int, n_ads: int, k_out: int) -> torch.Tensor:
     return (count <= k_out).expand(n_req)
 
 
+def _rows(mask: torch.Tensor | PackedMask, lo: int, hi: int) -> torch.Tensor:
+    """bool [B or 1, hi - lo] (or [hi - lo] for a shared bool mask): the mask of a block."""
+    return mask.rows(lo, hi) if isinstance(mask, PackedMask) else mask[..., lo:hi]
+
+
+def _check_mask(mask) -> None:
+    device = mask.device if mask is not None else torch.device("cpu")
+    if device.type != "cpu":
+        raise ValueError(f"the mask must be on the CPU, got {device}")
+
+
 def _check(q, v, p, g, x, b, mask, k) -> None:
     check_args(q, v, p, g, x, b, mask, k)
+    _check_mask(mask)
     for name, t in {"q": q, "v": v, "p": p, "g": g, "x": x, "b": b}.items():
         if not t.is_floating_point() or t.device.type != "cpu":
             raise ValueError(
@@ -818,7 +835,8 @@ def cpu_score_topk(
     """(scores [B, K'] fp32, rows [B, K'] int64), K' = min(k, N): the contract of `torch_score_topk`.
 
     q [B, E, G], v [B, E, D], p [B, E]; g [N, G], x [N, D], b [N] (bf16 tables take the fast bf16
-    products, others fp32 ones); mask bool [N] or [B, N] or None. `block`: ads per block (default:
+    products, others fp32 ones); mask bool [N] or [B, N], a `PackedMask` (unpacked a block at a
+    time) or None. `block`: ads per block (default:
     about 2²⁰ / (B·E), so a block's products stay in cache); `threads`: worker threads that split
     the blocks, each running torch on one core (default: torch.get_num_threads()). torch's thread
     count is set to 1 in those threads for the call (the MKL part of that setting is process-wide)
@@ -854,6 +872,7 @@ def cpu_score_topk_int8(
         raise TypeError(f"table must be an Int8Table, got {type(table).__name__}")
     g, x, b = table.g, table.x, table.b
     check_args(q, v, p, g, x, b, mask, k)
+    _check_mask(mask)
     for name, t in {"q": q, "v": v, "p": p}.items():
         if not t.is_floating_point() or t.device.type != "cpu":
             raise ValueError(
@@ -936,7 +955,10 @@ def _solve(q, v, p, table, mask, k: int, block, threads):
     for part, solve in ((few, every), (~few, filtered)):
         idx = part.nonzero()[:, 0]
         if len(idx):
-            part_mask = mask if mask is None or mask.dim() == 1 else mask[idx]
+            if isinstance(mask, PackedMask):
+                part_mask = mask.select(idx)
+            else:
+                part_mask = mask if mask is None or mask.dim() == 1 else mask[idx]
             scores[idx], rows[idx] = solve(q[idx], v[idx], p[idx], part_mask)
     return scores, rows
 

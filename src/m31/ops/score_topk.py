@@ -19,6 +19,7 @@ import os
 
 import torch
 
+from m31.ops.masks import PackedMask
 from m31.ops.quant import Int8Table
 from m31.ops.torch_score_topk import NO_ROW, NonFiniteQueryError, check_args, torch_score_topk
 
@@ -57,14 +58,15 @@ def _pick(kernel: str, device: torch.device) -> str:
 def score_topk(
     query: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     ad_table: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | Int8Table,
-    mask: torch.Tensor | None,
+    mask: torch.Tensor | PackedMask | None,
     k: int,
     kernel: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-K eligible ads of each request under the DESIGN §2 score, exact, ties to the lower row.
 
     query = (q [B, E, G], v [B, E, D], p [B, E]); ad_table = (g [N, G], x [N, D], b [N]) or an
-    `Int8Table`; mask: bool [N] or [B, N] or None. Returns (scores [B, min(k, N)] fp32,
+    `Int8Table`; mask: bool [N] or [B, N], a `PackedMask` (bitmaps, one per distinct mask, as the
+    index makes them: the `cpu` kernel unpacks a block's bytes at a time), or None. Returns (scores [B, min(k, N)] fp32,
     rows [B, min(k, N)] int64), best first; a request with fewer eligible ads than that ends in
     rows NO_ROW (-1). `kernel`: auto, or one of KERNELS (see the module docstring).
 
@@ -89,6 +91,8 @@ def score_topk(
     g, x, b = (ad_table.g, ad_table.x, ad_table.b) if quantized else ad_table
     check_args(q, v, p, g, x, b, mask, k)
     name = _pick(kernel, g.device)
+    if name == "triton" and isinstance(mask, PackedMask):
+        mask = mask.unpack()  # (the kernel packs it again, into int32 words of its own)
     if name == "triton":
         from m31.ops import triton_score_topk as tr
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from m31.ops.masks import PackedMask
 from m31.ops.torch_score import rounded_score
 
 NO_ROW = -1
@@ -26,7 +27,8 @@ class NonFiniteQueryError(ValueError):
 def check_args(q, v, p, g, x, b, mask, k) -> tuple[int, int, int]:
     """(B, E, N) of a score·top-K problem, or ValueError naming what is off. Every
     implementation takes these shapes: q [B, E, G], v [B, E, D], p [B, E], g [N, G], x [N, D],
-    b [N], mask bool [N] or [B, N] or None, k a positive int; and a finite query
+    b [N], mask bool [N] or [B, N] or a `PackedMask` of B requests over N rows or None, k a
+    positive int; and a finite query
     (NonFiniteQueryError otherwise: the kernels would disagree on what NaN means)."""
     if not isinstance(k, int) or isinstance(k, bool) or k <= 0:
         raise ValueError(f"k must be positive (an int), got {k!r}")
@@ -48,8 +50,12 @@ def check_args(q, v, p, g, x, b, mask, k) -> tuple[int, int, int]:
             f"ad table must be g [N, {q.shape[2]}], x [N, {v.shape[2]}], b [N]; "
             f"got {tuple(g.shape)}, {tuple(x.shape)}, {tuple(b.shape)}"
         )
-    if mask is not None and (
-        mask.dtype != torch.bool or mask.shape not in ((n_ads,), (n_req, n_ads))
+    if isinstance(mask, PackedMask):
+        mask.check(n_req, n_ads)
+    elif mask is not None and (
+        not isinstance(mask, torch.Tensor)
+        or mask.dtype != torch.bool
+        or mask.shape not in ((n_ads,), (n_req, n_ads))
     ):
         raise ValueError(
             f"mask must be bool [{n_ads}] or [{n_req}, {n_ads}], got {mask.dtype} "
@@ -76,7 +82,8 @@ def torch_score_topk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(scores [B, K'], rows [B, K']) with K' = min(k, N), best first.
 
-    `mask` is bool [N] (one eligibility for all requests) or [B, N], or None (all eligible).
+    `mask` is bool [N] (one eligibility for all requests) or [B, N], a `PackedMask`, or None
+    (all eligible).
     Requests with fewer than K' eligible ads get rows NO_ROW and scores -inf in the tail.
     """
     check_args(q, v, p, g, x, b, mask, k)
@@ -89,7 +96,7 @@ def torch_score_topk(
         s = rounded_score(q, v, p, g[lo:hi], x[lo:hi], b[lo:hi])  # [B, C] fp32
         dropped = s.isnan()  # [B, C]
         if mask is not None:
-            dropped |= ~(mask[lo:hi] if mask.dim() == 1 else mask[:, lo:hi])
+            dropped |= ~(_rows(mask, lo, hi))
         s = s.masked_fill(dropped, float("-inf"))
         s, order = torch.sort(s, dim=1, descending=True, stable=True)
         s, rows = s[:, :k_out], order[:, :k_out] + lo  # [B, <=K]
@@ -100,3 +107,10 @@ def torch_score_topk(
         best_r = merged_r.gather(1, order[:, :k_out])
     best_r = best_r.masked_fill(best_s == float("-inf"), NO_ROW)
     return best_s, best_r
+
+
+def _rows(mask: torch.Tensor | PackedMask, lo: int, hi: int) -> torch.Tensor:
+    """bool [hi - lo] or [B, hi - lo]: the mask of rows lo .. hi - 1."""
+    if isinstance(mask, PackedMask):
+        return mask.rows(lo, hi)
+    return mask[lo:hi] if mask.dim() == 1 else mask[:, lo:hi]
