@@ -10,10 +10,12 @@ from hypothesis import strategies as st
 from test_score_topk import make_mask
 
 from m31.ops import NO_ROW, rounded_score, score
+from m31.ops import cpu_score_topk as cpu
 from m31.ops.cpu_score_topk import (
     _affinity_offset,
     _gate_bounds,
     _plan,
+    _product_dtype,
     _row_norms,
     _table_stats,
     _Threshold,
@@ -80,7 +82,9 @@ def assert_same_up_to_near_ties(got, want, exact, tol):
         (2, 800, 8, 16, 40, None, "per-request", torch.float16),
     ],
 )
-def test_matches_reference_and_definition(n_req, n_ads, n_exp, gdim, k, block, mask_kind, dtype):
+def test_matches_reference_and_definition(
+    n_req, n_ads, n_exp, gdim, k, block, mask_kind, dtype, native_bf16
+):
     query, table = random_problem(n_req, n_ads, n_exp, gdim, 12, seed=n_ads, dtype=dtype)
     mask = make_mask(mask_kind, n_req, n_ads, seed=n_req)
     got = cpu_score_topk(*query, *table, mask, k, block=block, threads=2)
@@ -121,19 +125,33 @@ def test_scores_closer_than_bf16_resolution_are_ranked_exactly():
     assert_same_up_to_near_ties(got, full_sort(query, table, None, 50), exact, tol=1e-4)
 
 
+@pytest.fixture(params=[True, False], ids=["native-bf16", "emulated-bf16"])
+def native_bf16(request, monkeypatch):
+    """Both product choices for bf16 tables, whatever this CPU has (`_product_dtype`): bf16
+    products, or fp32 ones for B·E ≥ 32 where bf16 arithmetic is emulated."""
+    monkeypatch.setattr(cpu, "_native_bf16", lambda: request.param)
+    return request.param
+
+
+def test_the_product_dtype(native_bf16):
+    bf16, fp16 = torch.zeros(1, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.float16)
+    assert _product_dtype(bf16, 31) == torch.bfloat16 and _product_dtype(fp16, 1) == torch.float32
+    assert _product_dtype(bf16, 32) == (torch.bfloat16 if native_bf16 else torch.float32)
+
+
 @pytest.mark.parametrize(
     ("dtype", "scale", "useful"),
     [(torch.bfloat16, 1.0, 0.1), (torch.bfloat16, 6.0, 0.3), (torch.float32, 3.0, 1e-3)],
 )
-def test_the_gate_error_bound_holds(dtype, scale, useful):
+def test_the_gate_error_bound_holds(dtype, scale, useful, native_bf16):
     """|s̃ - s| ≤ ε for every pair, against the fp32 definition and the exact (fp64) score."""
     query, table = random_problem(4, 3000, 8, 32, 48, seed=7, dtype=dtype, scale=scale)
     q, v, p = query
     g, x, b = table
     plan = _plan(q, v, p, g, x, 10)
     n_req, n_exp, n_ads = 4, 8, 3000
-    logits = (plan.qh @ g.T).view(n_req, n_exp, n_ads)  # [B, E, N] in the product dtype
-    aff = (plan.vh @ x.T).view(n_req, n_exp, n_ads)
+    logits = (plan.qh @ g.to(plan.qh.dtype).T).view(n_req, n_exp, n_ads)  # product dtype
+    aff = (plan.vh @ x.to(plan.vh.dtype).T).view(n_req, n_exp, n_ads)
     req = torch.arange(n_req).repeat_interleave(n_ads)  # every pair
     ad = torch.arange(n_ads).repeat(n_req)
     approx, eps = _gate_bounds(
@@ -153,7 +171,7 @@ def test_the_gate_error_bound_holds(dtype, scale, useful):
 
 
 @pytest.mark.parametrize(("n_exp", "gdim"), [(1, 0), (4, 8)])
-def test_the_affinity_filter_keeps_every_ad_that_reaches_the_threshold(n_exp, gdim):
+def test_the_affinity_filter_keeps_every_ad_that_reaches_the_threshold(n_exp, gdim, native_bf16):
     """With τ set to each request's best fp32 score, the best ad must pass step 1. With E = 1
     and G = 0 the bound U is tight (s = A + b), and with v exact in bf16 only the allowance for
     the rounding of the bf16 product protects an ad whose product was rounded down."""
@@ -163,7 +181,7 @@ def test_the_affinity_filter_keeps_every_ad_that_reaches_the_threshold(n_exp, gd
     query = (q, v, p)
     g, x, b = table
     plan = _plan(q, v, p, g, x, 1)
-    best = (plan.vh @ x.T).view(64, n_exp, -1).amax(1)  # [B, N] M̂
+    best = (plan.vh @ x.to(plan.vh.dtype).T).view(64, n_exp, -1).amax(1)  # [B, N] M̂
     offset = _affinity_offset(plan, _row_norms(x), _table_stats(g, x, b).scan_bias)
     top_s, top_ad = score(*query, *table).max(dim=1)  # [B]
     tau = _Threshold(64, 1, plan.u_scan)
