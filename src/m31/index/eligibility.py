@@ -7,9 +7,11 @@ Shapes: N rows, cap allocated, W = ceil(cap / 8) bytes per bitmap (ceil(N / 8) i
 copy), V values of one field, C cached predicates, k rows in one write, B requests, U distinct
 eligibility keys among them.
 
-Layout: row r is bit r % 8 of byte r // 8 (`numpy.packbits(bitorder="little")`), so that read as
-int32 words (little-endian) row r is bit r % 32 of word r // 32: the packed mask the Triton
-kernel builds from a bool mask today, which it could take as it is.
+Layout: row r is bit r % 8 of byte r // 8 (`m31.ops.masks`, `numpy.packbits(bitorder="little")`),
+so that read as int32 words (little-endian) row r is bit r % 32 of word r // 32, the layout of
+the Triton kernel's own packed mask. A batch's masks leave as a `PackedMask` (`Eligibility.masks`:
+one bitmap per key, one per request with exclusions, an index per request), which `score_topk`
+takes as it is.
 
 `Eligibility` keeps, beside an `AttributeTable` it does not own (`m31.index.attributes`):
 * `live`: the rows not tombstoned;
@@ -26,7 +28,7 @@ kernel builds from a bool mask today, which it could take as it is.
 
 A request's mask is `live & active & schedule(ts) & ages(age) & filter & AND over the targeting
 lists of (empty | holds(value))`. Requests of a batch with the same key (targeting context,
-second, filter) share one computation; exclusions come last, per request.
+second, filter) share one computation and one bitmap; exclusions come last, per request.
 
 `AdIndex` (`m31.index.ad_index`) updates its `Eligibility` with every mutation and gives each
 `frozen_view` a copy of it, made once per version like the copy of the attributes. A predicate
