@@ -204,6 +204,26 @@ def test_train_eval_simulate_end_to_end(tmp_path):
     assert doc["means"]["two-tower"]["hr@10"] == pytest.approx(sum(hr) / 2)
     assert doc["paired"]["b"] == "popularity" and "two-tower vs popularity" in out
     assert doc["paired"]["hr@10"]["mean_a"] == pytest.approx(sum(hr) / 2)
+    code, out = run(
+        "ablate", "--data", str(data), "--model", str(tmp_path / "moe.pt"),
+        f"--reference=two-tower={tmp_path / 'two-tower*.pt'}", "--max-users", "60",
+        "--plot", str(tmp_path / "ablation.png"), "--json", str(tmp_path / "a.json"),
+    )  # fmt: skip
+    assert code == 0, out
+    doc = json.loads((tmp_path / "a.json").read_text())
+    assert doc["requests"] == 60 and doc["seeds"] == 1 and doc["metric"] == "hr@10"
+    assert {"full", "uniform gate", "without cohort", "only semantic", "two-tower"} <= set(
+        doc["variants"]
+    )
+    assert doc["variants"]["two-tower"]["std"] is not None  # two seeds of the reference
+    assert doc["variants"]["uniform gate"]["vs_full"]["requests"] == 60
+    assert (tmp_path / "ablation.png").read_bytes()[:4] == b"\x89PNG"
+    code, out = run("ablate", "--data", str(data), "--model", str(tmp_path / "two-tower.pt"))
+    assert code == 2 and "not a moe" in out
+    code, out = run(
+        "ablate", "--data", str(data), "--model", str(tmp_path / "moe.pt"), "--metric", "auc"
+    )
+    assert code == 2 and "--metric" in out
     code, out = run("eval", "--data", str(data), "--baselines", "nope")
     assert code == 2 and "unknown baseline" in out
 

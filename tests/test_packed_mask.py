@@ -118,3 +118,22 @@ def test_every_kernel_answers_as_with_the_bool_mask(n_req, n_ads, shared, k, kin
         if kernel == "triton" and n_ads > 200:
             continue  # the interpreter is slow
         assert_same(score_topk(query, table, mask, k, kernel=kernel), want)
+
+
+def test_triton_reads_packed_words_and_samples_them():
+    """The Triton kernel's int32 words straight from the bitmaps, and its sampled threshold
+    seeding from the packed bits (a sample smaller than the table)."""
+    pytest.importorskip("triton")
+    if "triton" not in available_kernels("cpu"):
+        pytest.skip("the Triton interpreter is off")
+    from m31.ops.triton_score_topk import _pack_mask, triton_score_topk
+
+    mask = make_mask("per-request", 5, 203, seed=3)
+    clean = PackedMask(pack(mask[:2]), torch.tensor([0, 1, 1, 0, 1]), 203)  # nothing past N
+    assert torch.equal(_pack_mask(clean), _pack_mask(clean.unpack()))
+    bits = packed(mask, 2, seed=4)  # set bits past N, which the kernel never reads
+    one = PackedMask(pack(mask[:1]), torch.zeros(5, dtype=torch.long), 203)
+    assert torch.equal(_pack_mask(one), _pack_mask(mask[0]))
+    query, table = random_problem(5, 203, 3, 8, 8, seed=5, dtype=torch.float32)
+    want = score_topk(query, table, bits.unpack(), 9, kernel="torch")
+    assert_same(triton_score_topk(*query, *table, bits, 9, _sample_rows=17), want)

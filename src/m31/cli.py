@@ -435,6 +435,125 @@ def eval_cmd(
         typer.echo(f"wrote {plot}")
 
 
+@app.command("ablate")
+@cli_errors
+def ablate_cmd(
+    data: Annotated[Path, typer.Option(help="Dataset folder.")],
+    model: Annotated[
+        list[str],
+        typer.Option(help="moe checkpoint(s), repeatable or a glob: one per training seed."),
+    ],
+    reference: Annotated[
+        list[str] | None,
+        typer.Option(help="NAME=CHECKPOINT (or glob) of a model drawn beside, e.g. two-tower."),
+    ] = None,
+    split: Annotated[
+        str, typer.Option(help="Which split's features (leave-last-out or time).")
+    ] = "leave-last-out",
+    metric: Annotated[str, typer.Option(help="hr@K or ndcg@K.")] = "hr@10",
+    max_users: Annotated[
+        int | None, typer.Option(help="Evaluate a seeded sample of test requests.")
+    ] = None,
+    exclude_seen: Annotated[
+        bool | None, typer.Option(help="Drop ads engaged before (default: on for MovieLens).")
+    ] = None,
+    plot: Annotated[Path | None, typer.Option(help="Write a PNG of the metric by variant.")] = None,
+    json_out: Annotated[
+        Path | None, typer.Option("--json", help="Write the results as JSON.")
+    ] = None,
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+) -> None:
+    """What a trained moe rests on: the gate, each expert family (m31.eval.ablation).
+
+    Every variant rewrites the trained model's query (uniform gate; a family's slots removed;
+    one family alone) and is scored over the full corpus on the same test requests as the model
+    itself; each is compared with the full model request by request (95% percentile bootstrap).
+    """
+    import numpy as np
+
+    from m31.eval import evaluate
+    from m31.eval.ablation import ablations
+    from m31.eval.plot import plot_ablation
+    from m31.eval.stats import aggregate_seeds, paired_comparison, per_request
+    from m31.model import Catalog, ScoreFunction, load_checkpoint
+    from m31.pipeline import features_for
+
+    kind, _, cutoff = metric.partition("@")
+    if kind not in ("hr", "ndcg") or not cutoff.isdigit() or int(cutoff) <= 0:
+        _fail(f"--metric: expected hr@K or ndcg@K, got {metric!r}")
+    moes = [path for _, path in _named_runs(model, "--model")]
+    refs = _named_runs(reference or [], "--reference")
+    if any(not name for name, _ in refs):
+        _fail("--reference: give NAME=CHECKPOINT")
+    feats = features_for(data, split)
+    if exclude_seen is None:
+        exclude_seen = feats.meta.get("source") == "movielens"
+    catalog = Catalog.from_features(feats).to(device)
+    by_ref: dict[str, list[Path]] = {}
+    for name, path in refs:
+        by_ref.setdefault(name, []).append(path)
+    per_seed: dict[str, list[dict]] = {}
+    ranks: dict[str, list[np.ndarray]] = {}
+    for s in range(max([len(moes), *(len(p) for p in by_ref.values())])):
+        fns = {}
+        if s < len(moes):
+            m, blob = load_checkpoint(moes[s], feats, device=device)
+            if blob["config"]["kind"] != "moe":
+                _fail(f"--model: {moes[s]} is a {blob['config']['kind']} checkpoint, not a moe")
+            for name, query_map in ablations(m.cfg).items():
+                fns[name] = ScoreFunction(m, feats, catalog, query_map=query_map)
+        for name, paths in by_ref.items():
+            if s < len(paths):
+                fns[name] = ScoreFunction(
+                    load_checkpoint(paths[s], feats, device=device)[0], feats, catalog
+                )
+        bar, callback = progress_bar()
+        with bar:
+            metrics, r = evaluate(
+                fns,
+                feats,
+                split="test",
+                ks=(int(cutoff),),
+                max_users=max_users,
+                exclude_seen=exclude_seen,
+                progress=callback,
+                return_ranks=True,
+            )
+        for name in fns:
+            per_seed.setdefault(name, []).append(metrics[name])
+            ranks.setdefault(name, []).append(r[name])
+    summaries = {name: aggregate_seeds(runs)[metric] for name, runs in per_seed.items()}
+    variants = [name for name in summaries if name not in by_ref]
+    full = per_request(np.stack(ranks["full"]), metric)
+    n = full.shape[-1]
+    typer.echo(
+        f"{n:,} test requests, {feats.n_ads:,} ads each; {len(moes)} moe seed(s); {metric}, "
+        f"mean ± std over seeds, and each variant against the full model on the same requests:"
+    )
+    rows = {}
+    for name in [*variants, *by_ref]:
+        summary = summaries[name]
+        line = f"  {name:<24} {summary.mean:.4f}"
+        line += "" if np.isnan(summary.std) else f" ± {summary.std:.4f}"
+        rows[name] = {"mean": summary.mean, "std": None if np.isnan(summary.std) else summary.std}
+        if name != "full":
+            c = paired_comparison(per_request(np.stack(ranks[name]), metric), full)
+            rows[name]["vs_full"] = c.as_dict()
+            line += f"   {c.ratio:.3f}x of full [{c.ratio_lo:.3f}, {c.ratio_hi:.3f}]"
+        typer.echo(line)
+    if json_out:
+        doc = {"metric": metric, "requests": n, "seeds": len(moes), "variants": rows}
+        json_out.write_text(json.dumps(doc, indent=2) + "\n")
+    if plot:
+        plot_ablation(
+            {name: (summaries[name].mean, summaries[name].std) for name in variants},
+            {name: summaries[name].mean for name in by_ref},
+            metric,
+            plot,
+        )
+        typer.echo(f"wrote {plot}")
+
+
 @app.command("simulate")
 @cli_errors
 def simulate_cmd(

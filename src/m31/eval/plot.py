@@ -39,3 +39,37 @@ def plot_recall_at_k(
     path = Path(path)
     fig.savefig(path, format="png")
     return path
+
+
+def plot_ablation(
+    variants: dict[str, tuple[float, float]],
+    references: dict[str, float],
+    metric: str,
+    path: Path | str,
+) -> Path:
+    """PNG of one metric by ablation variant: horizontal bars of mean ± std over training seeds
+    (std NaN: no error bar), and a dashed line per reference model (its mean); returns the path."""
+    import math
+
+    from matplotlib.figure import Figure
+
+    if not variants:
+        raise ValueError("no variants to plot")
+    names = list(variants)
+    means = [variants[n][0] for n in names]
+    errors = [0.0 if math.isnan(variants[n][1]) else variants[n][1] for n in names]
+    fig = Figure(figsize=(6.5, 0.45 * len(names) + 1.4), dpi=120)
+    ax = fig.add_subplot()
+    ax.barh(range(len(names)), means, xerr=errors, color="#4c72b0", capsize=3)
+    ax.set_yticks(range(len(names)), names)
+    ax.invert_yaxis()  # the full model on top
+    for i, (name, value) in enumerate(references.items()):
+        ax.axvline(value, color=f"C{i + 1}", linestyle="--", label=name)
+    ax.set_xlabel(metric)
+    ax.grid(True, axis="x", alpha=0.3)
+    if references:
+        ax.legend(loc="lower right")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, format="png")
+    return path

@@ -45,12 +45,18 @@ class ScoreFunction:
 
     Calling it scores requests (anything with user, ts, surface, hour, platform arrays) against
     the full corpus: [n, A]. `rank` scores given candidates only: [n, k]. Retrieval models encode
-    the catalogue once; the ranking model scores ads in chunks of `ad_chunk`.
+    the catalogue once; the ranking model scores ads in chunks of `ad_chunk`. `query_map`, for a
+    retrieval model, rewrites each batch's query (q, v, p) before scoring (an ablation).
     """
 
-    def __init__(self, model, feats: Features, catalog: Catalog, ad_chunk: int = 4096):
+    def __init__(
+        self, model, feats: Features, catalog: Catalog, ad_chunk: int = 4096, query_map=None
+    ):
         self.model, self.feats, self.catalog = model.eval(), feats, catalog
         self.ad_chunk = ad_chunk
+        if query_map is not None and not isinstance(model, RetrievalModel):
+            raise ValueError("query_map changes a retrieval model's query; this is a ranking model")
+        self.query_map = query_map  # (q, v, p) -> (q, v, p) before scoring (`m31.eval.ablation`)
         self.device = catalog.ad_id.device
         self._ads = encode_ads(model, catalog) if isinstance(model, RetrievalModel) else None
 
@@ -70,6 +76,8 @@ class ScoreFunction:
         r = self._inputs(req)
         if self._ads is not None:
             q, v, p = self.model.encode_requests(r, self.catalog)
+            if self.query_map is not None:
+                q, v, p = self.query_map(q, v, p)
             return score(q, v, p, *self._ads).cpu().numpy()
         out = np.empty((len(r), len(self.catalog)), dtype=np.float32)
         for lo in range(0, len(self.catalog), self.ad_chunk):

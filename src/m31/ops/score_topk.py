@@ -66,7 +66,8 @@ def score_topk(
 
     query = (q [B, E, G], v [B, E, D], p [B, E]); ad_table = (g [N, G], x [N, D], b [N]) or an
     `Int8Table`; mask: bool [N] or [B, N], a `PackedMask` (bitmaps, one per distinct mask, as the
-    index makes them: the `cpu` kernel unpacks a block's bytes at a time), or None. Returns (scores [B, min(k, N)] fp32,
+    index makes them: the `cpu` kernel unpacks a block's bytes at a time, the Triton kernel reads
+    them as its int32 words), or None. Returns (scores [B, min(k, N)] fp32,
     rows [B, min(k, N)] int64), best first; a request with fewer eligible ads than that ends in
     rows NO_ROW (-1). `kernel`: auto, or one of KERNELS (see the module docstring).
 
@@ -91,8 +92,6 @@ def score_topk(
     g, x, b = (ad_table.g, ad_table.x, ad_table.b) if quantized else ad_table
     check_args(q, v, p, g, x, b, mask, k)
     name = _pick(kernel, g.device)
-    if name == "triton" and isinstance(mask, PackedMask):
-        mask = mask.unpack()  # (the kernel packs it again, into int32 words of its own)
     if name == "triton":
         from m31.ops import triton_score_topk as tr
 

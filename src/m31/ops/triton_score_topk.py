@@ -66,6 +66,7 @@ import torch
 import triton
 import triton.language as tl
 
+from m31.ops.masks import PackedMask
 from m31.ops.quant import Int8Table
 from m31.ops.torch_score import score
 from m31.ops.torch_score_topk import NO_ROW, check_args, torch_score_topk
@@ -368,8 +369,21 @@ def _rows_unit_stride(t: torch.Tensor, dtype: torch.dtype | None = None) -> torc
     return t if t.shape[1] == 0 or t.stride(1) == 1 else t.contiguous()
 
 
-def _pack_mask(mask: torch.Tensor) -> torch.Tensor:
-    """bool [..., N] -> int32 [..., ceil(N / 32)]: bit j of word w is ad 32·w + j."""
+def _pack_mask(mask: torch.Tensor | PackedMask) -> torch.Tensor:
+    """bool [..., N] -> int32 [..., ceil(N / 32)]: bit j of word w is ad 32·w + j.
+
+    A `PackedMask` already has that layout, byte by byte (`m31.ops.masks`): its bitmaps are read
+    as little-endian int32 words, [W32] when one bitmap serves every request, else gathered per
+    request into [B, W32] (N / 32 words a request, where the bool mask would take N bytes)."""
+    if isinstance(mask, PackedMask):
+        width = 4 * -(-mask.n // 32)  # bytes of whole words
+        bits = mask.bits
+        if bits.shape[1] != width or bits.stride() != (width, 1):  # (bits past N are unread)
+            take = min(width, bits.shape[1])
+            bits = bits.new_zeros(len(bits), width)
+            bits[:, :take] = mask.bits[:, :take]
+        words = bits.view(torch.int32)  # [U, W32]
+        return words[0] if len(words) == 1 else words.index_select(0, mask.index)
     n_ads = mask.shape[-1]
     n_words = -(-n_ads // 32)
     bits = torch.zeros(*mask.shape[:-1], n_words * 32, dtype=torch.bool, device=mask.device)
@@ -406,6 +420,8 @@ def _seed(q, v, p, fp32_rows, n_ads, mask, sample_rows) -> _Seed:
     g_s, x_s, b_s = fp32_rows(idx)
     if mask is None:
         n_eligible = torch.full((n_req,), n_ads, device=device)
+    elif isinstance(mask, PackedMask):
+        n_eligible = mask.counts()
     else:
         n_eligible = mask.sum(-1).expand(n_req)
     step = max(1, _SAMPLE_CHUNK // (len(idx) * n_exp))
@@ -413,7 +429,10 @@ def _seed(q, v, p, fp32_rows, n_ads, mask, sample_rows) -> _Seed:
     for lo in range(0, n_req, step):
         s = score(q[lo : lo + step], v[lo : lo + step], p[lo : lo + step], g_s, x_s, b_s)
         dropped = s.isnan()  # [b, S] never returned (`score_topk`), so never a threshold
-        if mask is not None:
+        if isinstance(mask, PackedMask):  # the sample's bits, of each distinct bitmap once
+            held = (mask.bits[:, idx // 8] >> (idx % 8).to(torch.uint8)) & 1  # [U, S]
+            dropped |= held.index_select(0, mask.index[lo : lo + step]) == 0
+        elif mask is not None:
             dropped |= ~(mask[idx] if mask.dim() == 1 else mask[lo : lo + step, idx])
         s = s.masked_fill(dropped, float("-inf"))
         sample.append(torch.sort(s, dim=1, descending=True).values)
@@ -497,7 +516,10 @@ def _check(q, v, p, g, x, b, mask, k, scales=()) -> None:
         )
     if n_ads >= 2**31:
         raise ValueError(f"ad rows are stored as int32: N must be below 2^31, got {n_ads}")
-    devices = {t.device for t in (q, v, p, g, x, b, *scales, *([] if mask is None else [mask]))}
+    masks = (
+        [] if mask is None else [mask.bits, mask.index] if isinstance(mask, PackedMask) else [mask]
+    )
+    devices = {t.device for t in (q, v, p, g, x, b, *scales, *masks)}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
     if devices.pop().type != "cuda" and not triton.knobs.runtime.interpret:
@@ -568,7 +590,8 @@ def triton_score_topk(
 
     The contract of `torch_score_topk`: q [B, E, G], v [B, E, D], p [B, E]; g [N, G], x [N, D],
     b [N] (any float dtype; bf16, fp16 and fp32 rows are read as stored, a bf16 table on the
-    tensor cores, the others with fp32 products); mask bool [N] or [B, N] or None. Ties go to the
+    tensor cores, the others with fp32 products); mask bool [N] or [B, N], a `PackedMask`, or
+    None. Ties go to the
     lower row; requests with fewer eligible ads end with rows NO_ROW and scores -inf. The private
     arguments exist for tests of the retry paths: `_tau` replaces the seeded thresholds
     (a float or [B]), `_capacity` the first buffer size, `_sample_rows` the sample size.
