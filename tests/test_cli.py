@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from m31.cli import app
@@ -268,6 +269,30 @@ def test_train_eval_simulate_end_to_end(tmp_path):
         "--out", str(index_dir),
     )  # fmt: skip
     assert code == 2 and "exists" in out
+
+    # A retrained ablation: the sequence family alone, two slots.
+    code, out = run(
+        "train", "--model", "moe", "--data", str(data), "--out", str(tmp_path / "seq.pt"),
+        "--preset", "tiny", "--epochs", "1", "--experts",
+        "sequence=2,cohort=0,semantic=0,coengagement=0",
+    )  # fmt: skip
+    assert code == 0, out
+    blob = torch.load(tmp_path / "seq.pt", map_location="cpu", weights_only=False)
+    assert blob["config"]["experts"] == {
+        "sequence": 2, "cohort": 0, "semantic": 0, "coengagement": 0,
+    }  # fmt: skip
+    for bad, message in (
+        ("sequence=x", "--experts"),
+        ("nope=1", "--experts"),
+        ("sequence=1,sequence=2", "twice"),
+        ("sequence=0,cohort=0,semantic=0,coengagement=0", "at least one slot"),
+    ):
+        code, out = run(
+            "train", "--model", "moe", "--data", str(data), "--out", str(tmp_path / "bad.pt"),
+            "--experts", bad,
+        )  # fmt: skip
+        assert code == 2 and message in out, (bad, out)
+    assert not (tmp_path / "bad.pt").exists()
 
     code, out = run("eval", "--data", str(data), f"--model={tmp_path / 'missing.pt'}")
     assert code == 2 and "no such checkpoint" in out

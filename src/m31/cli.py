@@ -219,6 +219,13 @@ def train_cmd(
     epochs: Annotated[int | None, typer.Option(help="Override the preset's epoch count.")] = None,
     split: Annotated[str, typer.Option(help="leave-last-out or time.")] = "leave-last-out",
     seed: Annotated[int | None, typer.Option(help="Random seed.")] = None,
+    experts: Annotated[
+        str | None,
+        typer.Option(
+            help="Expert slots per family, e.g. sequence=8,cohort=0 (0 drops a family); the "
+            "families not named keep the preset's."
+        ),
+    ] = None,
     device: Annotated[
         str | None, typer.Option(help="cpu or cuda (default: cuda when present).")
     ] = None,
@@ -231,6 +238,8 @@ def train_cmd(
     from m31.training import train
 
     cfg = model_preset(preset, model).with_overrides(epochs=epochs, seed=seed)
+    if experts is not None:
+        cfg = cfg.with_overrides(experts={**cfg.experts, **_expert_slots(experts)})
     bar, callback = progress_bar()
     with bar:
         feats = features_for(data, split, progress=callback)
@@ -248,6 +257,24 @@ def train_cmd(
     )
     if "experts" in best:
         typer.echo(f"expert usage: {_json.dumps(best['experts'])}")
+
+
+def _expert_slots(text: str) -> dict[str, int]:
+    """--experts FAMILY=SLOTS,...: strict, every name a family and every count an int >= 0."""
+    from m31.model.config import EXPERT_FAMILIES
+
+    out = {}
+    for item in text.split(","):
+        name, sep, count = item.strip().partition("=")
+        if not sep or name not in EXPERT_FAMILIES or not count.isdigit():
+            _fail(
+                f"--experts: expected FAMILY=SLOTS with FAMILY one of {', '.join(EXPERT_FAMILIES)} "
+                f"and SLOTS an integer >= 0, got {item.strip()!r}"
+            )
+        if name in out:
+            _fail(f"--experts: {name} given twice")
+        out[name] = int(count)
+    return out
 
 
 def _named_runs(values: list[str], option: str) -> list[tuple[str, Path]]:
