@@ -206,6 +206,16 @@ def test_train_eval_simulate_end_to_end(tmp_path):
     assert doc["paired"]["b"] == "popularity" and "two-tower vs popularity" in out
     assert doc["paired"]["hr@10"]["mean_a"] == pytest.approx(sum(hr) / 2)
     code, out = run(
+        "eval", "--data", str(data), *models, "--rerank", "moe,ranking,50", "--ks", "10,50",
+        "--max-users", "60", "--json", str(tmp_path / "r.json"),
+    )  # fmt: skip
+    assert code == 0, out
+    means = json.loads((tmp_path / "r.json").read_text())["means"]
+    assert means["moe>ranking"]["hr@50"] == pytest.approx(means["moe"]["hr@50"])  # same top 50
+    for bad in ("moe", "moe,ranking,x", "moe,nope"):
+        code, out = run("eval", "--data", str(data), *models, "--rerank", bad, "--max-users", "9")
+        assert code == 2 and "--rerank" in out, (bad, out)
+    code, out = run(
         "ablate", "--data", str(data), "--model", str(tmp_path / "moe.pt"),
         f"--reference=two-tower={tmp_path / 'two-tower*.pt'}", "--max-users", "60",
         "--plot", str(tmp_path / "ablation.png"), "--json", str(tmp_path / "a.json"),

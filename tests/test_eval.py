@@ -322,3 +322,36 @@ def test_evaluate_returns_each_requests_target_rank(world):
     assert metrics["random"]["ndcg@100"] == pytest.approx(
         np.mean(np.where(r < 100, 1 / np.log2(r + 2.0), 0.0))
     )
+
+
+def test_rerank_orders_the_first_stages_top_k(world):
+    """A two-stage model: the first stage's top k (after the exclusions), ordered by the second.
+    An oracle second stage over random candidates hits exactly when the target is a candidate,
+    and no seen ad (but the target) is ever a candidate."""
+    feats, _ = world
+    test = feats.splits["test"]
+    target_of = dict(zip(test["user"].tolist(), test["item"].tolist(), strict=False))
+
+    def oracle(r, cand):  # the target first, then the rest in candidate order
+        target = np.array([target_of[u] for u in r.user.tolist()])
+        idx, ads = seen_mask(feats, r)
+        seen = ads != target[idx]
+        assert not np.isin(
+            idx[seen] * feats.n_ads + ads[seen], np.arange(len(r))[:, None] * feats.n_ads + cand
+        ).any()
+        hit = cand == target[:, None]
+        return np.where(hit, 1.0, -np.arange(cand.shape[1], dtype=np.float64)[None, :])
+
+    k = 50
+    metrics, ranks = evaluate(
+        {"first": random_scores(feats.n_ads, 5)}, feats, ks=(1, 10, k),
+        rerank={"two": ("first", oracle, k)}, return_ranks=True, batch=64,
+    )  # fmt: skip
+    assert np.array_equal(ranks["two"] == 0, ranks["first"] < k)  # a hit exactly when a candidate
+    assert metrics["two"]["hr@1"] == pytest.approx(metrics["first"][f"hr@{k}"])
+    assert metrics["two"][f"hr@{k}"] == pytest.approx(metrics["first"][f"hr@{k}"])
+    fns = {"first": random_scores(feats.n_ads, 5)}
+    with pytest.raises(ValueError, match="first stage"):
+        evaluate(fns, feats, rerank={"two": ("nope", oracle, k)})
+    with pytest.raises(ValueError, match="k must be positive"):
+        evaluate(fns, feats, rerank={"two": ("first", oracle, 0)})

@@ -318,6 +318,13 @@ def eval_cmd(
         str | None,
         typer.Option(help="A,B: paired comparison of two models (default: moe,two-tower)."),
     ] = None,
+    rerank: Annotated[
+        str | None,
+        typer.Option(
+            help="FIRST,SECOND[,K]: also the two-stage model where SECOND (a ranking model) "
+            "orders FIRST's top K (default 500), named FIRST>SECOND."
+        ),
+    ] = None,
     split: Annotated[
         str, typer.Option(help="Which split's features (leave-last-out or time).")
     ] = "leave-last-out",
@@ -363,6 +370,15 @@ def eval_cmd(
     except ValueError:
         _fail(f"--ks: expected comma-separated integers, got {ks!r}")
     runs = _named_runs(model or [], "--model")
+    two_stage = None
+    if rerank is not None:
+        parts = rerank.split(",")
+        if len(parts) not in (2, 3) or (len(parts) == 3 and not parts[2].isdigit()):
+            _fail(f"--rerank: expected FIRST,SECOND[,K], got {rerank!r}")
+        k_rerank = int(parts[2]) if len(parts) == 3 else 500
+        if k_rerank <= 0:
+            _fail(f"--rerank: K must be positive, got {k_rerank}")
+        two_stage = (parts[0], parts[1], k_rerank)
     base_names = [b for b in (baselines or "").split(",") if b]
     if not runs and not base_names:
         _fail("nothing to evaluate: give --model and/or --baselines")
@@ -398,6 +414,15 @@ def eval_cmd(
                 fns[name] = ScoreFunction(m, feats, catalog)
         if reference is None and "ranking" in fns and len(fns) > 1:
             reference = "ranking"
+        stages = {}
+        if two_stage is not None:
+            first, second, k_rerank = two_stage
+            if second in fns:  # a second stage with fewer seeds serves the later rounds too
+                second_stage = fns[second]
+            if s == 0 and (first not in fns or second not in fns):
+                _fail(f"--rerank: {first!r} and {second!r} must both be given with --model")
+            if first in fns:
+                stages[f"{first}>{second}"] = (first, second_stage.rank, k_rerank)
         bar, callback = progress_bar()
         with bar:
             metrics, r = evaluate(
@@ -411,8 +436,9 @@ def eval_cmd(
                 reference=reference if reference in fns else None,
                 progress=callback,
                 return_ranks=True,
+                rerank=stages,
             )
-        for name in fns:
+        for name in [*fns, *stages]:
             per_seed.setdefault(name, []).append(metrics[name])
             ranks.setdefault(name, []).append(r[name])
         del fns

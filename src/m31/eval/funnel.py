@@ -16,11 +16,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from m31.eval.offline import Requests
+from m31.eval.offline import RankFn, Requests
 from m31.world.truth import GroundTruth
 
 RetrieveFn = Callable[[Requests], np.ndarray]  # Requests [n] -> ranked ad rows [n, k]
-RankFn = Callable[[Requests, np.ndarray], np.ndarray]  # candidate rows [n, k] -> scores [n, k]
 Z95 = 1.959963984540054  # two-sided 95% normal quantile
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)

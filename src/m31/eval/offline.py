@@ -58,6 +58,7 @@ class Requests:
 
 
 ScoreFn = Callable[[Requests], np.ndarray]  # Requests [n] -> scores [n, A], higher is better
+RankFn = Callable[[Requests, np.ndarray], np.ndarray]  # candidate rows [n, k] -> scores [n, k]
 
 
 def _examples(
@@ -129,8 +130,15 @@ def evaluate(
     batch: int = 256,
     progress: Progress | None = None,
     return_ranks: bool = False,
+    rerank: dict[str, tuple[str, RankFn, int]] | None = None,
 ):
     """Full-corpus metrics of each model on the same requests: model -> metric -> mean.
+
+    `rerank` adds two-stage models: name -> (first, rank_fn, k): the model `first` of
+    `score_fns` retrieves its top k (after the exclusions), `rank_fn` (a `RankFn`, e.g.
+    `ScoreFunction.rank` of a ranking model) orders them, and every other ad ranks below them, so
+    its HR@K for K ≤ k is the ranker's over the first stage's candidates (beyond k it is the first
+    stage's recall@k).
 
     With `return_ranks`, (metrics, ranks): ranks maps each model to the 0-based rank of every
     request's target [n] (`target_rank`, after the exclusions), from which any request's HR@K and
@@ -143,8 +151,18 @@ def evaluate(
     """
     if not score_fns:
         raise ValueError("no models to evaluate")
-    if reference is not None and reference not in score_fns:
-        raise ValueError(f"reference {reference!r} is not one of {', '.join(score_fns)}")
+    rerank = dict(rerank or {})
+    for name, (first, _, k) in rerank.items():
+        if first not in score_fns or name in score_fns:
+            raise ValueError(
+                f"rerank {name!r}: its first stage must be one of {', '.join(score_fns)} and its "
+                "name another"
+            )
+        if k <= 0:
+            raise ValueError(f"rerank {name!r}: k must be positive, got {k}")
+    names = [*score_fns, *rerank]
+    if reference is not None and reference not in names:
+        raise ValueError(f"reference {reference!r} is not one of {', '.join(names)}")
     ks = tuple(ks)
     if not ks or min(ks) <= 0:
         raise ValueError(f"ks must be positive cut-offs, got {ks}")
@@ -156,8 +174,8 @@ def evaluate(
         raise ValueError(f"split {split!r} has no examples")
     k_top = min(max(ks), n_ads)
     all_ads = np.arange(n_ads)[None, :]  # [1, A] one candidate list shared by the whole batch
-    sums = {name: defaultdict(float) for name in score_fns}
-    all_ranks = {name: np.empty(n, dtype=np.int64) for name in score_fns}
+    sums = {name: defaultdict(float) for name in names}
+    all_ranks = {name: np.empty(n, dtype=np.int64) for name in names}
 
     for lo in range(0, n, batch):
         r, t = req.take(slice(lo, lo + batch)), target[lo : lo + batch]
@@ -170,9 +188,14 @@ def evaluate(
         if truth is not None:
             p = truth.probabilities(r.user, all_ads, r.surface, r.hour, r.platform, r.ts)[1]
             truth_top = topk_rows(_masked(p, drop, (b, n_ads), "truth"), k_top)  # [b, K]
+        scores = {name: _masked(fn(r), drop, (b, n_ads), name) for name, fn in score_fns.items()}
+        for name, (first, rank_fn, k) in rerank.items():
+            cand = topk_rows(scores[first], min(k, n_ads))  # [b, k]
+            second = np.full((b, n_ads), -np.inf, dtype=np.float32)
+            np.put_along_axis(second, cand, rank_fn(r, cand), axis=1)
+            scores[name] = _masked(second, drop, (b, n_ads), name)
         tops = {}
-        for name, fn in score_fns.items():
-            s = _masked(fn(r), drop, (b, n_ads), name)  # [b, A]
+        for name, s in scores.items():
             ranks = target_rank(s, t)  # [b]
             all_ranks[name][lo : lo + b] = ranks
             m = sums[name]
