@@ -22,6 +22,17 @@ from m31.serve.config import (
 )
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="m31: ads retrieval engine.")
+
+# Options shared by the evaluation commands.
+SplitOption = Annotated[str, typer.Option(help="Which split's features (leave-last-out or time).")]
+MaxUsersOption = Annotated[
+    int | None, typer.Option(help="Evaluate a seeded sample of test requests.")
+]
+ExcludeSeenOption = Annotated[
+    bool | None, typer.Option(help="Drop ads engaged before (default: on for MovieLens).")
+]
+JsonOption = Annotated[Path | None, typer.Option("--json", help="Write the results as JSON.")]
+DeviceOption = Annotated[str, typer.Option(help="cpu or cuda.")]
 world_app = typer.Typer(no_args_is_help=True, help="The synthetic ads marketplace.")
 data_app = typer.Typer(no_args_is_help=True, help="Datasets: import and inspect.")
 features_app = typer.Typer(no_args_is_help=True, help="Feature tables for training.")
@@ -325,24 +336,16 @@ def eval_cmd(
             "orders FIRST's top K (default 500), named FIRST>SECOND."
         ),
     ] = None,
-    split: Annotated[
-        str, typer.Option(help="Which split's features (leave-last-out or time).")
-    ] = "leave-last-out",
-    max_users: Annotated[
-        int | None, typer.Option(help="Evaluate a seeded sample of test requests.")
-    ] = None,
+    split: SplitOption = "leave-last-out",
+    max_users: MaxUsersOption = None,
     ks: Annotated[str, typer.Option(help="Cut-offs, comma-separated.")] = "10,50,100,500",
     reference: Annotated[
         str | None, typer.Option(help="Model whose top-K the others are compared with.")
     ] = None,
-    exclude_seen: Annotated[
-        bool | None, typer.Option(help="Drop ads engaged before (default: on for MovieLens).")
-    ] = None,
+    exclude_seen: ExcludeSeenOption = None,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of recall@K against K.")] = None,
-    json_out: Annotated[
-        Path | None, typer.Option("--json", help="Write the metrics as JSON.")
-    ] = None,
-    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    json_out: JsonOption = None,
+    device: DeviceOption = "cpu",
 ) -> None:
     """Full-corpus offline metrics (every ad scored) of models and baselines on the same requests.
 
@@ -500,21 +503,13 @@ def ablate_cmd(
         list[str] | None,
         typer.Option(help="NAME=CHECKPOINT (or glob) of a model drawn beside, e.g. two-tower."),
     ] = None,
-    split: Annotated[
-        str, typer.Option(help="Which split's features (leave-last-out or time).")
-    ] = "leave-last-out",
+    split: SplitOption = "leave-last-out",
     metric: Annotated[str, typer.Option(help="hr@K or ndcg@K.")] = "hr@10",
-    max_users: Annotated[
-        int | None, typer.Option(help="Evaluate a seeded sample of test requests.")
-    ] = None,
-    exclude_seen: Annotated[
-        bool | None, typer.Option(help="Drop ads engaged before (default: on for MovieLens).")
-    ] = None,
+    max_users: MaxUsersOption = None,
+    exclude_seen: ExcludeSeenOption = None,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of the metric by variant.")] = None,
-    json_out: Annotated[
-        Path | None, typer.Option("--json", help="Write the results as JSON.")
-    ] = None,
-    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    json_out: JsonOption = None,
+    device: DeviceOption = "cpu",
 ) -> None:
     """What a trained moe rests on: the gate, each expert family (m31.eval.ablation).
 
@@ -619,11 +614,9 @@ def simulate_cmd(
     slots: Annotated[int, typer.Option(help="Ads shown per request.")] = 4,
     requests: Annotated[int, typer.Option(help="Held-out requests simulated.")] = 2000,
     seed: Annotated[int, typer.Option(help="Seed of the conversion draws.")] = 0,
-    split: Annotated[str, typer.Option(help="Which split's features.")] = "leave-last-out",
-    json_out: Annotated[
-        Path | None, typer.Option("--json", help="Write the result as JSON.")
-    ] = None,
-    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    split: SplitOption = "leave-last-out",
+    json_out: JsonOption = None,
+    device: DeviceOption = "cpu",
 ) -> None:
     """Simulated funnel: retrieve K -> rank -> show -> conversions from the ground truth."""
     import numpy as np
@@ -756,7 +749,7 @@ def cluster_reshard(
     from_: Annotated[Path, typer.Option("--from", help="Cluster state folder (not served).")],
     shards: Annotated[int, typer.Option(help="Shards of the new state.")],
     out: Annotated[Path, typer.Option(help="Cluster state folder to create.")],
-    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    device: DeviceOption = "cpu",
 ) -> None:
     """Re-partition a cluster state over a new number of shards, offline, from its shards'
     snapshots and logs; the global version carries over."""
@@ -792,7 +785,7 @@ def serve_cmd(
     ] = None,
     host: Annotated[str, typer.Option()] = "127.0.0.1",
     port: Annotated[int, typer.Option()] = 8031,
-    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    device: DeviceOption = "cpu",
     max_batch_size: Annotated[
         int, typer.Option(help="Requests per device call (1: no batching).")
     ] = MAX_BATCH_SIZE,

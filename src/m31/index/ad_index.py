@@ -165,12 +165,7 @@ class IndexView:
         self, request: RequestContext, filter_fn: CompiledFilter | Mapping | None = None
     ) -> torch.Tensor:
         """[N] bool over this view's rows."""
-        with self._index._lock:
-            if self._index._version != self.version:
-                raise AdIndexError(
-                    f"view of version {self.version} used after the index moved to "
-                    f"{self._index._version} (use it inside its snapshot_view block)"
-                )
+        with self._current():
             return self._index._eligible(request, filter_fn)
 
     def eligible_masks(
@@ -187,13 +182,19 @@ class IndexView:
         filters: Sequence[CompiledFilter | Mapping | None] | None = None,
     ) -> PackedMask:
         """`AdIndex.eligible_bits` over this view's rows."""
+        with self._current():
+            return self._index._eligible_bits(requests, filters)
+
+    @contextmanager
+    def _current(self) -> Iterator[None]:
+        """Hold the index's lock, and refuse a view whose version the index has left."""
         with self._index._lock:
             if self._index._version != self.version:
                 raise AdIndexError(
                     f"view of version {self.version} used after the index moved to "
                     f"{self._index._version} (use it inside its snapshot_view block)"
                 )
-            return self._index._eligible_bits(requests, filters)
+            yield
 
 
 def _ids(ad_ids: Any, what: str = "ad_ids") -> np.ndarray:

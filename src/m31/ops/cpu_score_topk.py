@@ -211,7 +211,6 @@ def _plan(q, v, p, g, x, k) -> _Plan:
     gd, xd = _product_dtype(g, n_req * n_exp), _product_dtype(x, n_req * n_exp)
     u_l = _BF16_U / (1 - _BF16_U) if gd == torch.bfloat16 else 0.0
     u_a = _BF16_U / (1 - _BF16_U) if xd == torch.bfloat16 else 0.0
-    kappa = (2 * n_exp + 64) * _U32
     if gdim:
         qs = (q.float() / math.sqrt(gdim)).to(gd)  # [B, E, G]
         dq = (qs.double() - q64 / math.sqrt(gdim)).norm(dim=2).amax(1)  # [B]
@@ -223,13 +222,23 @@ def _plan(q, v, p, g, x, k) -> _Plan:
     vh = v.float().to(xd)  # [B, E, D]
     dv = (vh.double() - v64).norm(dim=2).amax(1)  # [B]
     v_norm = vh.double().norm(dim=2).amax(1)  # [B]
+    vh = vh.reshape(n_req * n_exp, ddim).contiguous()
+    return _bounds_plan(k, qh, vh, p, eta_g, dv, v_norm, ddim, u_l, u_a)
+
+
+def _bounds_plan(k, qh, vh, p, eta_g, dv, v_norm, ddim: int, u_l: float, u_a: float, **scales):
+    """The `_Plan` of a rounded query: qh, vh in the products' form; eta_g [B] the part of η
+    that multiplies ‖g‖; dv [B], v_norm [B] the rounding of v and the norm of its rounded form
+    (largest over E); u_l, u_a the relative output rounding of the logits and the affinities."""
+    n_req, n_exp = p.shape
+    kappa = (2 * n_exp + 64) * _U32
     p32 = p.float()
     return _Plan(
         n_req=n_req,
         n_exp=n_exp,
         k=k,
         qh=qh,
-        vh=vh.reshape(n_req * n_exp, ddim).contiguous(),
+        vh=vh,
         p_t=p32.T.contiguous(),
         p_abs_max=float(p32.abs().max()),
         coef=torch.stack(
@@ -240,6 +249,7 @@ def _plan(q, v, p, g, x, k) -> _Plan:
         u_scan=u_a / (1 - u_a),
         kappa=kappa,
         u_x=float((dv + (2 * _gamma(ddim) + 4 * kappa) * v_norm).max()) * (1 + _SLACK),
+        **scales,
     )
 
 
@@ -275,9 +285,8 @@ def _plan_int8(q, v, p, k) -> _Plan:
     scale·(integer product): u' = 2⁻²¹ covers them. The ads' values are the dequantized table's,
     which differ from the ad scale times the integers by one fp32 rounding, a relative 2⁻²⁴ of
     each term, that the γ terms cover (they count no accumulation error here: there is none)."""
-    n_req, n_exp, gdim = q.shape
+    n_req, _, gdim = q.shape
     ddim = v.shape[2]
-    kappa = (2 * n_exp + 64) * _U32
     if gdim:
         qq, q_scale, dq, q_norm = _split_query(q.double() / math.sqrt(gdim), (1, 2))
         eta_g = dq + (2 * _gamma(gdim) + 2 * _U32) * q_norm
@@ -287,26 +296,11 @@ def _plan_int8(q, v, p, k) -> _Plan:
     # one scale per request (for E experts): the max over E of the integer affinities is then the
     # max over E of the affinities, and a pair's E values share one scale
     vq, v_scale, dv, v_norm = _split_query(v.double(), (1, 2))
-    p32 = p.float()
-    return _Plan(
-        n_req=n_req,
-        n_exp=n_exp,
-        k=k,
-        qh=qh,
-        vh=vq.reshape(-1, ddim),  # [P·B·E, D]
-        p_t=p32.T.contiguous(),
-        p_abs_max=float(p32.abs().max()),
-        coef=torch.stack(
-            [eta_g, 2.0**-21 * p32.double().abs().amax(1), dv + 2 * _gamma(ddim) * v_norm], dim=1
-        ).float(),
-        eta_l=_INT8_U + 2.0**-21,
-        u_a=_INT8_U,
-        u_scan=_INT8_U / (1 - _INT8_U),
-        kappa=kappa,
-        u_x=float((dv + (2 * _gamma(ddim) + 4 * kappa) * v_norm).max()) * (1 + _SLACK),
-        q_scale=q_scale.reshape(-1).contiguous(),
-        v_scale=v_scale.reshape(-1).contiguous(),
-    )
+    vh = vq.reshape(-1, ddim)  # [P·B·E, D]
+    return _bounds_plan(
+        k, qh, vh, p, eta_g, dv, v_norm, ddim, _INT8_U, _INT8_U,
+        q_scale=q_scale.reshape(-1).contiguous(), v_scale=v_scale.reshape(-1).contiguous(),
+    )  # fmt: skip
 
 
 def _int_products(query: torch.Tensor, ads: torch.Tensor, rows: int, buf: torch.Tensor | None):
@@ -848,7 +842,7 @@ def cpu_score_topk(
     g: torch.Tensor,
     x: torch.Tensor,
     b: torch.Tensor,
-    mask: torch.Tensor | None,
+    mask: torch.Tensor | PackedMask | None,
     k: int,
     *,
     block: int | None = None,
@@ -875,7 +869,7 @@ def cpu_score_topk_int8(
     v: torch.Tensor,
     p: torch.Tensor,
     table: Int8Table,
-    mask: torch.Tensor | None,
+    mask: torch.Tensor | PackedMask | None,
     k: int,
     *,
     block: int | None = None,

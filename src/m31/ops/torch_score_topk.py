@@ -76,7 +76,7 @@ def torch_score_topk(
     g: torch.Tensor,
     x: torch.Tensor,
     b: torch.Tensor,
-    mask: torch.Tensor | None,
+    mask: torch.Tensor | PackedMask | None,
     k: int,
     chunk: int = 32_768,
 ) -> tuple[torch.Tensor, torch.Tensor]:
