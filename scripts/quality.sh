@@ -37,12 +37,16 @@ for data in ml100k demo; do
 done
 
 seeds() { echo "--model=$1=$OUT/$2/$3/$1-s*.pt"; }
-# MovieLens: every test user, every item, both splits.
+# MovieLens: every test user, every item, both splits; the ranking model over the moe's top 500;
+# what the moe rests on (its gate and expert families removed at inference).
 for split in leave-last-out time; do
   d="$OUT/ml100k/$split"
   "$M31" eval --data "$OUT/ml100k" --split "$split" --baselines "$BASELINES" \
     "$(seeds moe ml100k "$split")" "$(seeds two-tower ml100k "$split")" \
-    --model="ranking=$d/ranking-s0.pt" --plot "$d/recall.png" --json "$d/metrics.json"
+    --model="ranking=$d/ranking-s0.pt" --rerank moe,ranking,500 \
+    --plot "$d/recall.png" --json "$d/metrics.json"
+  "$M31" ablate --data "$OUT/ml100k" --split "$split" --model "$d/moe-s*.pt" \
+    --reference "two-tower=$d/two-tower-s*.pt" --plot "$d/ablation.png" --json "$d/ablation.json"
 done
 # The demo: all test requests without the ranking model, then 500 sampled requests with it (it
 # scores 50,000 ads per request at about 170x the moe's cost).
@@ -51,8 +55,8 @@ d="$OUT/demo/leave-last-out"
   "$(seeds moe demo leave-last-out)" "$(seeds two-tower demo leave-last-out)" \
   --json "$d/metrics_all.json"
 "$M31" eval --data "$OUT/demo" --model="moe=$d/moe-s0.pt" --model="two-tower=$d/two-tower-s0.pt" \
-  --model="ranking=$d/ranking-s0.pt" --max-users 500 --plot "$d/recall.png" \
-  --json "$d/metrics_500.json"
+  --model="ranking=$d/ranking-s0.pt" --rerank moe,ranking,500 --max-users 500 \
+  --plot "$d/recall.png" --json "$d/metrics_500.json"
 "$M31" simulate --data "$OUT/demo" --retriever="two-tower=$d/two-tower-s0.pt" \
   --retriever="moe=$d/moe-s0.pt" --ranker "$d/ranking-s0.pt" --requests 2000 \
   --json "$d/funnel.json"
