@@ -13,11 +13,13 @@ from dataclasses import dataclass
 import torch
 
 from m31.bench.common import Log, random_query, random_table, recall_at_k, to_stderr
-from m31.ops import NO_ROW, available_kernels, quantize_ad_table, score_topk
+from m31.ops import NO_ROW, PackedMask, available_kernels, quantize_ad_table, score_topk
+from m31.ops.masks import pack
 from m31.ops.testing import check_topk
 from m31.ops.torch_score_topk import torch_score_topk
 
-# (B, N, E, G, D, K, mask): odd sizes, K > N, nothing eligible, the G = 0 two-tower case.
+# (B, N, E, G, D, K, mask): odd sizes, K > N, nothing eligible, the G = 0 two-tower case, and
+# the index's packed masks (bitmaps shared by several requests, `m31.ops.PackedMask`).
 CHECK_CASES = (
     (1, 1, 1, 64, 64, 5, "none"),
     (3, 1_000, 8, 64, 64, 100, "shared"),
@@ -25,10 +27,12 @@ CHECK_CASES = (
     (5, 4_099, 8, 64, 64, 1_000, "shared"),
     (4, 3_001, 8, 64, 64, 50, "nothing"),
     (3, 2_049, 1, 0, 32, 17, "shared"),
+    (7, 5_003, 8, 64, 64, 100, "packed"),
 )
 CHECK_CASES_LARGE = (
     (6, 65_537, 8, 64, 64, 100, "per-request"),
     (64, 100_003, 8, 64, 64, 1_000, "shared"),
+    (64, 100_003, 8, 64, 64, 100, "packed"),
 )
 
 
@@ -50,10 +54,15 @@ class CheckRow:
 
 
 def _check_mask(kind: str, n_req: int, n: int, device: torch.device, seed: int):
-    """None, or bool [N] ("nothing": all False; "shared") or [B, N] ("per-request")."""
+    """None, or bool [N] ("nothing": all False; "shared") or [B, N] ("per-request"), or a
+    `PackedMask` ("packed": 3 bitmaps, each request reading one)."""
     gen = torch.Generator(device).manual_seed(seed)
     if kind == "none":
         return None
+    if kind == "packed":
+        maps = torch.rand((3, n), generator=gen, device=device) < 0.5
+        which = torch.arange(n_req, device=device) % 3
+        return PackedMask(pack(maps), which, n)
     if kind == "nothing":
         return torch.zeros(n, dtype=torch.bool, device=device)
     shape = (n,) if kind == "shared" else (n_req, n)
@@ -67,7 +76,9 @@ def _check_kernel(row: CheckRow, query, table, plain, mask, ref) -> None:
     except Exception as err:  # a kernel that raises fails this case; the check goes on
         row.status, row.note = "FAIL", f"raised {type(err).__name__}: {str(err).splitlines()[0]}"
         return
-    problem = check_topk(got, ref, query, plain, mask)
+    problem = check_topk(
+        got, ref, query, plain, mask.unpack() if isinstance(mask, PackedMask) else mask
+    )
     if problem is not None:
         row.status, row.note = "FAIL", problem
         return
