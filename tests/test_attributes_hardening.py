@@ -291,7 +291,9 @@ def test_table_masks_equal_the_reference_through_mutations(data, cap):
     table = AttributeTable(SCHEMA, capacity=cap)
     model: list[dict] = []  # row i of the table, as written
     for _ in range(data.draw(st.integers(1, 9))):
-        op = data.draw(st.sampled_from(["append", "rewrite", "rewrite", "take", "round trip"]))
+        op = data.draw(
+            st.sampled_from(["append", "rewrite", "rewrite", "take", "round trip", "snapshot"])
+        )
         if op == "append":
             new = data.draw(st.lists(ROWS, max_size=7))
             rows = list(range(len(model), len(model) + len(new)))
@@ -313,6 +315,13 @@ def test_table_masks_equal_the_reference_through_mutations(data, cap):
                 torch.tensor(keep, dtype=torch.int64), len(keep) + data.draw(st.integers(0, 3))
             )
             model = [model[i] for i in keep]
+        elif op == "snapshot":  # a frozen view's copy, which later writes must not reach
+            before = table.to_arrow()
+            snap = table.snapshot()
+            if model:
+                _write(table, [0], [data.draw(ROWS), *model[1:]], data)
+            assert snap.to_arrow().equals(before)
+            table = snap  # the model still describes it
         elif op == "round trip":
             copy = AttributeTable(SCHEMA, capacity=len(model))
             copy.write(torch.arange(len(model)), columns_from_arrow(table.to_arrow(), SCHEMA))

@@ -360,7 +360,7 @@ class AdIndex:
                 frozen = copy.copy(self)  # shares the write-once table
                 frozen._lock = threading.RLock()
                 frozen._live = self._live[:n].clone()
-                frozen._attrs = self._attrs.take(torch.arange(n, device=self.device), n)
+                frozen._attrs = self._attrs.snapshot()  # plain copies: no gathers
                 self._bitmaps.adopt(self._attrs, n)
                 frozen._bitmaps = self._bitmaps.copy(n)
                 frozen._rows = None  # the live map moves on; masks read `_row_ids` instead

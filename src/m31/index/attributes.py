@@ -369,6 +369,30 @@ class AttributeTable:
                 )
         self._n = max(self._n, int(rows.max()) + 1)
 
+    def snapshot(self) -> AttributeTable:
+        """A copy of the table as it is (its N rows, no room for more), made of plain copies of
+        the arrays: no gathers, and list fields keep their entries and vocabularies as they are
+        (dead entries included), where `take` would rebuild and compact them. What a frozen
+        view keeps; the copy shares nothing with this table."""
+        n = self._n
+        out = AttributeTable({}, self.device, n)
+        out.schema, out._n = self.schema, n
+        for name, kind in self.schema.items():
+            if kind == "str_list":
+                src, lists = self._lists[name], _Lists(0, self.device)
+                lists.codes = src.codes[: src.used].clone()
+                lists.owner = src.owner[: src.used].clone()
+                lists.start, lists.count = src.start[:n].clone(), src.count[:n].clone()
+                lists.used, lists.dead = src.used, src.dead
+                out._lists[name] = lists
+            else:
+                out._values[name] = self._values[name][:n].clone()
+                out._valid[name] = self._valid[name][:n].clone()
+            if name in self._vocab:
+                out._vocab[name] = dict(self._vocab[name])
+                out._words[name] = list(self._words[name])
+        return out
+
     def take(self, rows: torch.Tensor, capacity: int) -> AttributeTable:
         """A new table whose row i is row rows[i] of this one. str vocabularies are kept as
         they are; a list field's keeps only the values the taken rows hold, so compaction
