@@ -52,7 +52,7 @@ def int8_problem(n_req, n_ads, n_exp, gdim, ddim, seed, scale=1.0):
         (4, 600, 8, 8, 12, 600, None, "everything"),  # K = N, all eligible
         (1, 20_011, 8, 64, 64, 100, None, "shared"),  # one request: logits of survivors only
         (64, 3001, 8, 64, 64, 100, None, "per-request"),
-        (2, 700, 2, 600, 530, 25, 200, "shared"),  # G, D > 520: one-part queries
+        (2, 700, 2, 600, 530, 25, 200, "shared"),  # G, D > 516: one-part queries
     ],
 )
 def test_matches_reference_and_definition(n_req, n_ads, n_exp, gdim, ddim, k, block, mask_kind):
@@ -84,11 +84,11 @@ def test_threads_and_blocks_do_not_change_the_result():
         assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
 
 
-@pytest.mark.parametrize("cols", [1, 7, 64, 520, 521, 700])
+@pytest.mark.parametrize("cols", [1, 7, 64, 516, 517, 700])
 def test_split_query_is_the_query_to_about_16_bits(cols):
     t = torch.randn(3, 4, cols, dtype=torch.float64) * torch.tensor([1e-3, 1.0, 1e3])[:, None, None]
     ints, scale, err, norm = _split_query(t, (1, 2))
-    parts = 2 if cols <= 520 else 1
+    parts = 2 if cols <= 516 else 1
     assert ints.dtype == torch.int8 and ints.shape == (parts, 3, 4, cols)
     assert ints.abs().max() <= 127 and scale.shape == (3, 1)  # one per request
     scale = scale[:, 0]
@@ -111,7 +111,7 @@ def test_split_query_is_the_query_to_about_16_bits(cols):
 def test_int_products_are_exact(cols):
     gen = torch.Generator().manual_seed(cols)
     query = torch.randint(
-        -127, 128, (2 if cols <= 520 else 1, 3, cols), dtype=torch.int8, generator=gen
+        -127, 128, (2 if cols <= 516 else 1, 3, cols), dtype=torch.int8, generator=gen
     )
     ads = torch.randint(-127, 128, (37, cols), dtype=torch.int8, generator=gen)
     got = _int_products(query.reshape(-1, cols), ads, 3, None)
@@ -119,6 +119,19 @@ def test_int_products_are_exact(cols):
     assert torch.equal(got.long(), w @ ads.long().T)
     buf = torch.empty(len(query) * 3 * 40, dtype=torch.int32)
     assert torch.equal(_int_products(query.reshape(-1, cols), ads, 3, buf), got)
+
+
+@needs_exact_int8
+def test_two_part_products_at_the_int32_limit():
+    """The longest two-part rows (516) at the extremes, ads of -128 included: no overflow."""
+    cols = 516
+    query = torch.full((2, 2, cols), 127, dtype=torch.int8)
+    query[:, 1] = -127
+    ads = torch.full((3, cols), -128, dtype=torch.int8)
+    ads[1] = 127
+    got = _int_products(query.reshape(-1, cols), ads, 2, None).long()
+    want = (query[0].long() * 255 + query[1].long()) @ ads.long().T
+    assert torch.equal(got, want) and want.abs().max() > 2**31 - 2**24  # near the limit
 
 
 @needs_exact_int8

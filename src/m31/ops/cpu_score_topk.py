@@ -127,7 +127,9 @@ _INT8_U = 2.0**-21  # relative rounding of an 8-bit product's scaled result (3 f
 _INT8_MAX = 127
 _HI = 255  # a split query's high part counts 255 low units (`_split_query`)
 _WIDE = _HI * _INT8_MAX + _INT8_MAX
-_WIDE_DIM = (2**31 - 1) // ((_HI + 1) * _INT8_MAX**2)  # 520
+# the longest rows whose two-part products fit int32: |255·hi·y + lo·y| ≤ 256·127·128·C, with
+# ads' int8 values down to -128 (`quantize_ad_table` writes ±127, a hand-made table may not)
+_WIDE_DIM = (2**31 - 1) // ((_HI + 1) * _INT8_MAX * 128)  # 516
 # B·E·n elements per block (a bf16 product of 2 MiB). A sweep of blocks of 2^9..2^17 ads at
 # B = 1, 16, 64 on the 2-core development machine favoured this size (65,536 ads at B = 1, 8,192 at
 # B = 16, 2,048 at B = 64); smaller blocks pay per-op overhead, larger ones leave the caches.
@@ -914,8 +916,8 @@ def cpu_score_topk_int8(
     return _solve(q, v, p, table, mask, k, block, threads)
 
 
-# |Σ_i a_i b_i| ≤ 127²·C must fit in int32
-_INT32_SUM_DIM = (2**31 - 1) // _INT8_MAX**2
+# |Σ_i a_i b_i| ≤ 127·128·C must fit in int32
+_INT32_SUM_DIM = (2**31 - 1) // (_INT8_MAX * 128)
 
 
 @functools.cache
