@@ -184,8 +184,10 @@ def test_nothing_eligible_and_k_above_eligible(world):
     out = engine.retrieve([AdRequest(0, early, "feed", "ios")], 10)
     assert len(out.results[0].ad_ids) == 0
     late = ds.meta["time_range"][1]
+    threads = torch.get_num_threads()
     out = engine.retrieve([AdRequest(0, late, "feed", "ios")], 100_000)
     assert 0 < len(out.results[0].ad_ids) < ds.ads.num_rows
+    assert torch.get_num_threads() == threads  # encoding ran on one core, and it is given back
 
 
 def test_ad_encoder_matches_the_catalogue_encoding(world):

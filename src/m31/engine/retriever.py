@@ -22,6 +22,7 @@ kernel's last result is among its results.
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 import time
 from collections.abc import Mapping, Sequence
@@ -37,6 +38,7 @@ from m31.index import AdIndex, CompiledFilter, IndexView, RequestContext, compil
 from m31.model import Catalog, RetrievalModel, make_requests
 from m31.model.inputs import concat_requests, inline_requests
 from m31.ops import NO_ROW, PackedMask, score_topk
+from m31.ops.threads import single_threaded
 
 # Extra results asked of the kernel beyond K, so that ties at the K-th score rarely need a retry.
 TIE_MARGIN = 64
@@ -341,16 +343,21 @@ class Retriever:
         if not requests:
             return RetrievalResult([], self.index.version)
         prepared = self._prepared(requests, k)
-        t0 = time.perf_counter()
-        query = self.encode(prepared)
-        t1 = time.perf_counter()
-        # Masks are built from the view's own copy of the attributes and the table's rows are
-        # write-once (see m31.index.ad_index): no lock is held, so writers never wait for them.
-        view = self.index.frozen_view()
-        mask = eligible_masks(
-            view, [(request_context(one.request, one.targeting), one.filter) for one in prepared]
-        )  # [B, N]
-        t2 = time.perf_counter()
+        # Encoding and masks are small ops: on one core, where a busy machine cannot stall them
+        # on an OpenMP barrier (`m31.ops.threads`); the pass itself uses every core.
+        small = single_threaded() if self.device.type == "cpu" else contextlib.nullcontext()
+        with small:
+            t0 = time.perf_counter()
+            query = self.encode(prepared)
+            t1 = time.perf_counter()
+            # Masks are built from the view's own copy of the attributes and the table's rows
+            # are write-once (see m31.index.ad_index): no lock is held, so writers never wait.
+            view = self.index.frozen_view()
+            mask = eligible_masks(
+                view,
+                [(request_context(one.request, one.targeting), one.filter) for one in prepared],
+            )
+            t2 = time.perf_counter()
         results = search(query, view, mask, [one.k for one in prepared])
         t3 = time.perf_counter()
         timings = {"encode": t1 - t0, "mask": t2 - t1, "score_topk": t3 - t2}

@@ -110,14 +110,13 @@ import math
 import queue
 import threading
 import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from m31.ops.masks import PackedMask
 from m31.ops.quant import Int8Table
+from m31.ops.threads import single_threaded
 from m31.ops.torch_score import rounded_score
 from m31.ops.torch_score_topk import NO_ROW, check_args, torch_score_topk
 
@@ -680,16 +679,6 @@ def _spans(n_ads: int, block: int) -> list[tuple[int, int]]:
     return spans
 
 
-@contextmanager
-def _single_threaded(restore: int) -> Iterator[None]:
-    """Run this thread's torch ops on one core (the OpenMP thread count is per thread)."""
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(restore)
-
-
 def _in_threads(n_threads: int, spans, work, last=None) -> None:
     """work(i, lo, hi) for every span (lo, hi), then last(i), in threads i < n_threads (the
     caller's is 0) that take the spans in turn, each running torch on one core. Products and
@@ -703,7 +692,7 @@ def _in_threads(n_threads: int, spans, work, last=None) -> None:
 
     def run(i: int) -> None:
         try:
-            with _single_threaded(caller_threads):
+            with single_threaded(caller_threads):
                 while True:
                     try:
                         lo, hi = todo.get_nowait()
@@ -957,7 +946,7 @@ def _solve(q, v, p, table, mask, k: int, block, threads):
     if not _in_range(q, v, p, stats):
         return torch_score_topk(q, v, p, *(table.dequantize() if quantized else table), mask, k)
     # on one core: an OpenMP team woken here would spin on the cores the workers need next
-    with _single_threaded(torch.get_num_threads()):
+    with single_threaded(torch.get_num_threads()):
         few = _few_eligible(mask, n_req, n_ads, k_out)  # [B]
     take = _rows_of(table)
 
@@ -1010,5 +999,5 @@ def _filtered_topk(q, v, p, table, take, stats, mask, k_out: int, block, threads
     order = torch.argsort(req * n_ads + row)  # by request, then row
     rows, valid = _by_request(req[order], row[order], n_req)
     # the finish is small: one core avoids waking a thread team (costly on a busy machine)
-    with _single_threaded(torch.get_num_threads()):
+    with single_threaded(torch.get_num_threads()):
         return _exact_topk(q, v, p, take, rows, valid, k_out)
