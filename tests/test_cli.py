@@ -205,13 +205,18 @@ def test_train_eval_simulate_end_to_end(tmp_path):
     assert doc["means"]["two-tower"]["hr@10"] == pytest.approx(sum(hr) / 2)
     assert doc["paired"]["b"] == "popularity" and "two-tower vs popularity" in out
     assert doc["paired"]["hr@10"]["mean_a"] == pytest.approx(sum(hr) / 2)
+    # Two-stage, with a reference (the ranking model, one seed) beside two seeds of another.
     code, out = run(
-        "eval", "--data", str(data), *models, "--rerank", "moe,ranking,50", "--ks", "10,50",
-        "--max-users", "60", "--json", str(tmp_path / "r.json"),
+        "eval", "--data", str(data), *models, f"--model=tt={tmp_path / 'two-tower*.pt'}",
+        "--rerank", "moe,ranking,50", "--ks", "10,50", "--max-users", "60",
+        "--json", str(tmp_path / "r.json"),
     )  # fmt: skip
     assert code == 0, out
-    means = json.loads((tmp_path / "r.json").read_text())["means"]
+    doc = json.loads((tmp_path / "r.json").read_text())
+    means = doc["means"]
     assert means["moe>ranking"]["hr@50"] == pytest.approx(means["moe"]["hr@50"])  # same top 50
+    assert len(doc["runs"]["tt"]) == 2 and len(doc["runs"]["ranking"]) == 1
+    assert "ref_overlap@10" in doc["runs"]["tt"][1]  # the one ranking model served both rounds
     for bad in ("moe", "moe,ranking,x", "moe,nope"):
         code, out = run("eval", "--data", str(data), *models, "--rerank", bad, "--max-users", "9")
         assert code == 2 and "--rerank" in out, (bad, out)

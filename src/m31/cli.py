@@ -406,6 +406,7 @@ def eval_cmd(
     catalog = Catalog.from_features(feats).to(device)
     per_seed: dict[str, list[dict]] = {}
     ranks: dict[str, list[np.ndarray]] = {}
+    latest: dict[str, ScoreFunction] = {}  # each model's last loaded checkpoint
     for s in range(max((len(p) for p in groups.values()), default=1)):
         fns = dict(base_fns) if s == 0 else {}
         for key, paths in groups.items():
@@ -414,18 +415,22 @@ def eval_cmd(
                 name = blob["config"]["kind"] if key.startswith("\0") else key
                 if name in fns:
                     _fail(f"two models are named {name!r}; name them NAME=PATH")
-                fns[name] = ScoreFunction(m, feats, catalog)
+                fns[name] = latest[name] = ScoreFunction(m, feats, catalog)
         if reference is None and "ranking" in fns and len(fns) > 1:
             reference = "ranking"
         stages = {}
         if two_stage is not None:
             first, second, k_rerank = two_stage
-            if second in fns:  # a second stage with fewer seeds serves the later rounds too
-                second_stage = fns[second]
             if s == 0 and (first not in fns or second not in fns):
                 _fail(f"--rerank: {first!r} and {second!r} must both be given with --model")
-            if first in fns:
-                stages[f"{first}>{second}"] = (first, second_stage.rank, k_rerank)
+            if first in fns:  # a second stage with fewer seeds serves the later rounds too
+                stages[f"{first}>{second}"] = (first, latest[second].rank, k_rerank)
+        # A reference with fewer seeds than the others serves the later rounds as well, so that
+        # every round reports the same metrics; its own metrics count once per checkpoint.
+        reused = None
+        if reference in latest and reference not in fns:
+            fns[reference] = latest[reference]
+            reused = reference
         bar, callback = progress_bar()
         with bar:
             metrics, r = evaluate(
@@ -442,8 +447,9 @@ def eval_cmd(
                 rerank=stages,
             )
         for name in [*fns, *stages]:
-            per_seed.setdefault(name, []).append(metrics[name])
-            ranks.setdefault(name, []).append(r[name])
+            if name != reused:
+                per_seed.setdefault(name, []).append(metrics[name])
+                ranks.setdefault(name, []).append(r[name])
         del fns
 
     n = len(next(iter(ranks.values()))[0])
