@@ -114,8 +114,8 @@ from dataclasses import dataclass
 
 import torch
 
-from m31.ops.masks import PackedMask
-from m31.ops.quant import Int8Table
+from m31.ops.masks import PackedMask, mask_rows
+from m31.ops.quant import INT8_MAX, Int8Table
 from m31.ops.threads import single_threaded
 from m31.ops.torch_score import rounded_score
 from m31.ops.torch_score_topk import NO_ROW, check_args, torch_score_topk
@@ -123,12 +123,11 @@ from m31.ops.torch_score_topk import NO_ROW, check_args, torch_score_topk
 _U32 = 2.0**-24  # fp32 unit roundoff
 _BF16_U = 2.0**-8  # bf16 unit roundoff (8 significant bits, round to nearest)
 _INT8_U = 2.0**-21  # relative rounding of an 8-bit product's scaled result (3 fp32 roundings)
-_INT8_MAX = 127
 _HI = 255  # a split query's high part counts 255 low units (`_split_query`)
-_WIDE = _HI * _INT8_MAX + _INT8_MAX
+_WIDE = _HI * INT8_MAX + INT8_MAX
 # the longest rows whose two-part products fit int32: |255·hi·y + lo·y| ≤ 256·127·128·C, with
 # ads' int8 values down to -128 (`quantize_ad_table` writes ±127, a hand-made table may not)
-_WIDE_DIM = (2**31 - 1) // ((_HI + 1) * _INT8_MAX * 128)  # 516
+_WIDE_DIM = (2**31 - 1) // ((_HI + 1) * INT8_MAX * 128)  # 516
 # B·E·n elements per block (a bf16 product of 2 MiB). A sweep of blocks of 2^9..2^17 ads at
 # B = 1, 16, 64 on the 2-core development machine favoured this size (65,536 ads at B = 1, 8,192 at
 # B = 16, 2,048 at B = 64); smaller blocks pay per-op overhead, larger ones leave the caches.
@@ -137,7 +136,7 @@ _MIN_BLOCK, _MAX_BLOCK = 512, 65_536
 _FP32_ROWS = 32  # B·E from which bf16 tables take fp32 products without native bf16 (B = 4: 1.3x)
 # 8-bit tables: int32 products [P·B·E, n] of 4-8 MiB (B = 1: 131,072 ads, 1.2x faster than 65,536
 # at N = 1 M, the per-op overhead being a larger share of the int8 path; B = 64: 2,048)
-_INT8_TILE, _INT8_MAX_BLOCK = 1 << 20, 131_072
+_INT8_TILE, INT8_MAX_BLOCK = 1 << 20, 131_072
 # survivors gathered before the sparse gate step runs: amortises per-op overhead (65,536 measured
 # ~7% faster than 16,384 at B = 64, where a block has ~14 K survivors, and no different at B = 1, 16)
 _REFINE_PAIRS = 65_536
@@ -264,7 +263,7 @@ def _split_query(t: torch.Tensor, dims: tuple[int, ...]):
     Returns (ints int8 [P, B, E, C] (P parts, high first), scale fp32 [B, E] or [B, 1], the
     rounding's largest ‖t̂ - t‖ [B] and ‖t̂‖ [B] over E, t̂ = scale·w evaluated exactly)."""
     wide = t.shape[2] <= _WIDE_DIM
-    top = _WIDE if wide else _INT8_MAX
+    top = _WIDE if wide else INT8_MAX
     scale = (t.abs().amax(dim=dims, keepdim=True) / top).float()
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     w = torch.round(t / scale.double()).clamp_(-top, top)
@@ -368,16 +367,12 @@ def _table_stats(
                 return hit[2]
     if quantized:
         u_a = _INT8_U
-        norms = [
-            torch.cat(
-                [torch.zeros(0)]
-                + [
-                    _row_norms(_dequantize(t[lo : lo + _CHUNK], s[lo : lo + _CHUNK]))
-                    for lo in range(0, len(t), _CHUNK)
-                ]
-            )
-            for t, s in ((g, g_scale), (x, x_scale))
-        ]
+        norms = [[torch.zeros(0)], [torch.zeros(0)]]  # ‖g‖, ‖x‖ of the dequantized rows
+        for lo in range(0, len(b), _CHUNK):  # in chunks: no dequantized copy of the table
+            rows = Int8Table(g, g_scale, x, x_scale, b).dequantize(slice(lo, lo + _CHUNK))
+            for out, part in zip(norms, rows[:2], strict=True):
+                out.append(_row_norms(part))
+        norms = [torch.cat(parts) for parts in norms]
     else:
         # the largest u' the table's products may have (the plan's own u'' is then covered)
         u_a = _BF16_U / (1 - _BF16_U) if x.dtype == torch.bfloat16 else 0.0
@@ -395,11 +390,6 @@ def _table_stats(
             while len(_STATS) > _STATS_TABLES:
                 del _STATS[next(iter(_STATS))]  # the oldest
     return stats
-
-
-def _dequantize(ints: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Rows of an 8-bit table as `Int8Table.dequantize` makes them (the same fp32 products)."""
-    return ints.float() * scale[..., None]
 
 
 class _Threshold:
@@ -546,7 +536,7 @@ class _Worker:
         offset = _affinity_offset(plan, stats.x_norm[lo:hi], stats.scan_bias[lo:hi])  # [n]
         keep = torch.add(best, offset) >= self.shared.for_scan[:, None]  # [B, n]
         if self.mask is not None:
-            keep &= _rows(self.mask, lo, hi)
+            keep &= mask_rows(self.mask, lo, hi)
         req, ad = keep.nonzero().unbind(1)  # [S], [S]
         if len(req) == 0:
             return
@@ -590,7 +580,7 @@ class _Worker:
         offset = _affinity_offset(plan, stats.x_norm[lo:hi], stats.scan_bias[lo:hi])  # [n]
         keep = best.add_(offset) >= self.shared.for_scan[:, None]  # [B, n]
         if self.mask is not None:
-            keep &= _rows(self.mask, lo, hi)
+            keep &= mask_rows(self.mask, lo, hi)
         req, ad = keep.nonzero().unbind(1)  # [S], [S]
         if len(req) == 0:
             return
@@ -761,11 +751,7 @@ def _rows_of(table):
     """take(index) -> (g, x, b) of the ads at index: as stored, or dequantized for an 8-bit
     table exactly as `Int8Table.dequantize` does, so the rescored scores are the reference's."""
     if isinstance(table, Int8Table):
-        return lambda i: (
-            _dequantize(table.g[i], table.g_scale[i]),
-            _dequantize(table.x[i], table.x_scale[i]),
-            table.b[i],
-        )
+        return table.dequantize
     g, x, b = table
     return lambda i: (g[i], x[i], b[i])
 
@@ -805,11 +791,6 @@ def _few_eligible(mask, n_req: int, n_ads: int, k_out: int) -> torch.Tensor:
     return (count <= k_out).expand(n_req)
 
 
-def _rows(mask: torch.Tensor | PackedMask, lo: int, hi: int) -> torch.Tensor:
-    """bool [B or 1, hi - lo] (or [hi - lo] for a shared bool mask): the mask of a block."""
-    return mask.rows(lo, hi) if isinstance(mask, PackedMask) else mask[..., lo:hi]
-
-
 def _check_mask(mask) -> None:
     device = mask.device if mask is not None else torch.device("cpu")
     if device.type != "cpu":
@@ -842,9 +823,9 @@ def cpu_score_topk(
     """(scores [B, K'] fp32, rows [B, K'] int64), K' = min(k, N): the contract of `torch_score_topk`.
 
     q [B, E, G], v [B, E, D], p [B, E]; g [N, G], x [N, D], b [N] (bf16 tables take bf16
-    products, others fp32 ones, `_product_dtype`); mask bool [N] or [B, N], a `PackedMask` (unpacked a block at a
-    time) or None. `block`: ads per block (default:
-    about 2²⁰ / (B·E), so a block's products stay in cache); `threads`: worker threads that split
+    products, others fp32 ones, `_product_dtype`); mask bool [N] or [B, N], a `PackedMask`
+    (unpacked a block at a time) or None. `block`: ads per block (default: about 2²⁰ / (B·E),
+    so a block's products stay in cache); `threads`: worker threads that split
     the blocks, each running torch on one core (default: torch.get_num_threads()). torch's thread
     count is set to 1 in those threads for the call (the MKL part of that setting is process-wide)
     and restored afterwards. Requests with at most K' eligible ads skip the filters (their answer
@@ -906,7 +887,7 @@ def cpu_score_topk_int8(
 
 
 # |Σ_i a_i b_i| ≤ 127·128·C must fit in int32
-_INT32_SUM_DIM = (2**31 - 1) // (_INT8_MAX * 128)
+_INT32_SUM_DIM = (2**31 - 1) // (INT8_MAX * 128)
 
 
 @functools.cache
@@ -918,8 +899,8 @@ def int8_products_exact() -> bool:
     used where a worst-case probe (every sign pattern of ±127 pairs, both orientations the
     kernel uses) comes back exact."""
     signs = torch.tensor([[1, 1], [1, -1], [-1, 1], [-1, -1]], dtype=torch.int8)
-    a = (signs * _INT8_MAX).repeat(1, 48).repeat(5, 1)  # [20, 96]: ±127 in every pairing
-    b = torch.cat([a, -a, torch.full((1, 96), -_INT8_MAX, dtype=torch.int8)])  # [41, 96]
+    a = (signs * INT8_MAX).repeat(1, 48).repeat(5, 1)  # [20, 96]: ±127 in every pairing
+    b = torch.cat([a, -a, torch.full((1, 96), -INT8_MAX, dtype=torch.int8)])  # [41, 96]
     want = a.long() @ b.long().T
     with torch.no_grad():  # as the filters call it: a query [m, C] times a block's rows [n, C]ᵀ
         return all(
@@ -979,7 +960,7 @@ def _filtered_topk(q, v, p, table, take, stats, mask, k_out: int, block, threads
     else:
         plan = _plan(q, v, p, table[0], table[1], k_out)
     if block is None:
-        tile, most = (_INT8_TILE, _INT8_MAX_BLOCK) if plan.quantized else (_TILE, _MAX_BLOCK)
+        tile, most = (_INT8_TILE, INT8_MAX_BLOCK) if plan.quantized else (_TILE, _MAX_BLOCK)
         block = 1 << round(math.log2(max(tile / (n_req * n_exp), 1)))
         block = min(max(block, _MIN_BLOCK), most)
     block = min(block, n_ads)

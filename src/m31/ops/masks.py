@@ -132,8 +132,14 @@ class PackedMask(NamedTuple):
         return per_map.index_select(0, self.index)
 
 
+def mask_rows(mask: torch.Tensor | PackedMask, lo: int, hi: int) -> torch.Tensor:
+    """Rows lo .. hi - 1 of any mask the kernels take: bool [hi - lo] of a shared [N] mask,
+    else bool [B, hi - lo] (read them, do not write them)."""
+    return mask.rows(lo, hi) if isinstance(mask, PackedMask) else mask[..., lo:hi]
+
+
 def _describe(t) -> str:
     return f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
 
 
-__all__ = ["PackedMask", "n_bytes", "pack", "unpack"]
+__all__ = ["PackedMask", "mask_rows", "n_bytes", "pack", "unpack"]

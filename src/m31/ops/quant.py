@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-_INT8_MAX = 127
+INT8_MAX = 127  # the symmetric int8 range: ±127 (never -128)
 
 
 class Int8Table(NamedTuple):
@@ -49,11 +49,16 @@ class Int8Table(NamedTuple):
     def to(self, device: torch.device | str) -> Int8Table:
         return Int8Table(*(t.to(device) for t in self))
 
-    def dequantize(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(g [N, G], x [N, D], b [N]) in fp32: the table this one's scores are defined on."""
-        g = self.g.float() * self.g_scale[:, None]
-        x = self.x.float() * self.x_scale[:, None]
-        return g, x, self.b.float()
+    def dequantize(
+        self, rows: torch.Tensor | slice | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(g [N, G], x [N, D], b [N]) in fp32: the table this one's scores are defined on; with
+        `rows` (an index tensor of any shape, or a slice), only those rows, computed the same
+        way (so a kernel that dequantizes rows on the fly gets the same values)."""
+        pick = slice(None) if rows is None else rows
+        g = self.g[pick].float() * self.g_scale[pick][..., None]
+        x = self.x[pick].float() * self.x_scale[pick][..., None]
+        return g, x, self.b[pick].float()
 
 
 def _quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,9 +66,9 @@ def _quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     t = t.float()
     if t.shape[1] == 0:  # G = 0: nothing to scale
         return t.to(torch.int8), torch.ones(t.shape[0], device=t.device)
-    scale = t.abs().amax(dim=1) / _INT8_MAX  # [N]
+    scale = t.abs().amax(dim=1) / INT8_MAX  # [N]
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # zero rows stay exactly zero
-    q = torch.round(t / scale[:, None]).clamp_(-_INT8_MAX, _INT8_MAX).to(torch.int8)
+    q = torch.round(t / scale[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q, scale
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from m31.ops.masks import PackedMask
+from m31.ops.masks import PackedMask, mask_rows
 from m31.ops.torch_score import rounded_score
 
 NO_ROW = -1
@@ -96,7 +96,7 @@ def torch_score_topk(
         s = rounded_score(q, v, p, g[lo:hi], x[lo:hi], b[lo:hi])  # [B, C] fp32
         dropped = s.isnan()  # [B, C]
         if mask is not None:
-            dropped |= ~(_rows(mask, lo, hi))
+            dropped |= ~mask_rows(mask, lo, hi)
         s = s.masked_fill(dropped, float("-inf"))
         s, order = torch.sort(s, dim=1, descending=True, stable=True)
         s, rows = s[:, :k_out], order[:, :k_out] + lo  # [B, <=K]
@@ -107,10 +107,3 @@ def torch_score_topk(
         best_r = merged_r.gather(1, order[:, :k_out])
     best_r = best_r.masked_fill(best_s == float("-inf"), NO_ROW)
     return best_s, best_r
-
-
-def _rows(mask: torch.Tensor | PackedMask, lo: int, hi: int) -> torch.Tensor:
-    """bool [hi - lo] or [B, hi - lo]: the mask of rows lo .. hi - 1."""
-    if isinstance(mask, PackedMask):
-        return mask.rows(lo, hi)
-    return mask[lo:hi] if mask.dim() == 1 else mask[:, lo:hi]

@@ -651,10 +651,7 @@ def triton_score_topk_int8(
         table.x_scale.float().contiguous(),
     )
 
-    def fp32_rows(idx):
-        return Int8Table(*(t[idx] for t in table)).dequantize()
-
-    seed = _seed(q, v, p, fp32_rows, n_ads, mask, _sample_rows)
+    seed = _seed(q, v, p, table.dequantize, n_ads, mask, _sample_rows)
     return _score_topk(_prepare_query(q, v, p), kernel_table, seed, mask, k, _tau, _capacity)
 
 
