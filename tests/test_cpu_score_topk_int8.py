@@ -1,6 +1,8 @@
 """cpu_score_topk_int8 (the cpu kernel reading an 8-bit table as stored) against the definition:
 the reference and the full sort on the dequantized table. Odd sizes, masks, ties, one-part
-queries (long rows), the error bounds with integer products, the cached table constants."""
+queries (long rows), the error bounds with integer products, the cached table constants.
+The end-to-end tests run each way steps 1 and 2 can run (`helpers`): compiled with AVX-512 where
+the CPU has it, compiled as plain loops, and in torch ops (m31.ops.native)."""
 
 import math
 
@@ -11,7 +13,15 @@ from hypothesis import strategies as st
 from test_cpu_score_topk import assert_same, full_sort, random_problem
 from test_score_topk import make_mask
 
-from m31.ops import Int8Table, quantize_ad_table, rounded_score, score, score_topk
+from m31.ops import (
+    Int8Table,
+    PackedMask,
+    native,
+    quantize_ad_table,
+    rounded_score,
+    score,
+    score_topk,
+)
 from m31.ops import cpu_score_topk as cpu
 from m31.ops.cpu_score_topk import (
     _affinity_offset,
@@ -31,6 +41,15 @@ from m31.ops.torch_score_topk import torch_score_topk
 needs_exact_int8 = pytest.mark.skipif(
     not int8_products_exact(), reason="this CPU's int8 products saturate: the filters are not used"
 )
+
+
+@pytest.fixture(params=["on", "plain", "off"])
+def helpers(request):
+    """Steps 1 and 2 compiled (AVX-512 where the CPU has it), compiled as plain loops, in torch."""
+    if request.param != "off" and native.library() is None:
+        pytest.skip("no C compiler: the compiled helpers are not built")
+    with native.use(request.param):
+        yield request.param
 
 
 def int8_problem(n_req, n_ads, n_exp, gdim, ddim, seed, scale=1.0):
@@ -53,18 +72,26 @@ def int8_problem(n_req, n_ads, n_exp, gdim, ddim, seed, scale=1.0):
         (1, 20_011, 8, 64, 64, 100, None, "shared"),  # one request: logits of survivors only
         (64, 3001, 8, 64, 64, 100, None, "per-request"),
         (2, 700, 2, 600, 530, 25, 200, "shared"),  # G, D > 516: one-part queries
+        (2, 600, 2, 0, 580, 25, 200, "per-request"),  # D past the compiled helpers' registers
+        (3, 999, 5, 1, 1, 40, 100, "packed"),  # rows of one value (torch._int_mm got them wrong)
+        (7, 1000, 3, 33, 65, 30, 200, "packed"),  # the last 32-value chunk of a row nearly empty
     ],
 )
-def test_matches_reference_and_definition(n_req, n_ads, n_exp, gdim, ddim, k, block, mask_kind):
+def test_matches_reference_and_definition(
+    n_req, n_ads, n_exp, gdim, ddim, k, block, mask_kind, helpers
+):
     query, quantized, dequantized = int8_problem(n_req, n_ads, n_exp, gdim, ddim, seed=n_ads)
-    mask = make_mask(mask_kind, n_req, n_ads, seed=n_req)
-    got = cpu_score_topk_int8(*query, quantized, mask, k, block=block, threads=2)
+    packed = mask_kind == "packed"
+    mask = make_mask("per-request" if packed else mask_kind, n_req, n_ads, seed=n_req)
+    got = cpu_score_topk_int8(
+        *query, quantized, PackedMask.of(mask) if packed else mask, k, block=block, threads=2
+    )
     assert_same(got, torch_score_topk(*query, *dequantized, mask, k))
     assert_same(got, full_sort(query, dequantized, mask, k))
     assert_same(score_topk(query, quantized, mask, k, kernel="cpu"), got)
 
 
-def test_exact_ties_go_to_the_lower_row():
+def test_exact_ties_go_to_the_lower_row(helpers):
     # 6 distinct ads repeated over 1,000 rows: every score is tied with about 166 others
     query, quantized, _ = int8_problem(3, 6, 3, 8, 8, seed=3)
     order = torch.randint(0, 6, (1000,), generator=torch.Generator().manual_seed(4))
@@ -75,7 +102,7 @@ def test_exact_ties_go_to_the_lower_row():
         assert_same(got, full_sort(query, quantized.dequantize(), mask, k))
 
 
-def test_threads_and_blocks_do_not_change_the_result():
+def test_threads_and_blocks_do_not_change_the_result(helpers):
     query, quantized, _ = int8_problem(6, 5000, 8, 16, 16, seed=11)
     mask = make_mask("per-request", 6, 5000, seed=12)
     want = cpu_score_topk_int8(*query, quantized, mask, 60, threads=1)
@@ -107,7 +134,7 @@ def test_split_query_is_the_query_to_about_16_bits(cols):
 
 
 @needs_exact_int8
-@pytest.mark.parametrize("cols", [5, 64, 600])
+@pytest.mark.parametrize("cols", [1, 5, 64, 600])
 def test_int_products_are_exact(cols):
     gen = torch.Generator().manual_seed(cols)
     query = torch.randint(
@@ -191,7 +218,7 @@ def test_the_affinity_filter_keeps_every_ad_that_reaches_the_threshold(n_exp, gd
     assert keep.float().mean() < 0.5  # and it does filter
 
 
-def test_the_table_constants_follow_in_place_changes():
+def test_the_table_constants_follow_in_place_changes(helpers):
     query, quantized, _ = int8_problem(3, 2000, 4, 8, 8, seed=5)
     mask = make_mask("shared", 3, 2000, seed=6)
     mask[:6] = True
@@ -260,11 +287,19 @@ def test_bad_arguments(change, error, message):
     k=st.integers(1, 420),
     block=st.integers(1, 150),
     threads=st.integers(1, 3),
-    mask_kind=st.sampled_from(["none", "shared", "per-request", "nothing"]),
+    mask_kind=st.sampled_from(["none", "shared", "per-request", "nothing", "packed"]),
     seed=st.integers(0, 10_000),
+    way=st.sampled_from(["on", "plain", "off"]),
 )
-def test_property_matches_full_sort(n_req, n_ads, n_exp, gdim, k, block, threads, mask_kind, seed):
+def test_property_matches_full_sort(
+    n_req, n_ads, n_exp, gdim, k, block, threads, mask_kind, seed, way
+):
     query, quantized, dequantized = int8_problem(n_req, n_ads, n_exp, gdim, 5, seed)
-    mask = make_mask(mask_kind, n_req, n_ads, seed + 1)
-    got = cpu_score_topk_int8(*query, quantized, mask, k, block=block, threads=threads)
+    packed = mask_kind == "packed"
+    mask = make_mask("per-request" if packed else mask_kind, n_req, n_ads, seed + 1)
+    with native.use(way):
+        got = cpu_score_topk_int8(
+            *query, quantized, PackedMask.of(mask) if packed else mask, k, block=block,
+            threads=threads,
+        )  # fmt: skip
     assert_same(got, full_sort(query, dequantized, mask, k))

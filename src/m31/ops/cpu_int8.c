@@ -1,0 +1,316 @@
+/* The per-block steps of the cpu kernel on an 8-bit table, fused (m31.ops.native loads this).
+ *
+ * Shapes: B requests, E experts, D value dim, G gate-key dim, n ads in a block, S pairs.
+ *
+ * Each function computes exactly what the torch operations it replaces in
+ * m31/ops/cpu_score_topk.py compute: the same exact integer products, converted to fp32 and
+ * multiplied by the same scales in the same order, so every value it returns is bit-for-bit the
+ * torch path's and the bounds proved there hold unchanged. That needs IEEE fp32 arithmetic
+ * without contraction or reassociation: the loader compiles with -ffp-contract=off and never
+ * with -ffast-math.
+ *
+ * Integer products: a query value w is an int16 (|w| <= 32,512, `_split_query`: 255·hi + lo),
+ * an ad value an int8, and rows are short enough (D, G <= 516, `_WIDE_DIM`) that every sum fits
+ * int32 exactly. With AVX-512 the products run as int16 multiply-adds (vpdpwssd with VNNI), four
+ * experts at a time, lane sums by a shuffle tree; elsewhere (or built with -DM31_PLAIN) as plain
+ * loops.
+ */
+#include <math.h>
+#include <stdint.h>
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* max and min of finite floats, inline (fmaxf and fminf are library calls unless NaN can be
+ * ruled out to the compiler, which -ffast-math would do for every operation) */
+INLINE float max_f(float a, float b) { return a > b ? a : b; }
+INLINE float min_f(float a, float b) { return a < b ? a : b; }
+
+/* E integer products of an ad's row x [d] with a request's rows w [E, d] into out [E] (room
+ * for E + 3); their maximum. The plain loops are the definition; the AVX-512 path below computes the same sums. */
+INLINE int32_t products_plain(const int16_t *w, const int8_t *x, int64_t n_exp, int64_t d,
+                              int32_t *out) {
+    int32_t best = INT32_MIN;
+    for (int64_t e = 0; e < n_exp; e++) {
+        int32_t acc = 0;
+        for (int64_t i = 0; i < d; i++) acc += (int32_t)w[e * d + i] * (int32_t)x[i];
+        out[e] = acc;
+        best = acc > best ? acc : best;
+    }
+    return best;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && !defined(M31_PLAIN)
+#include <immintrin.h>
+#define M31_SIMD "avx512"
+#define MAX_CHUNKS 17 /* rows of up to 544 values in registers; longer ones take the plain loops */
+
+/* An ad's row as int16 in chunks of 32 (the last one zero-padded), converted once per ad. */
+typedef struct {
+    const int8_t *x;
+    __m512i v[MAX_CHUNKS];
+} row_t;
+
+INLINE __mmask32 tail(int64_t d, int64_t c) {
+    const int64_t left = d - 32 * c;
+    return left >= 32 ? (__mmask32)0xFFFFFFFFu : (((__mmask32)1 << left) - 1);
+}
+
+INLINE void load_row(const int8_t *x, int64_t d, int64_t chunks, row_t *row) {
+    row->x = x;
+    if (chunks > MAX_CHUNKS) return;
+    for (int64_t c = 0; c < chunks; c++)
+        row->v[c] = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(tail(d, c), x + 32 * c));
+}
+
+/* acc + the products of 32 int16 pairs, summed in adjacent pairs (exact in int32). */
+INLINE __m512i madd16(__m512i acc, __m512i a, __m512i b) {
+#ifdef __AVX512VNNI__
+    return _mm512_dpwssd_epi32(acc, a, b);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
+
+/* The lane sums of four vectors, as four int32. */
+INLINE __m128i sum4(__m512i a, __m512i b, __m512i c, __m512i d) {
+    __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+    __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(c, d), _mm512_unpackhi_epi32(c, d));
+    __m512i t = _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
+    t = _mm512_add_epi32(t, _mm512_shuffle_i32x4(t, t, 0x4E)); /* 128-bit lanes 0+2, 1+3 */
+    t = _mm512_add_epi32(t, _mm512_shuffle_i32x4(t, t, 0xB1)); /* ... + 1, + 0 */
+    return _mm512_castsi512_si128(t);
+}
+
+INLINE int32_t products(const int16_t *w, const row_t *row, int64_t n_exp, int64_t d,
+                        int64_t chunks, int32_t *out) {
+    if (chunks > MAX_CHUNKS) return products_plain(w, row->x, n_exp, d, out);
+    __m128i top = _mm_set1_epi32(INT32_MIN);
+    for (int64_t e = 0; e < n_exp; e += 4) {
+        /* four experts at a time; past the last one, repeat it (its sums are not kept) */
+        const int16_t *w0 = w + e * d;
+        const int16_t *w1 = e + 1 < n_exp ? w0 + d : w0;
+        const int16_t *w2 = e + 2 < n_exp ? w0 + 2 * d : w0;
+        const int16_t *w3 = e + 3 < n_exp ? w0 + 3 * d : w0;
+        __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t c = 0; c < chunks; c++) {
+            const __mmask32 m = tail(d, c);
+            const int64_t at = 32 * c;
+            a0 = madd16(a0, _mm512_maskz_loadu_epi16(m, w0 + at), row->v[c]);
+            a1 = madd16(a1, _mm512_maskz_loadu_epi16(m, w1 + at), row->v[c]);
+            a2 = madd16(a2, _mm512_maskz_loadu_epi16(m, w2 + at), row->v[c]);
+            a3 = madd16(a3, _mm512_maskz_loadu_epi16(m, w3 + at), row->v[c]);
+        }
+        const __m128i sums = sum4(a0, a1, a2, a3);
+        _mm_storeu_si128((__m128i *)(out + e), sums); /* out has room for 3 more */
+        top = _mm_max_epi32(top, sums);                /* the repeats are real sums too */
+    }
+    top = _mm_max_epi32(top, _mm_shuffle_epi32(top, 0x4E));
+    top = _mm_max_epi32(top, _mm_shuffle_epi32(top, 0xB1));
+    return _mm_cvtsi128_si32(top);
+}
+#else
+#define M31_SIMD "plain"
+typedef struct {
+    const int8_t *x;
+} row_t;
+
+INLINE void load_row(const int8_t *x, int64_t d, int64_t chunks, row_t *row) {
+    (void)d, (void)chunks;
+    row->x = x;
+}
+
+INLINE int32_t products(const int16_t *w, const row_t *row, int64_t n_exp, int64_t d,
+                        int64_t chunks, int32_t *out) {
+    (void)chunks;
+    return products_plain(w, row->x, n_exp, d, out);
+}
+#endif
+
+/* Which of the two implementations of the products this build has. */
+const char *m31_simd(void) { return M31_SIMD; }
+
+/* Bit i of the result: whether request r may take ad a0 + i (block-local), i < count <= 64,
+ * under the mask of the call. mode 0: no mask. 1: bool bytes, request r's row at
+ * mask + r·stride (stride 0: one row shared by every request), offset to the block's first ad.
+ * 2: packed bits (m31.ops.masks): bitmap index[r] at mask + index[r]·stride, ad a is bit
+ * offset + a. Reads only the bytes that hold these ads. */
+INLINE uint64_t eligible(int64_t mode, const uint8_t *mask, int64_t stride, const int64_t *index,
+                         int64_t offset, int64_t r, int64_t a0, int64_t count) {
+    const uint64_t all = count == 64 ? ~(uint64_t)0 : (((uint64_t)1 << count) - 1);
+    if (mode == 0) return all;
+    uint64_t word = 0;
+    if (mode == 1) {
+        const uint8_t *row = mask + r * stride + a0;
+#if defined(__AVX512BW__) && !defined(M31_PLAIN)
+        const __m512i bytes = _mm512_maskz_loadu_epi8((__mmask64)all, row);
+        return (uint64_t)_mm512_test_epi8_mask(bytes, bytes);
+#else
+        for (int64_t i = 0; i < count; i++) word |= (uint64_t)(row[i] != 0) << i;
+        return word;
+#endif
+    }
+    const uint8_t *bits = mask + index[r] * stride;
+    const int64_t bit = offset + a0, first = bit >> 3, shift = bit & 7;
+    const int64_t n_bytes = (shift + count + 7) >> 3; /* at most 9 */
+    for (int64_t i = 0; i < n_bytes; i++) {
+        const uint64_t byte = bits[first + i];
+        word |= i == 0 ? byte >> shift : byte << (8 * i - shift);
+    }
+    return word & all;
+}
+
+INLINE int64_t scan(const int8_t *x, const float *x_scale, const float *offset, int64_t n,
+                    int64_t d, int64_t chunks, const int16_t *w, const float *v_scale,
+                    const float *tau, int64_t n_req, int64_t n_exp, int64_t mask_mode,
+                    const uint8_t *mask, int64_t mask_stride, const int64_t *mask_index,
+                    int64_t mask_offset, int64_t *out_req, int64_t *out_ad, float *out_aff,
+                    int64_t cap) {
+    int32_t ints[n_exp + 3];
+    row_t row;
+    int64_t s = 0;
+    /* request by request (its rows of w stay in L1 while the block's ads stream from L2), 64
+     * ads at a time, only the eligible ones (no branch per ineligible ad) */
+    for (int64_t r = 0; r < n_req; r++) {
+        const int16_t *wr = w + r * n_exp * d;
+        const float vs = v_scale[r], t = tau[r];
+        for (int64_t a0 = 0; a0 < n; a0 += 64) {
+            const int64_t count = n - a0 < 64 ? n - a0 : 64;
+            uint64_t todo = eligible(mask_mode, mask, mask_stride, mask_index, mask_offset, r, a0,
+                                     count);
+            while (todo) {
+                const int64_t a = a0 + __builtin_ctzll(todo);
+                todo &= todo - 1;
+                load_row(x + a * d, d, chunks, &row);
+                const int32_t best = products(wr, &row, n_exp, d, chunks, ints);
+                const float xs = x_scale[a];
+                float m = (float)best * vs;
+                m = m * xs;
+                m = m + offset[a];
+                if (!(m >= t)) continue;
+                out_req[s] = r;
+                out_ad[s] = a;
+                for (int64_t e = 0; e < n_exp; e++)
+                    out_aff[e * cap + s] = ((float)ints[e] * vs) * xs;
+                s++;
+            }
+        }
+    }
+    return s;
+}
+
+/* Step 1 on a block of n ads (`_Worker.scan_int8`): for every eligible pair (r, a), the
+ * integer affinities I_e = w[r, e]·x[a], the bound
+ *     M = ((float)max_e I_e · v_scale[r]) · x_scale[a] + offset[a]
+ * and, where M >= tau[r], the pair as a survivor: out_req, out_ad (block-local) and
+ * out_aff[e·cap + s] = ((float)I_e · v_scale[r]) · x_scale[a].
+ * x [n, d] int8, x_scale [n], offset [n] (`_affinity_offset`), w [B, E, d] int16,
+ * v_scale [B], tau [B] (`_Threshold.for_scan`). cap >= B·n. Returns S; the pairs come by
+ * request, then ad. */
+int64_t m31_scan_int8(const int8_t *x, const float *x_scale, const float *offset, int64_t n,
+                      int64_t d, const int16_t *w, const float *v_scale, const float *tau,
+                      int64_t n_req, int64_t n_exp, int64_t mask_mode, const uint8_t *mask,
+                      int64_t mask_stride, const int64_t *mask_index, int64_t mask_offset,
+                      int64_t *out_req, int64_t *out_ad, float *out_aff, int64_t cap) {
+    if (d == 64) /* the common row length, its loops unrolled */
+        return scan(x, x_scale, offset, n, 64, 2, w, v_scale, tau, n_req, n_exp, mask_mode, mask,
+                    mask_stride, mask_index, mask_offset, out_req, out_ad, out_aff, cap);
+    return scan(x, x_scale, offset, n, d, (d + 31) / 32, w, v_scale, tau, n_req, n_exp, mask_mode,
+                mask, mask_stride, mask_index, mask_offset, out_req, out_ad, out_aff, cap);
+}
+
+#define PREFETCH 8
+
+/* Step 2 on S pairs of an 8-bit table, before the exponentials (`_Worker.bounds`: the logits of
+ * `logits_int8` and the first lines of `_gate_bounds`). Pair s = (req[s], row[s]):
+ *   L_e = ((float)(wq[req, e]·g[row]) · q_scale[req]) · g_scale[row]   (none when gdim = 0)
+ *   logit[e·S + s] = L_e + p_t[e, req], less the pair's largest such logit when
+ *                    max_e |L_e| + shift_base >= 80 (shift_base = max |p| + ln E), where exp
+ *                    or its sum could overflow
+ *   eta2[s] = 2·((coef[req, 1] + coef[req, 0]·‖g‖) + max_e |L_e|·eta_l)   (2η, `_gate_bounds`)
+ * g [N, gdim] int8, g_scale [N], wq [B, E, gdim] int16, q_scale [B], p_t [E, B], coef [B, 3]
+ * (`_Plan.coef`), g_norm [N] (the table's ‖g‖ bounds). The torch path then takes exp(logit)
+ * and expm1(eta2), so the exponentials are torch's own. */
+void m31_logits_int8(const int8_t *g, const float *g_scale, int64_t gdim, const int16_t *wq,
+                     const float *q_scale, const float *p_t, int64_t n_req, int64_t n_exp,
+                     const float *coef, const float *g_norm, double shift_base, float eta_l,
+                     const int64_t *req, const int64_t *row, int64_t n_pairs, float *logit,
+                     float *eta2) {
+    int32_t ints[n_exp + 3];
+    const int64_t chunks = (gdim + 31) / 32;
+    row_t ad;
+    for (int64_t s = 0; s < n_pairs; s++) {
+        const int64_t r = req[s], a = row[s];
+        /* rows of g are gathered at random: ask for one a few pairs ahead of its use */
+        if (gdim && s + PREFETCH < n_pairs) __builtin_prefetch(g + row[s + PREFETCH] * gdim);
+        float lam = 0.0f, most = -INFINITY;
+        if (gdim) {
+            load_row(g + a * gdim, gdim, chunks, &ad);
+            products(wq + r * n_exp * gdim, &ad, n_exp, gdim, chunks, ints);
+        }
+        const float qs = q_scale[r], gs = g_scale[a];
+        for (int64_t e = 0; e < n_exp; e++) {
+            float l = p_t[e * n_req + r];
+            if (gdim) {
+                const float gate = ((float)ints[e] * qs) * gs;
+                lam = max_f(lam, fabsf(gate));
+                l = gate + l;
+            }
+            logit[e * n_pairs + s] = l;
+            most = max_f(most, l);
+        }
+        if ((double)lam + shift_base >= 80.0)
+            for (int64_t e = 0; e < n_exp; e++) logit[e * n_pairs + s] -= most;
+        const float *c = coef + 3 * r;
+        float eta = c[1] + c[0] * g_norm[a];
+        eta = eta + lam * eta_l;
+        eta2[s] = eta * 2.0f;
+    }
+}
+
+/* Step 2 after the exponentials (`_gate_bounds` from the softmax on, then the filter h >= tau):
+ * weight [E, S] = exp(logit), em [S] = expm1(eta2) from `m31_logits_int8` and torch, aff [E, S]
+ * step 1's affinities, x_norm [N] and bias [N] the table's; coef [B, 3]; kappa, one_u = 1 + u',
+ * u_2kappa = u' + 2κ (`_Plan`). s~ and ε as `_gate_bounds` computes them, each sum over E in
+ * expert order. Keeps the pairs with s~ + ε >= tau[req]: writes them (req, row, ℓ = s~ - ε,
+ * h = s~ + ε) in order and returns how many. */
+int64_t m31_bounds(const float *weight, const float *em, const float *aff, const float *x_norm,
+                   const float *bias_of, const float *coef, int64_t n_exp, float kappa,
+                   float one_u, float u_2kappa, const int64_t *req, const int64_t *row,
+                   int64_t n_pairs, const float *tau, int64_t *out_req, int64_t *out_row,
+                   float *out_lower, float *out_upper) {
+    int64_t kept = 0;
+    for (int64_t s = 0; s < n_pairs; s++) {
+        const int64_t r = req[s], a = row[s];
+        float top = -INFINITY, bottom = INFINITY, den = 0.0f, num = 0.0f, mag = 0.0f;
+        for (int64_t e = 0; e < n_exp; e++) {
+            const float v = aff[e * n_pairs + s], w = weight[e * n_pairs + s];
+            top = max_f(top, v);
+            bottom = min_f(bottom, v);
+            den += w;
+            num += w * v;
+            mag += w * fabsf(v);
+        }
+        const float bias = bias_of[a];
+        const float approx = num / den + bias;
+        mag = mag / den;
+        const float reach = max_f(fabsf(top), fabsf(bottom));
+        const float x_part = x_norm[a] * coef[3 * r + 2];
+        const float rounding = (fabsf(bias) + fabsf(approx)) * kappa;
+        float gated = (x_part + mag * one_u) * em[s] + x_part;
+        gated = gated + mag * u_2kappa;
+        gated = gated + rounding;
+        float spread = (top - bottom) * (1.0f + 0x1p-23f) + x_part + rounding;
+        spread = spread + reach * u_2kappa;
+        /* the smaller of the two, or the other where one is NaN (as fminf) */
+        const float least = gated != gated ? spread : spread != spread ? gated : min_f(gated, spread);
+        const float eps = least * (1.0f + 0x1p-10f);
+        const float upper = approx + eps;
+        if (!(upper >= tau[r])) continue;
+        out_req[kept] = r;
+        out_row[kept] = a;
+        out_lower[kept] = approx - eps;
+        out_upper[kept] = upper;
+        kept++;
+    }
+    return kept;
+}

@@ -1,0 +1,149 @@
+"""The cpu kernel's compiled helpers (`cpu_int8.c`), built on first use with the system C compiler.
+
+In torch, the cpu kernel's steps 1 and 2 on an 8-bit table (`cpu_score_topk_int8`) are a dozen
+small operations per block, each a pass over [B·E, n] products, and the per-op cost dominated.
+`cpu_int8.c` does step 1 in one pass per block that touches only the eligible pairs, and step 2
+in two passes around torch's exponentials, with the same values. It needs a C compiler (`$CC`, else `cc`) when first used: the library
+is built for this machine's CPU (-march=native) into a cache folder (`$M31_CACHE_DIR`, else
+`~/.cache/m31`), named by a hash of the source, the flags and the compiler, so a changed source
+or another machine builds its own (in about a second). Without a compiler, or with
+`M31_NATIVE=0`, `library()` is None and the kernel keeps its torch path (the same answers,
+slower); the reason is logged once.
+
+The functions release the GIL (ctypes does for every call), so the kernel's worker threads run
+them in parallel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_int8.c")
+# IEEE fp32 as written: the values must be the torch path's bit for bit (see the source)
+_FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math")
+_ARCH = ("-march=native",)
+
+_p, _i64, _f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "m31_scan_int8": (_i64, [_p, _p, _p, _i64, _i64, _p, _p, _p, _i64, _i64, _i64, _p, _i64, _p,
+                             _i64, _p, _p, _p, _i64]),
+    "m31_logits_int8": (None, [_p, _p, _i64, _p, _p, _p, _i64, _i64, _p, _p, ctypes.c_double, _f,
+                               _p, _p, _i64, _p, _p]),
+    "m31_bounds": (_i64, [_p, _p, _p, _p, _p, _p, _i64, _f, _f, _f, _p, _p, _i64, _p, _p, _p, _p,
+                          _p]),
+    "m31_simd": (ctypes.c_char_p, []),
+}  # fmt: skip
+
+
+_MODES = {
+    **dict.fromkeys(("1", "on", "true", "yes"), "on"),
+    **dict.fromkeys(("0", "off", "false", "no"), "off"),
+    "plain": "plain",
+}
+_override: str | None = None
+
+
+def mode() -> str:
+    """What is asked for: "on" (the default), "off" (the torch path) or "plain" (the portable
+    loops even where the CPU has AVX-512: for tests and comparisons). Set by `use`, else by the
+    environment variable M31_NATIVE (1, on, true, yes / 0, off, false, no / plain)."""
+    if _override is not None:
+        return _override
+    value = os.environ.get("M31_NATIVE", "on").strip().lower()
+    if value not in _MODES:
+        raise ValueError(f"M31_NATIVE must be one of {', '.join(_MODES)}, got {value!r}")
+    return _MODES[value]
+
+
+@contextmanager
+def use(wanted: str) -> Iterator[None]:
+    """Within the block, calls that start take `wanted` ("on", "off" or "plain") whatever
+    M31_NATIVE says (process-wide: for benchmarks and tests, not for concurrent callers)."""
+    global _override
+    if wanted not in ("on", "off", "plain"):
+        raise ValueError(f"wanted must be 'on', 'off' or 'plain', got {wanted!r}")
+    before, _override = _override, wanted
+    try:
+        yield
+    finally:
+        _override = before
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("M31_CACHE_DIR") or Path.home() / ".cache" / "m31")
+
+
+@functools.cache
+def _build(plain: bool) -> ctypes.CDLL | None:
+    try:
+        return _compile_and_load(("-DM31_PLAIN",) if plain else ())
+    except OSError as err:  # an unwritable cache folder, a library that does not load
+        log.warning("the cpu kernel's compiled helpers are unavailable: %s", err)
+        return None
+
+
+def _compile_and_load(defines: tuple[str, ...]) -> ctypes.CDLL | None:
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        log.warning("no C compiler (set CC): the cpu kernel's 8-bit path runs in torch ops")
+        return None
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, check=False
+    ).stdout
+    source = SOURCE.read_bytes()
+    errors = []
+    for flags in (_FLAGS + _ARCH + defines, _FLAGS + defines):  # some lack -march=native
+        parts = [source, " ".join(flags).encode(), version.encode(), platform.machine().encode()]
+        key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+        target = cache_dir() / f"m31_cpu_int8-{key}.so"
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            # build beside the target, then rename: concurrent builders never see a partial file
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+            os.close(fd)
+            done = subprocess.run(
+                [compiler, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True
+            )
+            if done.returncode != 0:
+                os.unlink(tmp)
+                errors.append(done.stderr.strip()[-2000:])
+                continue
+            os.replace(tmp, target)
+        lib = ctypes.CDLL(str(target))
+        for name, (restype, argtypes) in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = restype, argtypes
+        return lib
+    log.warning("building %s failed, the cpu kernel's 8-bit path runs in torch ops:\n%s",
+                SOURCE.name, "\n".join(errors))  # fmt: skip
+    return None
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled helpers, or None (no compiler, a failed build, or M31_NATIVE=0)."""
+    wanted = mode()
+    return None if wanted == "off" else _build(wanted == "plain")
+
+
+def ptr(t: torch.Tensor | None) -> int | None:
+    """The address of a contiguous CPU tensor's first element, for a call into the library."""
+    if t is None:
+        return None
+    if not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError("the compiled helpers take contiguous CPU tensors")
+    return t.data_ptr()

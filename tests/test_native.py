@@ -1,0 +1,194 @@
+"""m31.ops.native: the cpu kernel's compiled helpers (cpu_int8.c), built with the real compiler.
+
+The helpers must return the torch path's values bit for bit (the bounds of cpu_score_topk are
+proved for those): step 1's survivors and affinities, step 2's kept pairs and bounds, compared
+here block by block on odd sizes and every mask kind, for the AVX-512 build and the plain one.
+Then the loader: the cache, the switch, and what happens without a compiler or with a broken one.
+"""
+
+import logging
+import math
+
+import pytest
+import torch
+from test_cpu_score_topk import assert_same, full_sort
+from test_cpu_score_topk_int8 import int8_problem, needs_exact_int8
+from test_score_topk import make_mask
+
+from m31.ops import PackedMask, native, rounded_score, score
+from m31.ops.cpu_score_topk import (
+    _plan_int8,
+    _table_stats,
+    _Threshold,
+    _Worker,
+    cpu_score_topk_int8,
+)
+
+pytestmark = [
+    needs_exact_int8,
+    pytest.mark.skipif(native.library() is None, reason="no C compiler: the helpers are not built"),
+]
+
+
+def setup_block(n_req, n_ads, n_exp, gdim, ddim, mask_kind, way, seed):
+    """(worker, plan) over one block of all n_ads, τ at each request's median affinity bound so
+    that some pairs pass step 1 and some do not."""
+    query, table, _ = int8_problem(n_req, n_ads, n_exp, gdim, ddim, seed=seed)
+    mask = make_mask("per-request" if mask_kind == "packed" else mask_kind, n_req, n_ads, seed)
+    if mask_kind == "packed":
+        mask = PackedMask.of(mask)
+    plan = _plan_int8(*query, 5)
+    stats = _table_stats(table.g, table.x, table.b, table.g_scale, table.x_scale)
+    shared = _Threshold(n_req, 1, plan.u_scan)
+    level = torch.randn(n_req, generator=torch.Generator().manual_seed(seed)) * 0.1
+    shared.offer(torch.arange(n_req), level)
+    with native.use(way):
+        worker = _Worker(plan, table, stats, mask, shared, block=n_ads)
+    worker.refine_pairs = math.inf  # keep step 1's survivors pending
+    return worker, plan
+
+
+def by_pair(req, row, *values, n_ads):
+    order = torch.argsort(req * n_ads + row)
+    return (req[order], row[order], *(v[..., order] for v in values))
+
+
+CASES = [  # n_req, n_ads, n_exp, gdim, ddim, mask
+    (1, 1000, 8, 64, 64, "shared"),
+    (3, 999, 5, 33, 65, "per-request"),
+    (5, 130, 3, 0, 7, "none"),  # a block of 2 x 64 ads and 2 more
+    (4, 200, 1, 1, 1, "packed"),
+    (2, 333, 6, 200, 540, "packed"),  # D past the registers: plain loops inside the AVX build
+    (64, 67, 8, 16, 16, "per-request"),
+]
+
+
+@pytest.mark.parametrize("way", ["on", "plain"])
+@pytest.mark.parametrize(("n_req", "n_ads", "n_exp", "gdim", "ddim", "mask_kind"), CASES)
+def test_step_1_is_the_torch_ops_bit_for_bit(n_req, n_ads, n_exp, gdim, ddim, mask_kind, way):
+    compiled, _ = setup_block(n_req, n_ads, n_exp, gdim, ddim, mask_kind, way, seed=n_ads)
+    plain, _ = setup_block(n_req, n_ads, n_exp, gdim, ddim, mask_kind, "off", seed=n_ads)
+    assert compiled.lib is not None and plain.lib is None
+    for worker in (compiled, plain):
+        worker.scan(0, n_ads)
+    assert len(plain.pending) == len(compiled.pending) == 1
+    want_req, want_row, _, want_aff, _ = plain.pending[0]
+    got_req, got_row, _, got_aff, _ = compiled.pending[0]
+    assert 0 < len(want_req) < n_req * n_ads  # τ filters some pairs, not all
+    want = by_pair(want_req, want_row, want_aff, n_ads=n_ads)
+    got = by_pair(got_req, got_row, got_aff, n_ads=n_ads)
+    for w, g in zip(want, got, strict=True):
+        assert torch.equal(w, g)
+
+
+@pytest.mark.parametrize("way", ["on", "plain"])
+@pytest.mark.parametrize(("n_req", "n_ads", "n_exp", "gdim", "ddim", "mask_kind"), CASES)
+def test_step_2_keeps_the_pairs_of_the_torch_ops_and_bounds_every_score(
+    n_req, n_ads, n_exp, gdim, ddim, mask_kind, way
+):
+    """Step 2's s̃ ± ε is an fp32 evaluation of its own (sums over E in expert order), which the
+    proof of the bounds allows for: the same pairs kept, ℓ and h within fp32 rounding of the
+    torch ops', and with τ = -inf every pair's exact and fp32 score inside [ℓ, h]."""
+    compiled, _ = setup_block(n_req, n_ads, n_exp, gdim, ddim, mask_kind, way, seed=n_ads + 1)
+    plain, _ = setup_block(n_req, n_ads, n_exp, gdim, ddim, mask_kind, "off", seed=n_ads + 1)
+    plain.scan(0, n_ads)
+    pending = plain.pending  # the same survivors for both (step 1 is tested above)
+    req, row, gate, aff, _ = pending[0]
+    compiled.pending = [(req, row, gate, aff, None)]
+    want = by_pair(*plain.bounds(), n_ads=n_ads)
+    got = by_pair(*compiled.bounds_native(), n_ads=n_ads)
+    assert 0 < len(want[0]) < len(req) or n_exp == 1  # τ drops some (E = 1: step 1 is as tight)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    for w, g in zip(want[2:], got[2:], strict=True):
+        torch.testing.assert_close(g, w, rtol=2**-20, atol=2**-20 * float(w.abs().max()))
+    # every pair, no threshold: [ℓ, h] holds the fp32 score and the exact one
+    compiled.shared.for_refine = torch.full((n_req,), -math.inf)
+    compiled.pending = [(req, row, gate, aff, None)]
+    req, row, lower, upper = compiled.bounds_native()
+    assert len(req) == len(pending[0][0])
+    query, _, dequantized = int8_problem(n_req, n_ads, n_exp, gdim, ddim, seed=n_ads + 1)
+    for scores in (score(*query, *dequantized), rounded_score(*query, *dequantized)):
+        s = scores[req, row]
+        assert ((lower <= s) & (s <= upper)).all()
+
+
+def test_every_way_gives_the_definition_on_large_logits():
+    """Gate logits large enough that a pair's logits are shifted before the exponential."""
+    query, table, dequantized = int8_problem(3, 800, 4, 8, 8, seed=3, scale=12.0)
+    mask = make_mask("per-request", 3, 800, seed=4)
+    for way in ("on", "plain", "off"):
+        with native.use(way):
+            got = cpu_score_topk_int8(*query, table, mask, 25, block=128, threads=2)
+        assert_same(got, full_sort(query, dequantized, mask, 25))
+
+
+def test_the_builds_and_the_switch(monkeypatch):
+    assert native.library().m31_simd() in (b"avx512", b"plain")
+    with native.use("plain"):
+        assert native.library().m31_simd() == b"plain"
+    with native.use("off"):
+        assert native.library() is None
+    monkeypatch.setenv("M31_NATIVE", "0")
+    assert native.library() is None
+    with native.use("on"):  # the override wins over the environment
+        assert native.library() is not None
+    monkeypatch.setenv("M31_NATIVE", "plain")
+    assert native.library().m31_simd() == b"plain"
+    monkeypatch.setenv("M31_NATIVE", "maybe")
+    with pytest.raises(ValueError, match="M31_NATIVE must be one of"):
+        native.library()
+    with pytest.raises(ValueError, match="wanted must be"), native.use("fast"):
+        pass
+
+
+@pytest.fixture
+def fresh_build(tmp_path, monkeypatch):
+    """An empty cache folder and a loader that has built nothing yet in this process."""
+    monkeypatch.setenv("M31_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("M31_NATIVE", raising=False)
+    native._build.cache_clear()
+    yield tmp_path
+    native._build.cache_clear()
+
+
+def test_the_library_is_built_once_per_source(fresh_build, monkeypatch, tmp_path_factory):
+    lib = native.library()
+    assert lib is not None
+    built = sorted(fresh_build.glob("m31_cpu_int8-*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    native._build.cache_clear()
+    assert native.library() is not None  # a new process: loads the cached build
+    assert built[0].stat().st_mtime_ns == stamp
+    assert sorted(fresh_build.glob("m31_cpu_int8-*.so")) == built
+    changed = tmp_path_factory.mktemp("src") / "cpu_int8.c"
+    changed.write_text(native.SOURCE.read_text() + "\n/* changed */\n")
+    monkeypatch.setattr(native, "SOURCE", changed)
+    native._build.cache_clear()
+    assert native.library() is not None
+    assert len(list(fresh_build.glob("m31_cpu_int8-*.so"))) == 2  # a changed source, a new build
+    assert not list(fresh_build.glob("*.tmp*")) and len(list(fresh_build.iterdir())) == 2
+
+
+@pytest.mark.parametrize(
+    ("compiler", "message"),
+    [("no-such-compiler-m31", "no C compiler"), ("false", "failed")],
+)
+def test_without_a_working_compiler_the_torch_path_answers(
+    fresh_build, monkeypatch, caplog, compiler, message
+):
+    monkeypatch.setenv("CC", compiler)
+    with caplog.at_level(logging.WARNING, logger="m31.ops.native"):
+        assert native.library() is None
+        assert native.library() is None  # said once
+    assert [r.message for r in caplog.records if message in r.message] and len(caplog.records) == 1
+    assert not list(fresh_build.glob("*.so"))  # nothing half-built left behind
+    query, table, dequantized = int8_problem(2, 500, 3, 8, 8, seed=9)
+    mask = make_mask("shared", 2, 500, seed=9)
+    got = cpu_score_topk_int8(*query, table, mask, 10)
+    assert_same(got, full_sort(query, dequantized, mask, 10))
+
+
+def test_the_helpers_refuse_strided_tensors():
+    with pytest.raises(ValueError, match="contiguous CPU tensors"):
+        native.ptr(torch.zeros(4, 4).T)
