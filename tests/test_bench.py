@@ -58,8 +58,11 @@ def test_timings_csv(tmp_path):
         if r["variant"] == "kernel-int8":
             assert r["table"] == "int8"
             assert 0.5 < float(r["recall_vs_bf16"]) <= 1.0
+        if r["variant"] == "kernel-int8-torch":
+            assert (r["table"], r["impl"]) == ("int8", "cpu, torch ops only")
     md = (tmp_path / "bench.md").read_text()
     assert "| N | B | K | variant |" in md and "vs two-tower" in md and "time / K=100" in md
+    assert "int8 compiled vs torch ops" in md
     assert (tmp_path / "bench.png").stat().st_size > 0 or "no PNG" in md
 
 
@@ -192,6 +195,7 @@ def test_acceptance_and_ratios():
         row(64, 100, "compile", 40.0),
         row(64, 1000, "kernel", 6.0),  # 1.2x
         row(64, 100, "kernel-int8", 4.0, recall=0.995),
+        row(64, 100, "kernel-int8-torch", 10.0),
     ]
     assert acceptance(rows) == [
         "PASS  B = 1 ≥ 12 G ads/s: 14.3 G",
@@ -207,5 +211,6 @@ def test_acceptance_and_ratios():
         "k": 100,
         "vs compile": 8.0,
         "int8 vs bf16": 1.25,
+        "int8 compiled vs torch ops": 2.5,
     }
     assert by_shape[(64, 1000)]["time / K=100"] == pytest.approx(1.2)

@@ -11,9 +11,18 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-# kernel and kernel-int8: `m31.bench.kernels`; the rest: `m31.bench.baselines`.
-VARIANTS = ("kernel", "kernel-int8", "reference", "eager", "compile", "two-tower", "faiss")
-_BF16 = tuple(v for v in VARIANTS if v != "kernel-int8")
+# kernel, kernel-int8 and kernel-int8-torch: `m31.bench.kernels`; the rest: `m31.bench.baselines`.
+VARIANTS = (
+    "kernel",
+    "kernel-int8",
+    "kernel-int8-torch",
+    "reference",
+    "eager",
+    "compile",
+    "two-tower",
+    "faiss",
+)
+_BF16 = tuple(v for v in VARIANTS if not v.startswith("kernel-int8"))
 # DESIGN §6: N in {1 M, 10 M, 100 M}, B in {1, 64, 512}, K in {100, 1000}; (N, Bs, Ks, variants)
 CANONICAL: tuple[tuple[int, tuple[int, ...], tuple[int, ...], tuple[str, ...]], ...] = (
     (10_000_000, (1, 64, 512), (100, 1000), _BF16),

@@ -6,6 +6,8 @@ The problem: a random bf16 ad table as the index keeps it, about half the ads el
 E experts, G = D = dim. Its variants (`m31.bench.cases.VARIANTS`):
 * kernel      — the dispatcher's fast path: triton on CUDA, cpu on the CPU;
 * kernel-int8 — the same over the 8-bit table (`m31.ops.quant`), with its recall@K against bf16;
+* kernel-int8-torch — the cpu kernel over the 8-bit table in torch ops alone (its compiled
+  helpers off, `m31.ops.native`): what kernel-int8 runs without a C compiler; CPU only;
 * reference   — `score_topk(kernel="torch")`, the chunked definition of correct;
 * eager, compile, two-tower, faiss — `m31.bench.baselines`.
 
@@ -19,6 +21,7 @@ and variants that cannot run here are skipped with the reason, never a crash.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,7 +53,7 @@ from m31.bench.common import (
     time_call,
     to_stderr,
 )
-from m31.ops import available_kernels, quantize_ad_table, score_topk
+from m31.ops import available_kernels, native, quantize_ad_table, score_topk
 
 
 @dataclass
@@ -108,18 +111,24 @@ class _Bench:
         """(call, implementation, table) for one variant, or Skip."""
         n_req = query[0].shape[0]
         dev, n, e, dim = self.device, self.n, self.e, self.dim
-        if variant in ("kernel", "kernel-int8"):
+        if variant in ("kernel", "kernel-int8", "kernel-int8-torch"):
             name = fast_kernel(dev)
             table = self.table
-            if variant == "kernel-int8":
+            if variant.startswith("kernel-int8"):
                 if self.int8 is None:
                     raise Skip(self.int8_note)
                 table = self.int8
-            return (
-                lambda: score_topk(query, table, self.mask, k, kernel=name),
-                name,
-                "int8" if variant == "kernel-int8" else "bf16",
-            )
+            if variant != "kernel-int8-torch":
+                call = functools.partial(score_topk, query, table, self.mask, k, kernel=name)
+                return call, name, "int8" if variant == "kernel-int8" else "bf16"
+            if name != "cpu":
+                raise Skip("the cpu kernel's torch path: on a CPU only")
+
+            def torch_ops():
+                with native.use("off"):
+                    return score_topk(query, table, self.mask, k, kernel=name)
+
+            return torch_ops, "cpu, torch ops only", "int8"
         if variant == "reference":
             fits(6 * 4 * n_req * 32_768 * e, dev, "the reference's chunk intermediates")
             return (
@@ -155,7 +164,7 @@ class _Bench:
         if variant == "faiss":  # on the CPU whatever the device
             cpu = device_limits(torch.device("cpu"), self.measure)
             return 4 * dim, 2 * dim, cpu, cpu.matmul_fp32
-        if variant == "kernel-int8":
+        if variant.startswith("kernel-int8"):
             rate = self.limits.matmul_int8 or self.limits.matmul_bf16  # its products' own rate
             return row_bytes(self.int8), 2 * self.e * 2 * dim, self.limits, rate
         # a CPU may take fp32 products of a bf16 table (`cpu_score_topk._product_dtype`): its
@@ -204,7 +213,7 @@ def run_timings(
 
         try:
             fits(n * (2 * 2 * dim + 3), device, f"the N = {n:,} table")
-            need_int8 = any(c.variant == "kernel-int8" for c in at_n)
+            need_int8 = any(c.variant.startswith("kernel-int8") for c in at_n)
             bench = _Bench(n, experts, dim, device, measure, need_int8, seed)
         except (Skip, torch.cuda.OutOfMemoryError) as e:
             for c in at_n:

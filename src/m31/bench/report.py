@@ -71,7 +71,8 @@ def timings_markdown(rows: Sequence[Timing]) -> str:
 
 def ratios(rows: Sequence[Timing]) -> list[dict]:
     """Per (N, B, K): the kernel's speed over each baseline's, the 8-bit kernel's over the bf16
-    one's, and the kernel's time over its time at K = 100 (same N and B)."""
+    one's (and its compiled steps over its torch ops), and the kernel's time over its time at K = 100
+    (same N and B)."""
     ok = {(r.n, r.b, r.k, r.variant): r for r in rows if r.status == "ok"}
     out = []
     for n, b, k in dict.fromkeys((r.n, r.b, r.k) for r in rows):
@@ -83,7 +84,12 @@ def ratios(rows: Sequence[Timing]) -> list[dict]:
             if (n, b, k, other) in ok:
                 entry[f"vs {other}"] = ok[(n, b, k, other)].median_ms / kern.median_ms
         if (n, b, k, "kernel-int8") in ok:
-            entry["int8 vs bf16"] = kern.median_ms / ok[(n, b, k, "kernel-int8")].median_ms
+            int8 = ok[(n, b, k, "kernel-int8")].median_ms
+            entry["int8 vs bf16"] = kern.median_ms / int8
+            if (n, b, k, "kernel-int8-torch") in ok:
+                entry["int8 compiled vs torch ops"] = (
+                    ok[(n, b, k, "kernel-int8-torch")].median_ms / int8
+                )
         if k != 100 and (n, b, 100, "kernel") in ok:
             entry["time / K=100"] = kern.median_ms / ok[(n, b, 100, "kernel")].median_ms
         out.append(entry)
