@@ -144,10 +144,10 @@ def test_the_builds_and_the_switch(monkeypatch):
 @pytest.fixture
 def fresh_build(tmp_path, monkeypatch):
     """An empty cache folder and a loader that has built nothing yet in this process."""
-    monkeypatch.setenv("M31_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("M31_CACHE", str(tmp_path))
     monkeypatch.delenv("M31_NATIVE", raising=False)
     native._build.cache_clear()
-    yield tmp_path
+    yield tmp_path / "native"
     native._build.cache_clear()
 
 
@@ -182,7 +182,7 @@ def test_without_a_working_compiler_the_torch_path_answers(
         assert native.library() is None
         assert native.library() is None  # said once
     assert [r.message for r in caplog.records if message in r.message] and len(caplog.records) == 1
-    assert not list(fresh_build.glob("*.so"))  # nothing half-built left behind
+    assert not list(fresh_build.glob("*"))  # nothing half-built left behind
     query, table, dequantized = int8_problem(2, 500, 3, 8, 8, seed=9)
     mask = make_mask("shared", 2, 500, seed=9)
     got = cpu_score_topk_int8(*query, table, mask, 10)

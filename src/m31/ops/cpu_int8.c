@@ -129,6 +129,8 @@ INLINE int32_t products(const int16_t *w, const row_t *row, int64_t n_exp, int64
 /* Which of the two implementations of the products this build has. */
 const char *m31_simd(void) { return M31_SIMD; }
 
+#define SCAN_AHEAD 64 /* ads */
+
 /* Bit i of the result: whether request r may take ad a0 + i (block-local), i < count <= 64,
  * under the mask of the call. mode 0: no mask. 1: bool bytes, request r's row at
  * mask + r·stride (stride 0: one row shared by every request), offset to the block's first ad.
@@ -180,6 +182,9 @@ INLINE int64_t scan(const int8_t *x, const float *x_scale, const float *offset, 
             while (todo) {
                 const int64_t a = a0 + __builtin_ctzll(todo);
                 todo &= todo - 1;
+                /* the table streams from memory: ask for rows a little ahead (a hint, which
+                 * never faults, past the block's end included) */
+                __builtin_prefetch(x + (a + SCAN_AHEAD) * d);
                 load_row(x + a * d, d, chunks, &row);
                 const int32_t best = products(wr, &row, n_exp, d, chunks, ints);
                 const float xs = x_scale[a];

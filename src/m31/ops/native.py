@@ -4,8 +4,8 @@ In torch, the cpu kernel's steps 1 and 2 on an 8-bit table (`cpu_score_topk_int8
 small operations per block, each a pass over [B·E, n] products, and the per-op cost dominated.
 `cpu_int8.c` does step 1 in one pass per block that touches only the eligible pairs, and step 2
 in two passes around torch's exponentials, with the same values. It needs a C compiler (`$CC`, else `cc`) when first used: the library
-is built for this machine's CPU (-march=native) into a cache folder (`$M31_CACHE_DIR`, else
-`~/.cache/m31`), named by a hash of the source, the flags and the compiler, so a changed source
+is built for this machine's CPU (-march=native) into a cache folder (`$M31_CACHE/native`,
+default `~/.cache/m31/native`), named by a hash of the source, the flags and the compiler, so a changed source
 or another machine builds its own (in about a second). Without a compiler, or with
 `M31_NATIVE=0`, `library()` is None and the kernel keeps its torch path (the same answers,
 slower); the reason is logged once.
@@ -85,7 +85,8 @@ def use(wanted: str) -> Iterator[None]:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("M31_CACHE_DIR") or Path.home() / ".cache" / "m31")
+    """Where the builds go: $M31_CACHE/native (default ~/.cache/m31, as the text embeddings')."""
+    return Path(os.environ.get("M31_CACHE", "~/.cache/m31")).expanduser() / "native"
 
 
 @functools.cache
