@@ -223,7 +223,8 @@ int64_t m31_scan_int8(const int8_t *x, const float *x_scale, const float *offset
                 mask, mask_stride, mask_index, mask_offset, out_req, out_ad, out_aff, cap);
 }
 
-#define PREFETCH 8
+#define PREFETCH 16 /* pairs */
+#define BOUNDS_CHUNK 256 /* pairs */
 
 /* Step 2 on S pairs of an 8-bit table, before the exponentials (`_Worker.bounds`: the logits of
  * `logits_int8` and the first lines of `_gate_bounds`). Pair s = (req[s], row[s]):
@@ -235,41 +236,72 @@ int64_t m31_scan_int8(const int8_t *x, const float *x_scale, const float *offset
  * g [N, gdim] int8, g_scale [N], wq [B, E, gdim] int16, q_scale [B], p_t [E, B], coef [B, 3]
  * (`_Plan.coef`), g_norm [N] (the table's ‖g‖ bounds). The torch path then takes exp(logit)
  * and expm1(eta2), so the exponentials are torch's own. */
+INLINE void logits(const int8_t *g, const float *g_scale, int64_t gdim, int64_t chunks,
+                   const int16_t *wq, const float *q_scale, const float *p_t, int64_t n_req,
+                   int64_t n_exp, const float *coef, const float *g_norm, double shift_base,
+                   float eta_l, const int64_t *req, const int64_t *row, int64_t n_pairs,
+                   float *logit, float *eta2) {
+    /* BOUNDS_CHUNK pairs at a time: their products pair by pair, then the rest in loops over
+     * the pairs that the compiler vectorizes */
+    int32_t ints[n_exp + 3], chunk_ints[n_exp * BOUNDS_CHUNK];
+    float qs[BOUNDS_CHUNK], gs[BOUNDS_CHUNK], lam[BOUNDS_CHUNK], most[BOUNDS_CHUNK];
+    row_t ad;
+    for (int64_t s0 = 0; s0 < n_pairs; s0 += BOUNDS_CHUNK) {
+        const int64_t count = n_pairs - s0 < BOUNDS_CHUNK ? n_pairs - s0 : BOUNDS_CHUNK;
+        const int64_t *r = req + s0, *a = row + s0;
+        for (int64_t i = 0; i < count; i++) {
+            /* the pairs' rows are gathered at random: ask for them a few pairs ahead */
+            if (s0 + i + PREFETCH < n_pairs) {
+                const int64_t next = row[s0 + i + PREFETCH];
+                __builtin_prefetch(g + next * gdim);
+                __builtin_prefetch(g_scale + next);
+                __builtin_prefetch(g_norm + next);
+            }
+            qs[i] = q_scale[r[i]], gs[i] = g_scale[a[i]];
+            lam[i] = 0.0f, most[i] = -INFINITY;
+            if (gdim) {
+                load_row(g + a[i] * gdim, gdim, chunks, &ad);
+                products(wq + r[i] * n_exp * gdim, &ad, n_exp, gdim, chunks, ints);
+                for (int64_t e = 0; e < n_exp; e++) chunk_ints[e * BOUNDS_CHUNK + i] = ints[e];
+            }
+        }
+        for (int64_t e = 0; e < n_exp; e++) {
+            const int32_t *in = chunk_ints + e * BOUNDS_CHUNK;
+            const float *prior = p_t + e * n_req;
+            float *out = logit + e * n_pairs + s0;
+            for (int64_t i = 0; i < count; i++) {
+                float l = prior[r[i]];
+                if (gdim) {
+                    const float gate = ((float)in[i] * qs[i]) * gs[i];
+                    lam[i] = max_f(lam[i], fabsf(gate));
+                    l = gate + l;
+                }
+                out[i] = l;
+                most[i] = max_f(most[i], l);
+            }
+        }
+        for (int64_t i = 0; i < count; i++) {
+            if ((double)lam[i] + shift_base >= 80.0)
+                for (int64_t e = 0; e < n_exp; e++) logit[e * n_pairs + s0 + i] -= most[i];
+            const float *c = coef + 3 * r[i];
+            float eta = c[1] + c[0] * g_norm[a[i]];
+            eta = eta + lam[i] * eta_l;
+            eta2[s0 + i] = eta * 2.0f;
+        }
+    }
+}
+
 void m31_logits_int8(const int8_t *g, const float *g_scale, int64_t gdim, const int16_t *wq,
                      const float *q_scale, const float *p_t, int64_t n_req, int64_t n_exp,
                      const float *coef, const float *g_norm, double shift_base, float eta_l,
                      const int64_t *req, const int64_t *row, int64_t n_pairs, float *logit,
                      float *eta2) {
-    int32_t ints[n_exp + 3];
-    const int64_t chunks = (gdim + 31) / 32;
-    row_t ad;
-    for (int64_t s = 0; s < n_pairs; s++) {
-        const int64_t r = req[s], a = row[s];
-        /* rows of g are gathered at random: ask for one a few pairs ahead of its use */
-        if (gdim && s + PREFETCH < n_pairs) __builtin_prefetch(g + row[s + PREFETCH] * gdim);
-        float lam = 0.0f, most = -INFINITY;
-        if (gdim) {
-            load_row(g + a * gdim, gdim, chunks, &ad);
-            products(wq + r * n_exp * gdim, &ad, n_exp, gdim, chunks, ints);
-        }
-        const float qs = q_scale[r], gs = g_scale[a];
-        for (int64_t e = 0; e < n_exp; e++) {
-            float l = p_t[e * n_req + r];
-            if (gdim) {
-                const float gate = ((float)ints[e] * qs) * gs;
-                lam = max_f(lam, fabsf(gate));
-                l = gate + l;
-            }
-            logit[e * n_pairs + s] = l;
-            most = max_f(most, l);
-        }
-        if ((double)lam + shift_base >= 80.0)
-            for (int64_t e = 0; e < n_exp; e++) logit[e * n_pairs + s] -= most;
-        const float *c = coef + 3 * r;
-        float eta = c[1] + c[0] * g_norm[a];
-        eta = eta + lam * eta_l;
-        eta2[s] = eta * 2.0f;
-    }
+    if (gdim == 64) /* the common row length, its loops unrolled */
+        logits(g, g_scale, 64, 2, wq, q_scale, p_t, n_req, n_exp, coef, g_norm, shift_base, eta_l,
+               req, row, n_pairs, logit, eta2);
+    else
+        logits(g, g_scale, gdim, (gdim + 31) / 32, wq, q_scale, p_t, n_req, n_exp, coef, g_norm,
+               shift_base, eta_l, req, row, n_pairs, logit, eta2);
 }
 
 /* Step 2 after the exponentials (`_gate_bounds` from the softmax on, then the filter h >= tau):
@@ -283,39 +315,56 @@ int64_t m31_bounds(const float *weight, const float *em, const float *aff, const
                    float one_u, float u_2kappa, const int64_t *req, const int64_t *row,
                    int64_t n_pairs, const float *tau, int64_t *out_req, int64_t *out_row,
                    float *out_lower, float *out_upper) {
+    /* BOUNDS_CHUNK pairs at a time, each pass a loop over the pairs that the compiler vectorizes;
+     * then the pairs that pass the filter are written out */
+    float top[BOUNDS_CHUNK], bottom[BOUNDS_CHUNK], den[BOUNDS_CHUNK], num[BOUNDS_CHUNK];
+    float mag[BOUNDS_CHUNK], x_part[BOUNDS_CHUNK], bias[BOUNDS_CHUNK], lower[BOUNDS_CHUNK];
+    float upper[BOUNDS_CHUNK];
     int64_t kept = 0;
-    for (int64_t s = 0; s < n_pairs; s++) {
-        const int64_t r = req[s], a = row[s];
-        float top = -INFINITY, bottom = INFINITY, den = 0.0f, num = 0.0f, mag = 0.0f;
-        for (int64_t e = 0; e < n_exp; e++) {
-            const float v = aff[e * n_pairs + s], w = weight[e * n_pairs + s];
-            top = max_f(top, v);
-            bottom = min_f(bottom, v);
-            den += w;
-            num += w * v;
-            mag += w * fabsf(v);
+    for (int64_t s0 = 0; s0 < n_pairs; s0 += BOUNDS_CHUNK) {
+        const int64_t count = n_pairs - s0 < BOUNDS_CHUNK ? n_pairs - s0 : BOUNDS_CHUNK;
+        for (int64_t i = 0; i < count; i++) {
+            const int64_t a = row[s0 + i];
+            top[i] = -INFINITY, bottom[i] = INFINITY, den[i] = num[i] = mag[i] = 0.0f;
+            bias[i] = bias_of[a];
+            x_part[i] = x_norm[a] * coef[3 * req[s0 + i] + 2];
         }
-        const float bias = bias_of[a];
-        const float approx = num / den + bias;
-        mag = mag / den;
-        const float reach = max_f(fabsf(top), fabsf(bottom));
-        const float x_part = x_norm[a] * coef[3 * r + 2];
-        const float rounding = (fabsf(bias) + fabsf(approx)) * kappa;
-        float gated = (x_part + mag * one_u) * em[s] + x_part;
-        gated = gated + mag * u_2kappa;
-        gated = gated + rounding;
-        float spread = (top - bottom) * (1.0f + 0x1p-23f) + x_part + rounding;
-        spread = spread + reach * u_2kappa;
-        /* the smaller of the two, or the other where one is NaN (as fminf) */
-        const float least = gated != gated ? spread : spread != spread ? gated : min_f(gated, spread);
-        const float eps = least * (1.0f + 0x1p-10f);
-        const float upper = approx + eps;
-        if (!(upper >= tau[r])) continue;
-        out_req[kept] = r;
-        out_row[kept] = a;
-        out_lower[kept] = approx - eps;
-        out_upper[kept] = upper;
-        kept++;
+        for (int64_t e = 0; e < n_exp; e++) { /* the sums over E in expert order */
+            const float *v = aff + e * n_pairs + s0, *w = weight + e * n_pairs + s0;
+            for (int64_t i = 0; i < count; i++) {
+                top[i] = max_f(top[i], v[i]);
+                bottom[i] = min_f(bottom[i], v[i]);
+                den[i] += w[i];
+                num[i] += w[i] * v[i];
+                mag[i] += w[i] * fabsf(v[i]);
+            }
+        }
+        for (int64_t i = 0; i < count; i++) {
+            const float approx = num[i] / den[i] + bias[i];
+            const float m = mag[i] / den[i];
+            const float reach = max_f(fabsf(top[i]), fabsf(bottom[i]));
+            const float rounding = (fabsf(bias[i]) + fabsf(approx)) * kappa;
+            float gated = (x_part[i] + m * one_u) * em[s0 + i] + x_part[i];
+            gated = gated + m * u_2kappa;
+            gated = gated + rounding;
+            float spread = (top[i] - bottom[i]) * (1.0f + 0x1p-23f) + x_part[i] + rounding;
+            spread = spread + reach * u_2kappa;
+            /* the smaller of the two, or the other where one is NaN (as fminf) */
+            const float least =
+                gated != gated ? spread : spread != spread ? gated : min_f(gated, spread);
+            const float eps = least * (1.0f + 0x1p-10f);
+            lower[i] = approx - eps;
+            upper[i] = approx + eps;
+        }
+        for (int64_t i = 0; i < count; i++) {
+            const int64_t r = req[s0 + i];
+            if (!(upper[i] >= tau[r])) continue;
+            out_req[kept] = r;
+            out_row[kept] = row[s0 + i];
+            out_lower[kept] = lower[i];
+            out_upper[kept] = upper[i];
+            kept++;
+        }
     }
     return kept;
 }
