@@ -3,11 +3,14 @@
 In torch, the cpu kernel's steps 1 and 2 on an 8-bit table (`cpu_score_topk_int8`) are a dozen
 small operations per block, each a pass over [B·E, n] products, and the per-op cost dominated.
 `cpu_int8.c` does step 1 in one pass per block that touches only the eligible pairs, and step 2
-in two passes around torch's exponentials, with the same values. It needs a C compiler (`$CC`, else `cc`) when first used: the library
-is built for this machine's CPU (-march=native) into a cache folder (`$M31_CACHE/native`,
-default `~/.cache/m31/native`), named by a hash of the source, the flags and the compiler, so a changed source
-or another machine builds its own (in about a second). Without a compiler, or with
-`M31_NATIVE=0`, `library()` is None and the kernel keeps its torch path (the same answers,
+in two passes around torch's exponentials, with the same values (step 1 bit for bit; step 2 up
+to the order of fp32 sums, which its bounds allow for).
+
+It needs a C compiler (`$CC`, else `cc`) when first used: the library is built for this
+machine's CPU (-march=native) into a cache folder (`$M31_CACHE/native`, default
+`~/.cache/m31/native`), named by a hash of the source, the flags, the compiler and the CPU, so
+a changed source or another machine builds its own (in about a second). Without a compiler, or
+with `M31_NATIVE=0`, `library()` is None and the kernel keeps its torch path (the same answers,
 slower); the reason is logged once.
 
 The functions release the GIL (ctypes does for every call), so the kernel's worker threads run
@@ -22,6 +25,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -93,33 +97,52 @@ def cache_dir() -> Path:
 def _build(plain: bool) -> ctypes.CDLL | None:
     try:
         return _compile_and_load(("-DM31_PLAIN",) if plain else ())
-    except OSError as err:  # an unwritable cache folder, a library that does not load
+    except (OSError, subprocess.SubprocessError) as err:  # a cache folder not writable, ...
         log.warning("the cpu kernel's compiled helpers are unavailable: %s", err)
         return None
 
 
+def _cpu_identity() -> bytes:
+    """What -march=native builds for: the CPU's model and flags (Linux), else the platform's
+    word for it. A cache folder shared by machines with different CPUs then holds a build each."""
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            lines = [line for line in f if line.startswith((b"model name", b"flags"))]
+        return b"".join(sorted(set(lines)))
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}".encode()
+
+
 def _compile_and_load(defines: tuple[str, ...]) -> ctypes.CDLL | None:
-    compiler = shutil.which(os.environ.get("CC", "cc"))
+    command = shlex.split(os.environ.get("CC", "cc"))  # a compiler and its own arguments
+    compiler = shutil.which(command[0]) if command else None
     if compiler is None:
         log.warning("no C compiler (set CC): the cpu kernel's 8-bit path runs in torch ops")
         return None
+    command[0] = compiler
     version = subprocess.run(
-        [compiler, "--version"], capture_output=True, text=True, check=False
+        [*command, "--version"], capture_output=True, text=True, check=False, timeout=60
     ).stdout
     source = SOURCE.read_bytes()
     errors = []
     for flags in (_FLAGS + _ARCH + defines, _FLAGS + defines):  # some lack -march=native
-        parts = [source, " ".join(flags).encode(), version.encode(), platform.machine().encode()]
-        key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+        parts = [source, " ".join(command + list(flags)).encode(), version.encode()]
+        key = hashlib.sha256(b"\0".join([*parts, _cpu_identity()])).hexdigest()[:16]
         target = cache_dir() / f"m31_cpu_int8-{key}.so"
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             # build beside the target, then rename: concurrent builders never see a partial file
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
             os.close(fd)
-            done = subprocess.run(
-                [compiler, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True
-            )
+            try:
+                done = subprocess.run(
+                    [*command, *flags, "-o", tmp, str(SOURCE), "-lm"],
+                    capture_output=True,
+                    text=True,
+                    timeout=300,
+                )
+            except subprocess.TimeoutExpired:
+                done = subprocess.CompletedProcess([], 1, "", "the compiler ran past 300 s")
             if done.returncode != 0:
                 os.unlink(tmp)
                 errors.append(done.stderr.strip()[-2000:])
