@@ -285,10 +285,10 @@ def test_train_eval_simulate_end_to_end(tmp_path):
     )  # fmt: skip
     assert code == 2 and "exists" in out
 
-    # A retrained ablation: the sequence family alone, two slots.
+    # A retrained ablation: the sequence family alone, two slots, a longer sequence.
     code, out = run(
         "train", "--model", "moe", "--data", str(data), "--out", str(tmp_path / "seq.pt"),
-        "--preset", "tiny", "--epochs", "1", "--experts",
+        "--preset", "tiny", "--epochs", "1", "--max-len", "13", "--experts",
         "sequence=2,cohort=0,semantic=0,coengagement=0",
     )  # fmt: skip
     assert code == 0, out
@@ -296,6 +296,7 @@ def test_train_eval_simulate_end_to_end(tmp_path):
     assert blob["config"]["experts"] == {
         "sequence": 2, "cohort": 0, "semantic": 0, "coengagement": 0,
     }  # fmt: skip
+    assert blob["config"]["max_len"] == 13
     for bad, message in (
         ("sequence=x", "--experts"),
         ("nope=1", "--experts"),
@@ -305,6 +306,12 @@ def test_train_eval_simulate_end_to_end(tmp_path):
         code, out = run(
             "train", "--model", "moe", "--data", str(data), "--out", str(tmp_path / "bad.pt"),
             "--experts", bad,
+        )  # fmt: skip
+        assert code == 2 and message in out, (bad, out)
+    for bad, message in (("0", "max_len must be positive"), ("ten", "--max-len")):
+        code, out = run(
+            "train", "--model", "moe", "--data", str(data), "--out", str(tmp_path / "bad.pt"),
+            "--max-len", bad,
         )  # fmt: skip
         assert code == 2 and message in out, (bad, out)
     assert not (tmp_path / "bad.pt").exists()

@@ -230,6 +230,10 @@ def train_cmd(
     epochs: Annotated[int | None, typer.Option(help="Override the preset's epoch count.")] = None,
     split: Annotated[str, typer.Option(help="leave-last-out or time.")] = "leave-last-out",
     seed: Annotated[int | None, typer.Option(help="Random seed.")] = None,
+    max_len: Annotated[
+        int | None,
+        typer.Option(help="Override the preset's engagement-sequence length (the last events)."),
+    ] = None,
     experts: Annotated[
         str | None,
         typer.Option(
@@ -248,7 +252,7 @@ def train_cmd(
     from m31.pipeline import features_for
     from m31.training import train
 
-    cfg = model_preset(preset, model).with_overrides(epochs=epochs, seed=seed)
+    cfg = model_preset(preset, model).with_overrides(epochs=epochs, seed=seed, max_len=max_len)
     if experts is not None:
         cfg = cfg.with_overrides(experts={**cfg.experts, **_expert_slots(experts)})
     bar, callback = progress_bar()

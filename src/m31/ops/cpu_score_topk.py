@@ -87,9 +87,10 @@ are not exact on the CPU (`int8_products_exact`), the dequantized table takes th
 Where a C compiler is at hand, steps 1 and 2 of an 8-bit table run as compiled loops
 (`m31.ops.native`, `cpu_int8.c`; 2.1x at B = 1, 2.5x at B = 64 on the Ice Lake development
 machine): step 1 in one pass per block over the eligible pairs only (with AVX-512, four experts'
-int16 multiply-adds at a time), step 2 in two passes around torch's exp and expm1. They compute
-the same integer products and the same fp32 operations in the same order, so the survivors and
-their values are the torch ops' own, and the bounds above hold for them unchanged.
+int16 multiply-adds at a time), step 2 in two passes around torch's exp and expm1. Step 1
+computes the same integer products and the same fp32 operations in the same order, so its
+survivors and their values are the torch ops' own; step 2 is another fp32 evaluation of the same
+formulas (its sums over E in expert order), which the bounds above allow for.
 
 The bounds are worst cases (typically 5-20× the actual error), which only costs extra survivors.
 fp32 (or fp16) tables take the same path with fp32 products (u = 0): a quarter of the product
