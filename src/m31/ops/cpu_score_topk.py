@@ -524,10 +524,20 @@ def _gate_bounds(plan: _Plan, req, gate, aff, g_norm, x_norm, bias):
 
 
 class _Worker:
-    """Scans blocks of ads for one thread and keeps that thread's candidates."""
+    """Scans blocks of ads for one thread and keeps that thread's candidates.
+
+    mask_args: the mask as the compiled scan reads it (`_mask_args`), shared by the workers of a
+    call (default: made here)."""
 
     def __init__(
-        self, plan: _Plan, table, stats: _TableStats, mask, shared: _Threshold, block: int
+        self,
+        plan: _Plan,
+        table,
+        stats: _TableStats,
+        mask,
+        shared: _Threshold,
+        block: int,
+        mask_args: tuple | None = None,
     ):
         self.plan, self.shared, self.stats = plan, shared, stats
         self.table = table  # (g, x, b) or an Int8Table
@@ -544,7 +554,7 @@ class _Worker:
             self.s_req = torch.empty(plan.n_req * block, dtype=torch.long)
             self.s_ad = torch.empty(plan.n_req * block, dtype=torch.long)
             self.s_aff = torch.empty(plan.n_exp, plan.n_req * block)
-            self.mask_args = _mask_args(mask)
+            self.mask_args = _mask_args(mask) if mask_args is None else mask_args
         self.pending: list[tuple[torch.Tensor, ...]] = []
         self.n_pending = 0
         self.refine_pairs = _REFINE_PAIRS_ONE if plan.n_req == 1 else _REFINE_PAIRS
@@ -1062,7 +1072,10 @@ def _filtered_topk(q, v, p, table, take, stats, mask, k_out: int, block, threads
     spans = _spans(n_ads, block)
     n_workers = min(threads or torch.get_num_threads(), len(spans))
     shared = _Threshold(n_req, k_out, plan.u_scan)
-    workers = [_Worker(plan, table, stats, mask, shared, block) for _ in range(n_workers)]
+    mask_args = _mask_args(mask) if plan.quantized else None  # once: a copy if not contiguous
+    workers = [
+        _Worker(plan, table, stats, mask, shared, block, mask_args) for _ in range(n_workers)
+    ]
     _in_threads(
         n_workers, spans, lambda i, lo, hi: workers[i].scan(lo, hi), lambda i: workers[i].finish()
     )
