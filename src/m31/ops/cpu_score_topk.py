@@ -85,8 +85,8 @@ rounding of the query in δq, δv. The logits are computed per request over its 
 g at the gate step (`_Worker.logits_int8`), not for every pair of a block. Where int8 products
 are not exact on the CPU (`int8_products_exact`), the dequantized table takes the path above.
 Where a C compiler is at hand, steps 1 and 2 of an 8-bit table run as compiled loops
-(`m31.ops.native`, `cpu_int8.c`; 2.1x at B = 1, 2.5x at B = 64 on the Ice Lake development
-machine): step 1 in one pass per block over the eligible pairs only (with AVX-512, four experts'
+(`m31.ops.native`, `cpu_int8.c`; 2.2x the torch ops at B = 1, 3.1x at B = 64, N = 1 M, on the
+Ice Lake development machine): step 1 in one pass per block over the eligible pairs only (with AVX-512, four experts'
 int16 multiply-adds at a time), step 2 in two passes around torch's exp and expm1. Step 1
 computes the same integer products and the same fp32 operations in the same order, so its
 survivors and their values are the torch ops' own; step 2 is another fp32 evaluation of the same
