@@ -242,12 +242,14 @@ def test_bad_arguments(change, message):
 def test_bad_int8_tables():
     query, table = problem(2, 9, 2, 4, 4, seed=0)
     good = quantize_ad_table(*table)
-    with pytest.raises(ValueError, match="Int8Table"):
+    with pytest.raises(TypeError, match="must be an Int8Table"):
         triton_score_topk_int8(*query, table, None, 3)
-    with pytest.raises(ValueError, match="must be int8"):
+    with pytest.raises(ValueError, match=r"x must be torch\.int8"):
         triton_score_topk_int8(*query, good._replace(x=good.x.float()), None, 3)
-    with pytest.raises(ValueError, match="scales must be"):
+    with pytest.raises(ValueError, match="disagree on N"):
         triton_score_topk_int8(*query, good._replace(g_scale=torch.ones(8)), None, 3)
+    with pytest.raises(ValueError, match=r"x_scale must be torch\.float32"):
+        triton_score_topk_int8(*query, good._replace(x_scale=good.x_scale.double()), None, 3)
     with pytest.raises(ValueError, match="disagree on N"):
         quantize_ad_table(torch.zeros(9, 4), torch.zeros(8, 4), torch.zeros(9))
     assert isinstance(good, Int8Table)

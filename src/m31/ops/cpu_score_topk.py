@@ -123,7 +123,7 @@ import torch
 
 from m31.ops import native
 from m31.ops.masks import PackedMask, mask_rows
-from m31.ops.quant import INT8_MAX, Int8Table
+from m31.ops.quant import INT8_MAX, Int8Table, checked_int8_table
 from m31.ops.threads import single_threaded
 from m31.ops.torch_score import rounded_score
 from m31.ops.torch_score_topk import NO_ROW, check_args, torch_score_topk
@@ -961,9 +961,7 @@ def cpu_score_topk_int8(
     product is not exact (`int8_products_exact`: a CPU whose int8 kernel saturates), or D or G is
     too large for int32 sums, this scores the dequantized table with `cpu_score_topk` instead.
     """
-    if not isinstance(table, Int8Table):
-        raise TypeError(f"table must be an Int8Table, got {type(table).__name__}")
-    g, x, b = table.g, table.x, table.b
+    g, x, b = checked_int8_table(table).g, table.x, table.b
     check_args(q, v, p, g, x, b, mask, k)
     _check_mask(mask)
     for name, t in {"q": q, "v": v, "p": p}.items():
@@ -971,20 +969,8 @@ def cpu_score_topk_int8(
             raise ValueError(
                 f"{name} must be a floating-point CPU tensor, got {t.dtype} on {t.device}"
             )
-    for name, t, dtype in (
-        ("g", g, torch.int8),
-        ("x", x, torch.int8),
-        ("g_scale", table.g_scale, torch.float32),
-        ("x_scale", table.x_scale, torch.float32),
-        ("b", b, torch.float32),
-    ):
-        if t.dtype != dtype or t.device.type != "cpu":
-            raise ValueError(f"{name} must be a {dtype} CPU tensor, got {t.dtype} on {t.device}")
-    if (table.g_scale.shape, table.x_scale.shape) != (b.shape, b.shape):
-        raise ValueError(
-            f"scales must be [N] = {tuple(b.shape)}, got g_scale {tuple(table.g_scale.shape)} and "
-            f"x_scale {tuple(table.x_scale.shape)}"
-        )
+    if table.device.type != "cpu":
+        raise ValueError(f"the table must be on the CPU, got {table.device}")
     if max(g.shape[1], x.shape[1]) > _INT32_SUM_DIM or not int8_products_exact():
         return cpu_score_topk(q, v, p, *table.dequantize(), mask, k, block=block, threads=threads)
     table = Int8Table(*(t.contiguous() for t in table))

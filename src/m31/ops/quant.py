@@ -49,6 +49,28 @@ class Int8Table(NamedTuple):
     def to(self, device: torch.device | str) -> Int8Table:
         return Int8Table(*(t.to(device) for t in self))
 
+    def check(self) -> None:
+        """ValueError unless this is a well-formed table: g [N, G] and x [N, D] int8, g_scale,
+        x_scale and b [N] fp32, all on one device (what every 8-bit kernel reads)."""
+        for name, t, dtype, dims in (
+            ("g", self.g, torch.int8, 2),
+            ("g_scale", self.g_scale, torch.float32, 1),
+            ("x", self.x, torch.int8, 2),
+            ("x_scale", self.x_scale, torch.float32, 1),
+            ("b", self.b, torch.float32, 1),
+        ):
+            if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.dim() != dims:
+                got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t)
+                raise ValueError(f"Int8Table {name} must be {dtype} with {dims} dims, got {got}")
+        if len({t.shape[0] for t in self}) != 1:
+            shapes = ", ".join(
+                f"{n} {tuple(t.shape)}" for n, t in zip(self._fields, self, strict=True)
+            )
+            raise ValueError(f"Int8Table arrays disagree on N: {shapes}")
+        devices = {str(t.device) for t in self}
+        if len(devices) != 1:
+            raise ValueError(f"Int8Table arrays must be on one device, got {sorted(devices)}")
+
     def dequantize(
         self, rows: torch.Tensor | slice | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -59,6 +81,14 @@ class Int8Table(NamedTuple):
         g = self.g[pick].float() * self.g_scale[pick][..., None]
         x = self.x[pick].float() * self.x_scale[pick][..., None]
         return g, x, self.b[pick].float()
+
+
+def checked_int8_table(table) -> Int8Table:
+    """table, if it is a well-formed `Int8Table` (TypeError if not one, ValueError if malformed)."""
+    if not isinstance(table, Int8Table):
+        raise TypeError(f"table must be an Int8Table, got {type(table).__name__}")
+    table.check()
+    return table
 
 
 def _quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,4 +119,4 @@ def quantize_ad_table(g: torch.Tensor, x: torch.Tensor, b: torch.Tensor) -> Int8
     return Int8Table(g_q, g_scale, x_q, x_scale, b.float())
 
 
-__all__ = ["Int8Table", "quantize_ad_table"]
+__all__ = ["Int8Table", "checked_int8_table", "quantize_ad_table"]

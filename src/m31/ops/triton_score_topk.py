@@ -67,7 +67,7 @@ import triton
 import triton.language as tl
 
 from m31.ops.masks import PackedMask
-from m31.ops.quant import Int8Table
+from m31.ops.quant import Int8Table, checked_int8_table
 from m31.ops.torch_score import score
 from m31.ops.torch_score_topk import NO_ROW, check_args, torch_score_topk
 
@@ -631,24 +631,17 @@ def triton_score_topk_int8(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`triton_score_topk` on an 8-bit table: the exact top-K of the §2 score of
     `table.dequantize()` (up to fp32 rounding), reading one byte per ad dimension."""
-    if not isinstance(table, Int8Table):
-        raise ValueError(f"table must be an Int8Table, got {type(table).__name__}")
-    if table.g.dtype != torch.int8 or table.x.dtype != torch.int8:
-        raise ValueError(f"Int8Table g and x must be int8, got {table.g.dtype}, {table.x.dtype}")
+    checked_int8_table(table)
     _check(q, v, p, table.g, table.x, table.b, mask, k, scales=(table.g_scale, table.x_scale))
     n_req, n_ads = p.shape[0], table.num_ads
-    if table.g_scale.shape != (n_ads,) or table.x_scale.shape != (n_ads,):
-        raise ValueError(
-            f"Int8Table scales must be [{n_ads}], got {tuple(table.g_scale.shape)}, {tuple(table.x_scale.shape)}"
-        )
     if n_req == 0 or n_ads == 0:
         return torch_score_topk(q, v, p, *table.dequantize(), mask, k)  # empty: nothing to launch
     kernel_table = _Table(
         _rows_unit_stride(table.g, torch.int8),
         _rows_unit_stride(table.x, torch.int8),
-        table.b.float().contiguous(),
-        table.g_scale.float().contiguous(),
-        table.x_scale.float().contiguous(),
+        table.b.contiguous(),  # fp32, as `Int8Table.check` requires
+        table.g_scale.contiguous(),
+        table.x_scale.contiguous(),
     )
 
     seed = _seed(q, v, p, table.dequantize, n_ads, mask, _sample_rows)
