@@ -275,6 +275,10 @@ def test_bad_arguments(change, error, message):
     table = dequantized if error is TypeError else change(quantized)
     with pytest.raises(error, match=message):
         cpu_score_topk_int8(*query, table, None, 3)
+    if error is ValueError:  # the dispatcher refuses a malformed table for every kernel alike
+        for kernel in ("torch", "cpu"):
+            with pytest.raises(ValueError, match=message):
+                score_topk(query, table, None, 3, kernel=kernel)
     with pytest.raises(ValueError, match="k must be positive"):
         cpu_score_topk_int8(*query, quantized, None, 0)
 

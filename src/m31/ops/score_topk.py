@@ -89,6 +89,8 @@ def score_topk(
     """
     q, v, p = query
     quantized = isinstance(ad_table, Int8Table)
+    if quantized:
+        ad_table.check()  # every kernel, the reference included, reads the same kind of table
     g, x, b = (ad_table.g, ad_table.x, ad_table.b) if quantized else ad_table
     check_args(q, v, p, g, x, b, mask, k)
     name = _pick(kernel, g.device)
