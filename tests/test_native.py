@@ -16,6 +16,7 @@ from test_cpu_score_topk_int8 import int8_problem, needs_exact_int8
 from test_score_topk import make_mask
 
 from m31.ops import PackedMask, native, rounded_score, score
+from m31.ops import cpu_score_topk as cpu_module
 from m31.ops.cpu_score_topk import (
     _plan_int8,
     _table_stats,
@@ -192,3 +193,13 @@ def test_without_a_working_compiler_the_torch_path_answers(
 def test_the_helpers_refuse_strided_tensors():
     with pytest.raises(ValueError, match="contiguous CPU tensors"):
         native.ptr(torch.zeros(4, 4).T)
+
+
+def test_more_experts_than_the_stack_scratch_take_the_torch_ops(monkeypatch):
+    monkeypatch.setattr(cpu_module, "_NATIVE_MAX_EXPERTS", 4)
+    worker, _ = setup_block(2, 300, 5, 8, 8, "shared", "on", seed=1)
+    assert worker.lib is None
+    query, table, dequantized = int8_problem(2, 300, 5, 8, 8, seed=1)
+    mask = make_mask("shared", 2, 300, seed=1)
+    got = cpu_score_topk_int8(*query, table, mask, 7, block=64)
+    assert_same(got, full_sort(query, dequantized, mask, 7))

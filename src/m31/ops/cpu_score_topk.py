@@ -152,6 +152,8 @@ _REFINE_PAIRS = 65_536
 # the next blocks are filtered by only rises at a gate step (N = 1 M: 25-30% fewer survivors)
 _REFINE_PAIRS_ONE = 16_384
 _CHUNK = 1 << 16  # rows of an 8-bit table dequantized at a time (for its norms)
+# the compiled steps keep per-expert scratch on the thread's stack (E·256 int32 in step 2)
+_NATIVE_MAX_EXPERTS = 512
 _RESCORE_PAIRS = 1 << 15  # (request, candidate) pairs per chunk of the exact rescoring
 _SLACK = 2.0**-20  # relative slack for the fp32 arithmetic of the filters themselves
 # The filters run on inputs whose logits and scores stay below 2^100 in magnitude: their bound
@@ -549,7 +551,8 @@ class _Worker:
         self.l_buf = None  # (8-bit tables compute logits per request, `logits_int8`)
         if plan.qh is not None and not plan.quantized:
             self.l_buf = torch.empty(len(plan.qh) * block, dtype=out)
-        self.lib = native.library() if plan.quantized else None
+        compiled = plan.quantized and plan.n_exp <= _NATIVE_MAX_EXPERTS
+        self.lib = native.library() if compiled else None
         if self.lib is not None:  # the compiled scan's survivors: req, ad [B·n], Â [E, B·n]
             self.s_req = torch.empty(plan.n_req * block, dtype=torch.long)
             self.s_ad = torch.empty(plan.n_req * block, dtype=torch.long)
