@@ -2,12 +2,13 @@
  *
  * Shapes: B requests, E experts, D value dim, G gate-key dim, n ads in a block, S pairs.
  *
- * Each function computes exactly what the torch operations it replaces in
+ * Step 1 (`m31_scan_int8`) computes exactly what the torch operations it replaces in
  * m31/ops/cpu_score_topk.py compute: the same exact integer products, converted to fp32 and
- * multiplied by the same scales in the same order, so every value it returns is bit-for-bit the
- * torch path's and the bounds proved there hold unchanged. That needs IEEE fp32 arithmetic
- * without contraction or reassociation: the loader compiles with -ffp-contract=off and never
- * with -ffast-math.
+ * multiplied by the same scales in the same order, so its survivors and their values are the
+ * torch path's bit for bit. Step 2 (`m31_logits_int8`, torch's exp and expm1, `m31_bounds`) is
+ * another fp32 evaluation of the same formulas, which the bounds proved there allow for. Both
+ * need IEEE fp32 arithmetic without contraction or reassociation: the loader compiles with
+ * -ffp-contract=off and never with -ffast-math.
  *
  * Integer products: a query value w is an int16 (|w| <= 32,512, `_split_query`: 255·hi + lo),
  * an ad value an int8, and rows are short enough (D, G <= 516, `_WIDE_DIM`) that every sum fits
@@ -26,7 +27,8 @@ INLINE float max_f(float a, float b) { return a > b ? a : b; }
 INLINE float min_f(float a, float b) { return a < b ? a : b; }
 
 /* E integer products of an ad's row x [d] with a request's rows w [E, d] into out [E] (room
- * for E + 3); their maximum. The plain loops are the definition; the AVX-512 path below computes the same sums. */
+ * for E + 3); their maximum. The plain loops are the definition; the AVX-512 path below
+ * computes the same sums. */
 INLINE int32_t products_plain(const int16_t *w, const int8_t *x, int64_t n_exp, int64_t d,
                               int32_t *out) {
     int32_t best = INT32_MIN;
