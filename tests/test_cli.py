@@ -288,7 +288,7 @@ def test_train_eval_simulate_end_to_end(tmp_path):
     # A retrained ablation: the sequence family alone, two slots, a longer sequence.
     code, out = run(
         "train", "--model", "moe", "--data", str(data), "--out", str(tmp_path / "seq.pt"),
-        "--preset", "tiny", "--epochs", "1", "--max-len", "13", "--experts",
+        "--preset", "tiny", "--epochs", "1", "--max-len", "13", "--lr", "0.004", "--experts",
         "sequence=2,cohort=0,semantic=0,coengagement=0",
     )  # fmt: skip
     assert code == 0, out
@@ -296,7 +296,7 @@ def test_train_eval_simulate_end_to_end(tmp_path):
     assert blob["config"]["experts"] == {
         "sequence": 2, "cohort": 0, "semantic": 0, "coengagement": 0,
     }  # fmt: skip
-    assert blob["config"]["max_len"] == 13
+    assert (blob["config"]["max_len"], blob["config"]["lr"]) == (13, 0.004)
     for bad, message in (
         ("sequence=x", "--experts"),
         ("nope=1", "--experts"),
@@ -308,12 +308,18 @@ def test_train_eval_simulate_end_to_end(tmp_path):
             "--experts", bad,
         )  # fmt: skip
         assert code == 2 and message in out, (bad, out)
-    for bad, message in (("0", "max_len must be positive"), ("ten", "--max-len")):
+    for option, bad, message in (
+        ("--max-len", "0", "max_len must be positive"),
+        ("--max-len", "ten", "--max-len"),
+        ("--lr", "0", "lr must be a positive finite number"),
+        ("--lr", "nan", "lr must be a positive finite number"),
+        ("--lr", "fast", "--lr"),
+    ):
         code, out = run(
             "train", "--model", "moe", "--data", str(data), "--out", str(tmp_path / "bad.pt"),
-            "--max-len", bad,
+            option, bad,
         )  # fmt: skip
-        assert code == 2 and message in out, (bad, out)
+        assert code == 2 and message in out, (option, bad, out)
     assert not (tmp_path / "bad.pt").exists()
 
     code, out = run("eval", "--data", str(data), f"--model={tmp_path / 'missing.pt'}")

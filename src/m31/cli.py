@@ -234,6 +234,7 @@ def train_cmd(
         int | None,
         typer.Option(help="Override the preset's engagement-sequence length (the last events)."),
     ] = None,
+    lr: Annotated[float | None, typer.Option(help="Override the preset's learning rate.")] = None,
     experts: Annotated[
         str | None,
         typer.Option(
@@ -252,7 +253,9 @@ def train_cmd(
     from m31.pipeline import features_for
     from m31.training import train
 
-    cfg = model_preset(preset, model).with_overrides(epochs=epochs, seed=seed, max_len=max_len)
+    cfg = model_preset(preset, model).with_overrides(
+        epochs=epochs, seed=seed, max_len=max_len, lr=lr
+    )
     if experts is not None:
         cfg = cfg.with_overrides(experts={**cfg.experts, **_expert_slots(experts)})
     bar, callback = progress_bar()

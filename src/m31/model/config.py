@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, replace
 
 EXPERT_FAMILIES = ("sequence", "cohort", "semantic", "coengagement")
@@ -49,6 +50,8 @@ class ModelConfig:
         for name in ("hidden", "value_dim", "max_len", "batch_size", "epochs"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr must be a positive finite number, got {self.lr}")
 
     @property
     def n_experts(self) -> int:
