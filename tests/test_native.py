@@ -32,8 +32,8 @@ pytestmark = [
 
 
 def setup_block(n_req, n_ads, n_exp, gdim, ddim, mask_kind, way, seed):
-    """(worker, plan) over one block of all n_ads, τ at each request's median affinity bound so
-    that some pairs pass step 1 and some do not."""
+    """(worker, plan) over one block of all n_ads, τ of each request at a random level near the
+    scores' middle (they are of unit size), so that some pairs pass step 1 and some do not."""
     query, table, _ = int8_problem(n_req, n_ads, n_exp, gdim, ddim, seed=seed)
     mask = make_mask("per-request" if mask_kind == "packed" else mask_kind, n_req, n_ads, seed)
     if mask_kind == "packed":
