@@ -545,12 +545,6 @@ class _Worker:
         self.table = table  # (g, x, b) or an Int8Table
         self.g, self.x = (table.g, table.x) if plan.quantized else table[:2]
         self.mask = mask
-        # products' scratch: [B·E, n] in the product dtype, or [P·B·E, n] int32 (8-bit tables)
-        out = torch.int32 if plan.quantized else plan.vh.dtype
-        self.a_buf = torch.empty(len(plan.vh) * block, dtype=out)
-        self.l_buf = None  # (8-bit tables compute logits per request, `logits_int8`)
-        if plan.qh is not None and not plan.quantized:
-            self.l_buf = torch.empty(len(plan.qh) * block, dtype=out)
         compiled = plan.quantized and plan.n_exp <= _NATIVE_MAX_EXPERTS
         self.lib = native.library() if compiled else None
         if self.lib is not None:  # the compiled scan's survivors: req, ad [B·n], Â [E, B·n]
@@ -558,6 +552,12 @@ class _Worker:
             self.s_ad = torch.empty(plan.n_req * block, dtype=torch.long)
             self.s_aff = torch.empty(plan.n_exp, plan.n_req * block)
             self.mask_args = _mask_args(mask) if mask_args is None else mask_args
+        else:  # products' scratch: [B·E, n] in the product dtype, or [P·B·E, n] int32 (8-bit)
+            out = torch.int32 if plan.quantized else plan.vh.dtype
+            self.a_buf = torch.empty(len(plan.vh) * block, dtype=out)
+        self.l_buf = None  # (8-bit tables compute logits per request, `logits_int8`)
+        if plan.qh is not None and not plan.quantized:
+            self.l_buf = torch.empty(len(plan.qh) * block, dtype=out)
         self.pending: list[tuple[torch.Tensor, ...]] = []
         self.n_pending = 0
         self.refine_pairs = _REFINE_PAIRS_ONE if plan.n_req == 1 else _REFINE_PAIRS
@@ -908,7 +908,11 @@ def _check_mask(mask) -> None:
 def _check(q, v, p, g, x, b, mask, k) -> None:
     check_args(q, v, p, g, x, b, mask, k)
     _check_mask(mask)
-    for name, t in {"q": q, "v": v, "p": p, "g": g, "x": x, "b": b}.items():
+    _check_float_cpu(q=q, v=v, p=p, g=g, x=x, b=b)
+
+
+def _check_float_cpu(**named: torch.Tensor) -> None:
+    for name, t in named.items():
         if not t.is_floating_point() or t.device.type != "cpu":
             raise ValueError(
                 f"{name} must be a floating-point CPU tensor, got {t.dtype} on {t.device}"
@@ -964,14 +968,11 @@ def cpu_score_topk_int8(
     product is not exact (`int8_products_exact`: a CPU whose int8 kernel saturates), or D or G is
     too large for int32 sums, this scores the dequantized table with `cpu_score_topk` instead.
     """
-    g, x, b = checked_int8_table(table).g, table.x, table.b
+    checked_int8_table(table)
+    g, x, b = table.g, table.x, table.b
     check_args(q, v, p, g, x, b, mask, k)
     _check_mask(mask)
-    for name, t in {"q": q, "v": v, "p": p}.items():
-        if not t.is_floating_point() or t.device.type != "cpu":
-            raise ValueError(
-                f"{name} must be a floating-point CPU tensor, got {t.dtype} on {t.device}"
-            )
+    _check_float_cpu(q=q, v=v, p=p)
     if table.device.type != "cpu":
         raise ValueError(f"the table must be on the CPU, got {table.device}")
     if max(g.shape[1], x.shape[1]) > _INT32_SUM_DIM or not int8_products_exact():
