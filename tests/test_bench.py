@@ -18,7 +18,7 @@ from m31.bench.check import CheckRow
 from m31.bench.cli import main
 from m31.bench.common import random_query, random_table
 from m31.bench.engine import EngineTiming
-from m31.bench.kernels import Timing
+from m31.bench.kernels import Timing, _Bench
 from m31.bench.report import acceptance, ratios
 from m31.ops import NO_ROW, score
 from m31.ops.testing import check_topk
@@ -61,6 +61,7 @@ def test_timings_csv(tmp_path):
         if r["variant"] == "kernel-int8-torch":
             assert (r["table"], r["impl"]) == ("int8", "cpu, torch ops only")
     md = (tmp_path / "bench.md").read_text()
+    assert "every variant is held to the fastest of these" in md
     assert "| N | B | K | variant |" in md and "vs two-tower" in md and "time / K=100" in md
     assert "int8 compiled vs torch ops" in md
     assert (tmp_path / "bench.png").stat().st_size > 0 or "no PNG" in md
@@ -214,3 +215,17 @@ def test_acceptance_and_ratios():
         "int8 compiled vs torch ops": 2.5,
     }
     assert by_shape[(64, 1000)]["time / K=100"] == pytest.approx(1.2)
+
+
+def test_on_a_cpu_every_variant_is_held_to_the_fastest_matrix_rate():
+    """A CPU without bf16 or VNNI instructions runs torch's bf16 and int8 products far below its
+    fp32 rate: the roofline takes the fastest rate measured, for every variant."""
+    bench = _Bench(2000, 8, 16, CPU, measure=True, need_int8=True, seed=0)
+    limits = bench.limits
+    assert limits.matmul_fp32 and limits.matmul_int8
+    fastest = max(limits.matmul_bf16, limits.matmul_fp32, limits.matmul_int8)
+    assert limits.fastest_matmul == fastest
+    for variant in ("kernel", "kernel-int8", "two-tower", "faiss"):
+        assert bench.cost(variant)[3] == fastest, variant
+    assert bench.cost("kernel-int8")[0] == 16 + 16 + 12  # an 8-bit row, its scales and bias
+    assert bench.cost("kernel")[0] == 2 * (16 + 16) + 2

@@ -128,14 +128,19 @@ def test_scores_closer_than_bf16_resolution_are_ranked_exactly():
 @pytest.fixture(params=[True, False], ids=["native-bf16", "emulated-bf16"])
 def native_bf16(request, monkeypatch):
     """Both product choices for bf16 tables, whatever this CPU has (`_product_dtype`): bf16
-    products, or fp32 ones for B·E ≥ 32 where bf16 arithmetic is emulated."""
+    products, or fp32 ones where bf16 arithmetic is emulated (for B·E ≥ 32, or any B·E
+    without AVX-512)."""
     monkeypatch.setattr(cpu, "_native_bf16", lambda: request.param)
     return request.param
 
 
-def test_the_product_dtype(native_bf16):
+@pytest.mark.parametrize("avx512", [True, False])
+def test_the_product_dtype(native_bf16, avx512, monkeypatch):
+    monkeypatch.setattr(cpu, "_avx512", lambda: avx512)
     bf16, fp16 = torch.zeros(1, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.float16)
-    assert _product_dtype(bf16, 31) == torch.bfloat16 and _product_dtype(fp16, 1) == torch.float32
+    assert _product_dtype(fp16, 1) == torch.float32
+    few = torch.bfloat16 if native_bf16 or avx512 else torch.float32  # AVX2: bf16 is slow
+    assert _product_dtype(bf16, 31) == few
     assert _product_dtype(bf16, 32) == (torch.bfloat16 if native_bf16 else torch.float32)
 
 

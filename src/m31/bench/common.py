@@ -53,6 +53,11 @@ class Limits:
     # integer products; None on GPUs (the Triton kernel runs bf16 products of the int8 values)
     matmul_int8: float | None = None
 
+    @property
+    def fastest_matmul(self) -> float:
+        """The fastest of the measured matrix rates (FLOP/s or OP/s)."""
+        return max(self.matmul_bf16, self.matmul_fp32 or 0.0, self.matmul_int8 or 0.0)
+
 
 H200_ANCHORS = Limits("NVIDIA H200, DESIGN §6 anchors", 4.20e12, 748e12, None)
 
@@ -75,25 +80,32 @@ def device_limits(device: torch.device, measure: bool = False) -> Limits:
 def measure_limits(device: torch.device) -> Limits:
     cuda = device.type == "cuda"
     bandwidth = _copy_rate(device, 1 << (31 if cuda else 28))
-    size = 8192 if cuda else 2048
-    rates = {}
-    for dtype in (torch.bfloat16, torch.float32):
-        a = torch.randn(size, size, device=device).to(dtype)  # [S, S]
-        b = torch.randn(size, size, device=device).to(dtype)  # [S, S]
-        t, _, _ = time_call(lambda a=a, b=b: a @ b, device, repeat=5, budget_s=5.0)
-        rates[dtype] = 2 * size**3 / t
-    int8 = None
-    if not cuda:
-        a = torch.randint(-127, 128, (size, size), dtype=torch.int8)  # [S, S]
-        t, _, _ = time_call(lambda: torch._int_mm(a, a.T), device, repeat=5, budget_s=5.0)
-        int8 = 2 * size**3 / t
-    return Limits(
-        f"{device_name(device)}, measured",
-        bandwidth,
-        rates[torch.bfloat16],
-        rates[torch.float32],
-        int8,
-    )
+    largest = 8192 if cuda else 2048
+    bf16, fp32 = (_matmul_rate(device, dtype, largest) for dtype in (torch.bfloat16, torch.float32))
+    int8 = None if cuda else _matmul_rate(device, torch.int8, largest)
+    return Limits(f"{device_name(device)}, measured", bandwidth, bf16, fp32, int8)
+
+
+def _matmul_rate(device: torch.device, dtype: torch.dtype, largest: int) -> float:
+    """FLOP/s (int8: OP/s, `torch._int_mm`) of a square product, S = 256, 512, ... up to
+    `largest` while one takes under 0.1 s: a CPU without bf16 instructions multiplies bf16 at
+    well under 1 GFLOP/s, where S = 2048 would take a minute."""
+    size = 256
+    while True:
+        if dtype == torch.int8:
+            a = torch.randint(-127, 128, (size, size), dtype=torch.int8, device=device)  # [S, S]
+            b = a.T.contiguous()
+            fn = functools.partial(torch._int_mm, a, b)
+        else:
+            a = torch.randn(size, size, device=device).to(dtype)  # [S, S]
+            b = torch.randn(size, size, device=device).to(dtype)  # [S, S]
+            fn = functools.partial(torch.mm, a, b)
+        t, _, _ = time_call(fn, device, repeat=1, budget_s=0.0)
+        if size >= largest or t > 0.1:
+            break
+        size *= 2
+    t, _, _ = time_call(fn, device, repeat=5, budget_s=2.0)
+    return 2 * size**3 / t
 
 
 def _copy_rate(device: torch.device, nbytes: int) -> float:

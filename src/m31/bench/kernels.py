@@ -14,7 +14,8 @@ E experts, G = D = dim. Its variants (`m31.bench.cases.VARIANTS`):
 Units: ads/s = N / t (a batch streams the table once), pairs/s = B·N / t, GB/s = N · bytes per
 ad / t. "% of limit" is the roofline of the variant's own problem on the device: pairs/s at most
 min(B · bandwidth / bytes per ad, matrix FLOP/s / FLOPs per pair), with 2·E·(G+D) FLOPs per pair
-(two-tower: 2·D), against `m31.bench.common.device_limits`. A table small enough to stay in the
+(two-tower: 2·D), against `m31.bench.common.device_limits` (the matrix rate: bf16 on a GPU, the
+fastest measured on a CPU, see `_Bench.cost`). A table small enough to stay in the
 CPU's caches can beat the memory-bound figure (more than 100%). Shapes whose memory does not fit
 and variants that cannot run here are skipped with the reason, never a crash.
 """
@@ -157,20 +158,21 @@ class _Bench:
         raise ValueError(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
 
     def cost(self, variant: str) -> tuple[int, int, Limits, float]:
-        """(bytes per ad, FLOPs per pair, limits, matrix FLOP/s) of the variant's own problem."""
-        dim = self.dim
-        if variant == "two-tower":
-            return 2 * dim, 2 * dim, self.limits, self.limits.matmul_bf16
+        """(bytes per ad, FLOPs per pair, limits, matrix FLOP/s) of the variant's own problem.
+
+        On a CPU the matrix rate is the fastest product measured there, whatever the variant's
+        dtype: without bf16 or VNNI instructions torch's bf16 and int8 products run far below the
+        fp32 rate (0.3 GFLOP/s bf16 on a Zen 3 EPYC), and a variant that does its own products
+        (the compiled 8-bit helpers) or takes fp32 ones would otherwise be held to that."""
+        dim, limits = self.dim, self.limits
         if variant == "faiss":  # on the CPU whatever the device
             cpu = device_limits(torch.device("cpu"), self.measure)
-            return 4 * dim, 2 * dim, cpu, cpu.matmul_fp32
-        if variant.startswith("kernel-int8"):
-            rate = self.limits.matmul_int8 or self.limits.matmul_bf16  # its products' own rate
-            return row_bytes(self.int8), 2 * self.e * 2 * dim, self.limits, rate
-        # a CPU may take fp32 products of a bf16 table (`cpu_score_topk._product_dtype`): its
-        # limit is then the faster of the two rates
-        rate = max(self.limits.matmul_bf16, self.limits.matmul_fp32 or 0.0)
-        return row_bytes(self.table), 2 * self.e * 2 * dim, self.limits, rate
+            return 4 * dim, 2 * dim, cpu, cpu.fastest_matmul
+        rate = limits.fastest_matmul if self.device.type == "cpu" else limits.matmul_bf16
+        if variant == "two-tower":
+            return 2 * dim, 2 * dim, limits, rate
+        table = self.int8 if variant.startswith("kernel-int8") else self.table
+        return row_bytes(table), 2 * self.e * 2 * dim, limits, rate
 
 
 def run_timings(

@@ -220,7 +220,9 @@ def timings_report(rows: Sequence[Timing], limits: Limits, gpu: bool, no_plot: s
         "",
         f"Limits ({limits.source}): copy {limits.bandwidth / 1e12:.3g} TB/s, bf16 matrix "
         f"{limits.matmul_bf16 / 1e12:.3g} TFLOP/s"
-        + (f", int8 matrix {limits.matmul_int8 / 1e12:.3g} TOP/s." if limits.matmul_int8 else "."),
+        + (f", fp32 matrix {limits.matmul_fp32 / 1e12:.3g} TFLOP/s" if limits.matmul_fp32 else "")
+        + (f", int8 matrix {limits.matmul_int8 / 1e12:.3g} TOP/s" if limits.matmul_int8 else "")
+        + (" (on a CPU every variant is held to the fastest of these)." if not gpu else "."),
         "",
         timings_markdown(rows),
     ]

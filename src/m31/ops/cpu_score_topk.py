@@ -85,8 +85,9 @@ rounding of the query in δq, δv. The logits are computed per request over its 
 g at the gate step (`_Worker.logits_int8`), not for every pair of a block. Where int8 products
 are not exact on the CPU (`int8_products_exact`), the dequantized table takes the path above.
 Where a C compiler is at hand, steps 1 and 2 of an 8-bit table run as compiled loops
-(`m31.ops.native`, `cpu_int8.c`; 2.2x the torch ops at B = 1, 3.1x at B = 64, N = 1 M, on the
-Ice Lake development machine): step 1 in one pass per block over the eligible pairs only (with AVX-512, four experts'
+(`m31.ops.native`, `cpu_int8.c`; 2.2x the torch ops at B = 1, 3.1x at B = 64, N = 1 M, on an
+Ice Lake Xeon with VNNI; far more where torch's int8 products have no VNNI, see bench/RESULTS.md):
+step 1 in one pass per block over the eligible pairs only (with AVX-512 or AVX2, four experts'
 int16 multiply-adds at a time), step 2 in two passes around torch's exp and expm1. Step 1
 computes the same integer products and the same fp32 operations in the same order, so its
 survivors and their values are the torch ops' own; step 2 is another fp32 evaluation of the same
@@ -96,8 +97,9 @@ The bounds are worst cases (typically 5-20× the actual error), which only costs
 fp32 (or fp16) tables take the same path with fp32 products (u = 0): a quarter of the product
 rate, but tighter bounds; measured 1.3× slower than bf16 at N = 200 K, B = 1 and 64 on a CPU with
 bf16 dot products (AVX-512 BF16). On a CPU without them, where torch emulates bf16 products,
-bf16 tables take fp32 products too (exact for bf16 values) once B·E ≥ 32 (`_product_dtype`):
-1.8x faster at N = 1 M, B = 64 on an Ice Lake Xeon.
+bf16 tables take fp32 products too (exact for bf16 values) once B·E ≥ 32, and at any B·E without
+AVX-512 (`_product_dtype`): 1.8x faster at N = 1 M, B = 64 on an Ice Lake Xeon, 2.1x at B = 1 on
+a Zen 3 EPYC (AVX2).
 
 Where the time goes (N = 1 M, E = 8, G = D = 64, K = 100, half eligible, one core): at B = 64
 the two bf16 products take 40% (about 200 GFLOP/s, near the core's bf16 rate), the rest of step 1
@@ -168,12 +170,23 @@ def _gamma(terms: int) -> float:
 
 def _product_dtype(t: torch.Tensor, rows: int) -> torch.dtype:
     """The dtype of the products of t with a query of `rows` rows: bf16 for a bf16 table, but
-    fp32 (bf16 values are exact in it) for `_FP32_ROWS` rows or more on a CPU without bf16
-    dot-product instructions, where the emulated bf16 products of a batch ran 5x slower than
-    fp32 ones (one request streams the table, where bf16's half of the bytes wins)."""
-    if t.dtype != torch.bfloat16 or (rows >= _FP32_ROWS and not _native_bf16()):
+    fp32 (bf16 values are exact in it) on a CPU without bf16 dot-product instructions for
+    `_FP32_ROWS` rows or more, where the emulated bf16 products of a batch ran 5x slower than
+    fp32 ones on an Ice Lake Xeon (one request streams the table, where bf16's half of the bytes
+    wins), and for any rows without AVX-512, where torch's bf16 products are slower still (Zen 3
+    EPYC, AVX2: [8, 64] x [64, 65,536] 13.4 ms in bf16, 2.4 ms in fp32; B = 1, N = 1 M 2.1x
+    faster in fp32)."""
+    if t.dtype != torch.bfloat16:
         return torch.float32
-    return torch.bfloat16
+    if _native_bf16() or (rows < _FP32_ROWS and _avx512()):
+        return torch.bfloat16
+    return torch.float32
+
+
+@functools.cache
+def _avx512() -> bool:
+    """Whether torch's CPU kernels run with AVX-512 here."""
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
 @functools.cache
