@@ -130,9 +130,7 @@ def test_the_builds_and_the_switch(monkeypatch):
     simd = native.library().m31_simd()
     flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else None
     if flags is not None and platform.machine() == "x86_64":  # -march=native takes what it has
-        assert simd == (
-            b"avx512" if "avx512bw" in flags else b"avx2" if "avx2" in flags else b"plain"
-        )
+        assert simd == (b"avx512" if "avx512bw" in flags else b"avx2" if "avx2" in flags else b"plain")
         with native.use("avx2"):
             assert native.library().m31_simd() == (b"avx2" if "avx2" in flags else b"plain")
     with native.use("plain"):
