@@ -1,9 +1,8 @@
 """cpu_score_topk_int8 (the cpu kernel reading an 8-bit table as stored) against the definition:
 the reference and the full sort on the dequantized table. Odd sizes, masks, ties, one-part
 queries (long rows), the error bounds with integer products, the cached table constants.
-The end-to-end tests run each way steps 1 and 2 can run (`helpers`): compiled with the CPU's best
-SIMD (AVX-512 or AVX2; with AVX-512, also AVX2), compiled as plain loops, and in torch ops
-(m31.ops.native)."""
+The end-to-end tests run each way steps 1 and 2 can run (`helpers`): compiled with AVX-512 where
+the CPU has it, compiled as plain loops, and in torch ops (m31.ops.native)."""
 
 import math
 
@@ -44,20 +43,9 @@ needs_exact_int8 = pytest.mark.skipif(
 )
 
 
-def compiled_ways() -> list[str]:
-    """The builds of the compiled helpers to test on this machine (`native.mode`): the default
-    one; the AVX2 loops where the default has AVX-512 (elsewhere "avx2" builds the default's
-    own loops, or plain ones); the plain loops."""
-    with native.use("on"):
-        lib = native.library()
-    avx512 = lib is not None and lib.m31_simd() == b"avx512"
-    return ["on", "avx2", "plain"] if avx512 else ["on", "plain"]
-
-
-@pytest.fixture(params=[*compiled_ways(), "off"])
+@pytest.fixture(params=["on", "plain", "off"])
 def helpers(request):
-    """Steps 1 and 2 compiled (with the best SIMD this CPU has; AVX2 too where that is AVX-512),
-    compiled as plain loops, and in torch ops."""
+    """Steps 1 and 2 compiled (AVX-512 where the CPU has it), compiled as plain loops, in torch."""
     if request.param != "off" and native.library() is None:
         pytest.skip("no C compiler: the compiled helpers are not built")
     with native.use(request.param):

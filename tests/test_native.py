@@ -2,20 +2,17 @@
 
 The helpers must return the torch path's values bit for bit (the bounds of cpu_score_topk are
 proved for those): step 1's survivors and affinities, step 2's kept pairs and bounds, compared
-here block by block on odd sizes and every mask kind, for each build this CPU can run (AVX-512,
-AVX2, plain).
+here block by block on odd sizes and every mask kind, for the AVX-512 build and the plain one.
 Then the loader: the cache, the switch, and what happens without a compiler or with a broken one.
 """
 
 import logging
 import math
-import os
-import platform
 
 import pytest
 import torch
 from test_cpu_score_topk import assert_same, full_sort
-from test_cpu_score_topk_int8 import compiled_ways, int8_problem, needs_exact_int8
+from test_cpu_score_topk_int8 import int8_problem, needs_exact_int8
 from test_score_topk import make_mask
 
 from m31.ops import PackedMask, native, rounded_score, score
@@ -62,12 +59,12 @@ CASES = [  # n_req, n_ads, n_exp, gdim, ddim, mask
     (3, 999, 5, 33, 65, "per-request"),
     (5, 130, 3, 0, 7, "none"),  # a block of 2 x 64 ads and 2 more
     (4, 200, 1, 1, 1, "packed"),
-    (2, 333, 6, 200, 580, "packed"),  # D past the registers: plain loops inside the SIMD builds
+    (2, 333, 6, 200, 540, "packed"),  # D past the registers: plain loops inside the AVX build
     (64, 67, 8, 16, 16, "per-request"),
 ]
 
 
-@pytest.mark.parametrize("way", compiled_ways())
+@pytest.mark.parametrize("way", ["on", "plain"])
 @pytest.mark.parametrize(("n_req", "n_ads", "n_exp", "gdim", "ddim", "mask_kind"), CASES)
 def test_step_1_is_the_torch_ops_bit_for_bit(n_req, n_ads, n_exp, gdim, ddim, mask_kind, way):
     compiled, _ = setup_block(n_req, n_ads, n_exp, gdim, ddim, mask_kind, way, seed=n_ads)
@@ -85,7 +82,7 @@ def test_step_1_is_the_torch_ops_bit_for_bit(n_req, n_ads, n_exp, gdim, ddim, ma
         assert torch.equal(w, g)
 
 
-@pytest.mark.parametrize("way", compiled_ways())
+@pytest.mark.parametrize("way", ["on", "plain"])
 @pytest.mark.parametrize(("n_req", "n_ads", "n_exp", "gdim", "ddim", "mask_kind"), CASES)
 def test_step_2_keeps_the_pairs_of_the_torch_ops_and_bounds_every_score(
     n_req, n_ads, n_exp, gdim, ddim, mask_kind, way
@@ -120,19 +117,14 @@ def test_every_way_gives_the_definition_on_large_logits():
     """Gate logits large enough that a pair's logits are shifted before the exponential."""
     query, table, dequantized = int8_problem(3, 800, 4, 8, 8, seed=3, scale=12.0)
     mask = make_mask("per-request", 3, 800, seed=4)
-    for way in (*compiled_ways(), "off"):
+    for way in ("on", "plain", "off"):
         with native.use(way):
             got = cpu_score_topk_int8(*query, table, mask, 25, block=128, threads=2)
         assert_same(got, full_sort(query, dequantized, mask, 25))
 
 
 def test_the_builds_and_the_switch(monkeypatch):
-    simd = native.library().m31_simd()
-    flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else None
-    if flags is not None and platform.machine() == "x86_64":  # -march=native takes what it has
-        assert simd == (b"avx512" if "avx512bw" in flags else b"avx2" if "avx2" in flags else b"plain")
-        with native.use("avx2"):
-            assert native.library().m31_simd() == (b"avx2" if "avx2" in flags else b"plain")
+    assert native.library().m31_simd() in (b"avx512", b"plain")
     with native.use("plain"):
         assert native.library().m31_simd() == b"plain"
     with native.use("off"):

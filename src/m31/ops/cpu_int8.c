@@ -13,8 +13,8 @@
  * Integer products: a query value w is an int16 (|w| <= 32,512, `_split_query`: 255·hi + lo),
  * an ad value an int8, and rows are short enough (D, G <= 516, `_WIDE_DIM`) that every sum fits
  * int32 exactly. With AVX-512 the products run as int16 multiply-adds (vpdpwssd with VNNI), four
- * experts at a time, lane sums by a shuffle tree; with AVX2 alone the same in 256-bit registers
- * (vpmaddwd); elsewhere (or built with -DM31_PLAIN) as plain loops.
+ * experts at a time, lane sums by a shuffle tree; elsewhere (or built with -DM31_PLAIN) as plain
+ * loops.
  */
 #include <math.h>
 #include <stdint.h>
@@ -45,9 +45,6 @@ INLINE int32_t products_plain(const int16_t *w, const int8_t *x, int64_t n_exp, 
 #include <immintrin.h>
 #define M31_SIMD "avx512"
 #define MAX_CHUNKS 17 /* rows of up to 544 values in registers; longer ones take the plain loops */
-
-/* Chunks of 32 values in a row of d, the last one masked. */
-INLINE int64_t n_chunks(int64_t d) { return (d + 31) / 32; }
 
 /* An ad's row as int16 in chunks of 32 (the last one zero-padded), converted once per ad. */
 typedef struct {
@@ -113,80 +110,8 @@ INLINE int32_t products(const int16_t *w, const row_t *row, int64_t n_exp, int64
     top = _mm_max_epi32(top, _mm_shuffle_epi32(top, 0xB1));
     return _mm_cvtsi128_si32(top);
 }
-#elif defined(__AVX2__) && !defined(M31_PLAIN)
-#include <immintrin.h>
-#define M31_SIMD "avx2"
-#define MAX_CHUNKS 34 /* rows of up to 544 values in registers; longer ones take the plain loops */
-
-/* Full chunks of 16 values in a row of d; the d % 16 values after them take a scalar loop
- * (AVX2 has no masked byte loads, and a full load past a row's end could leave the array). */
-INLINE int64_t n_chunks(int64_t d) { return d / 16; }
-
-/* An ad's row as int16 in chunks of 16, converted once per ad. */
-typedef struct {
-    const int8_t *x;
-    __m256i v[MAX_CHUNKS];
-} row_t;
-
-INLINE void load_row(const int8_t *x, int64_t d, int64_t chunks, row_t *row) {
-    (void)d;
-    row->x = x;
-    if (chunks > MAX_CHUNKS) return;
-    for (int64_t c = 0; c < chunks; c++)
-        row->v[c] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(x + 16 * c)));
-}
-
-/* acc + the products of 16 int16 pairs (w: 16 values in memory), summed in adjacent pairs. */
-INLINE __m256i madd16(__m256i acc, const int16_t *w, __m256i x) {
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)w), x));
-}
-
-/* The lane sums of four vectors, as four int32 (int32 sums wrap, so any order gives the
- * exact sum, which fits). */
-INLINE __m128i sum4(__m256i a, __m256i b, __m256i c, __m256i d) {
-    const __m256i t = _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));
-    return _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
-}
-
-INLINE int32_t products(const int16_t *w, const row_t *row, int64_t n_exp, int64_t d,
-                        int64_t chunks, int32_t *out) {
-    if (chunks > MAX_CHUNKS) return products_plain(w, row->x, n_exp, d, out);
-    __m128i top = _mm_set1_epi32(INT32_MIN);
-    for (int64_t e = 0; e < n_exp; e += 4) {
-        /* four experts at a time; past the last one, repeat it (its sums are not kept) */
-        const int16_t *w0 = w + e * d;
-        const int16_t *w1 = e + 1 < n_exp ? w0 + d : w0;
-        const int16_t *w2 = e + 2 < n_exp ? w0 + 2 * d : w0;
-        const int16_t *w3 = e + 3 < n_exp ? w0 + 3 * d : w0;
-        __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t c = 0; c < chunks; c++) {
-            const int64_t at = 16 * c;
-            a0 = madd16(a0, w0 + at, row->v[c]);
-            a1 = madd16(a1, w1 + at, row->v[c]);
-            a2 = madd16(a2, w2 + at, row->v[c]);
-            a3 = madd16(a3, w3 + at, row->v[c]);
-        }
-        __m128i sums = sum4(a0, a1, a2, a3);
-        if (16 * chunks < d) { /* the tail */
-            int32_t t[4] = {0, 0, 0, 0};
-            for (int64_t i = 16 * chunks; i < d; i++) {
-                const int32_t v = row->x[i];
-                t[0] += w0[i] * v, t[1] += w1[i] * v, t[2] += w2[i] * v, t[3] += w3[i] * v;
-            }
-            sums = _mm_add_epi32(sums, _mm_loadu_si128((const __m128i *)t));
-        }
-        _mm_storeu_si128((__m128i *)(out + e), sums); /* out has room for 3 more */
-        top = _mm_max_epi32(top, sums);                /* the repeats are real sums too */
-    }
-    top = _mm_max_epi32(top, _mm_shuffle_epi32(top, 0x4E));
-    top = _mm_max_epi32(top, _mm_shuffle_epi32(top, 0xB1));
-    return _mm_cvtsi128_si32(top);
-}
 #else
 #define M31_SIMD "plain"
-
-INLINE int64_t n_chunks(int64_t d) { return d; } /* (unused by the plain loops) */
-
 typedef struct {
     const int8_t *x;
 } row_t;
@@ -224,16 +149,6 @@ INLINE uint64_t eligible(int64_t mode, const uint8_t *mask, int64_t stride, cons
         const __m512i bytes = _mm512_maskz_loadu_epi8((__mmask64)all, row);
         return (uint64_t)_mm512_test_epi8_mask(bytes, bytes);
 #else
-#if defined(__AVX2__) && !defined(M31_PLAIN)
-        if (count == 64) { /* bytes equal to zero, inverted */
-            const __m256i zero = _mm256_setzero_si256();
-            const __m256i lo = _mm256_loadu_si256((const __m256i *)row);
-            const __m256i hi = _mm256_loadu_si256((const __m256i *)(row + 32));
-            const uint32_t lo_bits = (uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(lo, zero));
-            const uint32_t hi_bits = (uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(hi, zero));
-            return ~((uint64_t)hi_bits << 32 | lo_bits);
-        }
-#endif
         for (int64_t i = 0; i < count; i++) word |= (uint64_t)(row[i] != 0) << i;
         return word;
 #endif
@@ -304,10 +219,9 @@ int64_t m31_scan_int8(const int8_t *x, const float *x_scale, const float *offset
                       int64_t mask_stride, const int64_t *mask_index, int64_t mask_offset,
                       int64_t *out_req, int64_t *out_ad, float *out_aff, int64_t cap) {
     if (d == 64) /* the common row length, its loops unrolled */
-        return scan(x, x_scale, offset, n, 64, n_chunks(64), w, v_scale, tau, n_req, n_exp,
-                    mask_mode, mask, mask_stride, mask_index, mask_offset, out_req, out_ad,
-                    out_aff, cap);
-    return scan(x, x_scale, offset, n, d, n_chunks(d), w, v_scale, tau, n_req, n_exp, mask_mode,
+        return scan(x, x_scale, offset, n, 64, 2, w, v_scale, tau, n_req, n_exp, mask_mode, mask,
+                    mask_stride, mask_index, mask_offset, out_req, out_ad, out_aff, cap);
+    return scan(x, x_scale, offset, n, d, (d + 31) / 32, w, v_scale, tau, n_req, n_exp, mask_mode,
                 mask, mask_stride, mask_index, mask_offset, out_req, out_ad, out_aff, cap);
 }
 
@@ -385,10 +299,10 @@ void m31_logits_int8(const int8_t *g, const float *g_scale, int64_t gdim, const 
                      const int64_t *req, const int64_t *row, int64_t n_pairs, float *logit,
                      float *eta2) {
     if (gdim == 64) /* the common row length, its loops unrolled */
-        logits(g, g_scale, 64, n_chunks(64), wq, q_scale, p_t, n_req, n_exp, coef, g_norm,
-               shift_base, eta_l, req, row, n_pairs, logit, eta2);
+        logits(g, g_scale, 64, 2, wq, q_scale, p_t, n_req, n_exp, coef, g_norm, shift_base, eta_l,
+               req, row, n_pairs, logit, eta2);
     else
-        logits(g, g_scale, gdim, n_chunks(gdim), wq, q_scale, p_t, n_req, n_exp, coef, g_norm,
+        logits(g, g_scale, gdim, (gdim + 31) / 32, wq, q_scale, p_t, n_req, n_exp, coef, g_norm,
                shift_base, eta_l, req, row, n_pairs, logit, eta2);
 }
 

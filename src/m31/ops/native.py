@@ -41,8 +41,6 @@ SOURCE = Path(__file__).with_name("cpu_int8.c")
 # IEEE fp32 as written: the values must be the torch path's bit for bit (see the source)
 _FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math")
 _ARCH = ("-march=native",)
-# each mode's own flags: the plain loops by a define; AVX2 by turning AVX-512 off (x86 compilers)
-_BUILDS = {"on": (), "plain": ("-DM31_PLAIN",), "avx2": ("-mno-avx512f",)}
 
 _p, _i64, _f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -60,16 +58,14 @@ _MODES = {
     **dict.fromkeys(("1", "on", "true", "yes"), "on"),
     **dict.fromkeys(("0", "off", "false", "no"), "off"),
     "plain": "plain",
-    "avx2": "avx2",
 }
 _override: str | None = None
 
 
 def mode() -> str:
-    """What is asked for: "on" (the default: the best loops this CPU has), "off" (the torch
-    path), "plain" (the portable loops) or "avx2" (the AVX2 loops even where the CPU has AVX-512);
-    the last two for tests and comparisons. Set by `use`, else by the environment variable
-    M31_NATIVE (1, on, true, yes / 0, off, false, no / plain / avx2)."""
+    """What is asked for: "on" (the default), "off" (the torch path) or "plain" (the portable
+    loops even where the CPU has AVX-512: for tests and comparisons). Set by `use`, else by the
+    environment variable M31_NATIVE (1, on, true, yes / 0, off, false, no / plain)."""
     if _override is not None:
         return _override
     value = os.environ.get("M31_NATIVE", "on").strip().lower()
@@ -80,11 +76,11 @@ def mode() -> str:
 
 @contextmanager
 def use(wanted: str) -> Iterator[None]:
-    """Within the block, calls that start take `wanted` (a `mode`) whatever M31_NATIVE says
-    (process-wide: for benchmarks and tests, not for concurrent callers)."""
+    """Within the block, calls that start take `wanted` ("on", "off" or "plain") whatever
+    M31_NATIVE says (process-wide: for benchmarks and tests, not for concurrent callers)."""
     global _override
-    if wanted not in _BUILDS and wanted != "off":
-        raise ValueError(f"wanted must be one of {', '.join(['off', *_BUILDS])}, got {wanted!r}")
+    if wanted not in ("on", "off", "plain"):
+        raise ValueError(f"wanted must be 'on', 'off' or 'plain', got {wanted!r}")
     before, _override = _override, wanted
     try:
         yield
@@ -98,9 +94,9 @@ def cache_dir() -> Path:
 
 
 @functools.cache
-def _build(wanted: str) -> ctypes.CDLL | None:
+def _build(plain: bool) -> ctypes.CDLL | None:
     try:
-        return _compile_and_load(_BUILDS[wanted])
+        return _compile_and_load(("-DM31_PLAIN",) if plain else ())
     except (OSError, subprocess.SubprocessError) as err:  # a cache folder not writable, ...
         log.warning("the cpu kernel's compiled helpers are unavailable: %s", err)
         return None
@@ -165,7 +161,7 @@ def _compile_and_load(defines: tuple[str, ...]) -> ctypes.CDLL | None:
 def library() -> ctypes.CDLL | None:
     """The compiled helpers, or None (no compiler, a failed build, or M31_NATIVE=0)."""
     wanted = mode()
-    return None if wanted == "off" else _build(wanted)
+    return None if wanted == "off" else _build(wanted == "plain")
 
 
 def ptr(t: torch.Tensor | None) -> int | None:
