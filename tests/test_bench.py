@@ -16,7 +16,7 @@ from m31.bench.baselines import (
 from m31.bench.cases import VARIANTS, canonical_cases
 from m31.bench.check import CheckRow
 from m31.bench.cli import main
-from m31.bench.common import random_query, random_table
+from m31.bench.common import Limits, random_query, random_table
 from m31.bench.engine import EngineTiming
 from m31.bench.kernels import Timing, _Bench
 from m31.bench.report import acceptance, ratios
@@ -229,3 +229,27 @@ def test_on_a_cpu_every_variant_is_held_to_the_fastest_matrix_rate():
         assert bench.cost(variant)[3] == fastest, variant
     assert bench.cost("kernel-int8")[0] == 16 + 16 + 12  # an 8-bit row, its scales and bias
     assert bench.cost("kernel")[0] == 2 * (16 + 16) + 2
+
+
+def test_the_baselines_multiply_in_the_faster_of_bf16_and_fp32():
+    """Where fp32 products measured faster (a CPU without bf16 instructions) the eager, compile
+    and two-tower baselines take an fp32 copy of the table, as the cpu kernel takes fp32
+    products there; otherwise the bf16 table as the index keeps it."""
+    bench = _Bench(3000, 4, 16, CPU, measure=False, need_int8=False, seed=0)
+    query = random_query(2, 4, 16, 16, CPU, seed=1)
+    for bf16_rate, fp32_rate, want in ((1e9, 2e9, torch.float32), (2e9, 1e9, torch.bfloat16)):
+        bench.limits = Limits("made up", 1e10, bf16_rate, fp32_rate)
+        table, name = bench.baseline_table()
+        assert table[1].dtype == want and name == ("fp32" if want == torch.float32 else "bf16")
+        assert torch.equal(table[1].float(), bench.table[1].float())  # the same values
+        for variant in ("eager", "two-tower"):
+            call, _, dtype = bench.runner(variant, query, 10)
+            assert dtype == name
+            scores, _ = call()
+            want_scores = (
+                chunked_topk(gate_scores, query, bench.table, bench.mask, 10, 3000)[0]
+                if variant == "eager"
+                else two_tower_topk(query, bench.table, bench.mask, 10)[0]
+            )
+            torch.testing.assert_close(scores, want_scores, rtol=1e-2, atol=1e-2)
+        assert bench.cost("two-tower")[0] == table[1].element_size() * 16

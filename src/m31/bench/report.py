@@ -173,7 +173,7 @@ def plot(rows: Sequence[Timing], path: Path) -> str | None:
             ax.hlines(moe.limit_pairs_per_s, i - 0.45, i + 0.45, colors="black", linestyles="--")
     first = ok[0]
     ax.set_yscale("log")
-    ax.set_ylabel("pairs/s (dashed: bf16 §2 limit)")
+    ax.set_ylabel("pairs/s (dashed: §2 limit of the bf16 table)")
     ax.set_xticks(range(len(shapes)), [f"N={_count(n)}\nB={b} K={k}" for n, b, k in shapes])
     ax.set_title(f"score·filter·top-K, E = {first.e}, G = D = {first.d}; {first.device}")
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))

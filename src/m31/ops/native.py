@@ -7,7 +7,8 @@ in two passes around torch's exponentials, with the same values (step 1 bit for 
 to the order of fp32 sums, which its bounds allow for).
 
 It needs a C compiler (`$CC`, else `cc`) when first used: the library is built for this
-machine's CPU (-march=native) into a cache folder (`$M31_CACHE/native`, default
+machine's CPU (-march=native: AVX-512 loops where it has them, else plain loops that the
+compiler vectorizes for it) into a cache folder (`$M31_CACHE/native`, default
 `~/.cache/m31/native`), named by a hash of the source, the flags, the compiler and the CPU, so
 a changed source or another machine builds its own (in about a second). Without a compiler, or
 with `M31_NATIVE=0`, `library()` is None and the kernel keeps its torch path (the same answers,
