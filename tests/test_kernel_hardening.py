@@ -101,8 +101,9 @@ def test_the_cpu_kernel_takes_its_filters_on_huge_logits():
     for v_case in (v, torch.zeros_like(v)):
         plan = _plan(q, v_case, p, g, x, 10)
         n_req, n_exp, n_ads = 3, 4, 1001
-        logits = (plan.qh @ g.T).view(n_req, n_exp, n_ads)  # [B, E, N] in bf16
-        aff = (plan.vh @ x.T).view(n_req, n_exp, n_ads)
+        # [B, E, N] in the product dtype this CPU takes (`_product_dtype`: bf16 or fp32)
+        logits = (plan.qh @ g.T.to(plan.qh.dtype)).view(n_req, n_exp, n_ads)
+        aff = (plan.vh @ x.T.to(plan.vh.dtype)).view(n_req, n_exp, n_ads)
         req = torch.arange(n_req).repeat_interleave(n_ads)  # every pair
         ad = torch.arange(n_ads).repeat(n_req)
         approx, eps = _gate_bounds(

@@ -176,7 +176,7 @@ class _Bench:
 
         On a CPU the matrix rate is the fastest product measured there, whatever the variant's
         dtype: without bf16 or VNNI instructions torch's bf16 and int8 products run far below the
-        fp32 rate (0.3 GFLOP/s bf16 on a Zen 3 EPYC), and a variant that does its own products
+        fp32 rate (0.3-1.3 GFLOP/s bf16 on a Zen 3 EPYC), and a variant that does its own products
         (the compiled 8-bit helpers) or takes fp32 ones would otherwise be held to that."""
         dim, limits = self.dim, self.limits
         if variant == "faiss":  # on the CPU whatever the device
