@@ -297,6 +297,37 @@ def test_train_eval_simulate_end_to_end(tmp_path):
         "sequence": 2, "cohort": 0, "semantic": 0, "coengagement": 0,
     }  # fmt: skip
     assert (blob["config"]["max_len"], blob["config"]["lr"]) == (13, 0.004)
+
+    # The ranking model with hard negatives from the moe's top ads.
+    code, out = run(
+        "train", "--model", "ranking", "--data", str(data), "--out", str(tmp_path / "hard.pt"),
+        "--preset", "tiny", "--epochs", "1", "--hard-negatives", str(tmp_path / "moe.pt"),
+        "--hard", "4", "--hard-pool", "50",
+    )  # fmt: skip
+    assert code == 0, out
+    assert "hard negatives: 4 per request from the retriever's top 50" in out
+    blob = torch.load(tmp_path / "hard.pt", map_location="cpu", weights_only=False)
+    assert (blob["config"]["ranking_hard"], blob["config"]["ranking_hard_pool"]) == (4, 50)
+    for args, message in (
+        (["--model", "moe", "--hard-negatives", str(tmp_path / "moe.pt")], "trains the ranking"),
+        (["--model", "ranking", "--hard", "4"], "go with --hard-negatives"),
+        (["--model", "ranking", "--hard-negatives", str(tmp_path / "ranking.pt")], "is a ranking"),
+        (["--model", "ranking", "--hard-negatives", str(tmp_path / "nope.pt")], "no such"),
+        (
+            ["--model", "ranking", "--hard-negatives", str(tmp_path / "moe.pt"), "--hard", "0"],
+            "must be >= 1",
+        ),
+        (
+            ["--model", "ranking", "--hard-negatives", str(tmp_path / "moe.pt"),
+             "--hard-pool", "1999"],
+            "hard-negative pool",
+        ),
+    ):  # fmt: skip
+        code, out = run(
+            "train", "--data", str(data), "--out", str(tmp_path / "bad.pt"), "--preset", "tiny",
+            "--epochs", "1", *args,
+        )  # fmt: skip
+        assert code == 2 and message in out, (args, out)
     for bad, message in (
         ("sequence=x", "--experts"),
         ("nope=1", "--experts"),

@@ -345,3 +345,48 @@ def test_score_function_full_corpus_and_ranking_agree(feats, kind):
     np.testing.assert_allclose(
         fn.rank(req, cand), np.take_along_axis(full, cand, 1), rtol=1e-4, atol=1e-5
     )
+
+
+def test_hard_negative_pool_is_the_retrievers_top_ads_less_the_users_own(feats):
+    """Each training example's pool: the retriever's `pool` best ads for its request, written
+    here as a plain loop over the examples; none of the user's own training ads."""
+    from m31.model.inference import ScoreFunction
+    from m31.training.train import _draw, hard_negative_pool
+
+    fn = ScoreFunction(make("moe", feats).eval(), feats, Catalog.from_features(feats))
+    tr = feats.splits["train"]
+    pool = hard_negative_pool(fn, feats, 40, batch=37)  # batches of an odd size
+    assert pool.shape == (len(tr["user"]), 40) and pool.dtype == np.int64
+    rows = np.random.default_rng(0).choice(len(tr["user"]), 50, replace=False)
+    from types import SimpleNamespace
+
+    keys = ("user", "ts", "surface", "hour", "platform")
+    scores = fn(SimpleNamespace(**{k: tr[k][rows] for k in keys}))
+    for i, row in enumerate(rows):
+        own = set(tr["item"][tr["user"] == tr["user"][row]].tolist())
+        assert own.isdisjoint(pool[row].tolist())
+        ranked = [a for a in np.argsort(-scores[i], kind="stable").tolist() if a not in own]
+        assert set(pool[row].tolist()) == set(ranked[:40]) or (
+            # a tie at the boundary may pick either ad
+            scores[i][ranked[39]] == scores[i][ranked[40]]
+        )
+    drawn = _draw(pool[:5], 7, np.random.default_rng(1))
+    assert drawn.shape == (5, 7)
+    assert all(set(d.tolist()) <= set(p.tolist()) for d, p in zip(drawn, pool[:5], strict=True))
+    most = int(np.bincount(tr["user"]).max())
+    with pytest.raises(ValueError, match="hard-negative pool"):
+        hard_negative_pool(fn, feats, feats.n_ads - most + 1)
+
+
+def test_hard_negatives_train_the_ranking_model_only(feats):
+    from m31.training import train
+
+    with pytest.raises(ValueError, match="not a moe model"):
+        ModelConfig(kind="moe", ranking_hard=4)
+    with pytest.raises(ValueError, match="ranking_hard must be >= 0"):
+        ModelConfig(kind="ranking", ranking_hard=-1)
+    with pytest.raises(ValueError, match="ranking_hard_pool >= 1"):
+        ModelConfig(kind="ranking", ranking_hard=2, ranking_hard_pool=0)
+    cfg = model_preset("tiny", "ranking").with_overrides(ranking_hard=4, epochs=1)
+    with pytest.raises(ValueError, match="need both"):
+        train(cfg, feats, device="cpu", log=lambda _: None, progress=False)

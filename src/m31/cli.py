@@ -242,6 +242,20 @@ def train_cmd(
             "families not named keep the preset's."
         ),
     ] = None,
+    hard_negatives: Annotated[
+        Path | None,
+        typer.Option(
+            help="Ranking model only: a trained moe or two-tower checkpoint (same data and "
+            "split); each request also gets --hard negatives drawn from its top --hard-pool ads."
+        ),
+    ] = None,
+    hard: Annotated[
+        int | None, typer.Option(help="Hard negatives per request (default 32).")
+    ] = None,
+    hard_pool: Annotated[
+        int | None,
+        typer.Option(help="The retriever's top ads per request they come from (default 500)."),
+    ] = None,
     device: Annotated[
         str | None, typer.Option(help="cpu or cuda (default: cuda when present).")
     ] = None,
@@ -256,16 +270,27 @@ def train_cmd(
     cfg = model_preset(preset, model).with_overrides(
         epochs=epochs, seed=seed, max_len=max_len, lr=lr
     )
+    if hard_negatives is None and (hard is not None or hard_pool is not None):
+        _fail("--hard and --hard-pool go with --hard-negatives")
+    if hard_negatives is not None:
+        if model != "ranking":
+            _fail(f"--hard-negatives: trains the ranking model, not {model!r}")
+        hard, hard_pool = 32 if hard is None else hard, 500 if hard_pool is None else hard_pool
+        if hard < 1 or hard_pool < 1:
+            _fail(f"--hard and --hard-pool must be >= 1, got {hard} and {hard_pool}")
+        cfg = cfg.with_overrides(ranking_hard=hard, ranking_hard_pool=hard_pool)
     if experts is not None:
         cfg = cfg.with_overrides(experts={**cfg.experts, **_expert_slots(experts)})
     bar, callback = progress_bar()
     with bar:
         feats = features_for(data, split, progress=callback)
     typer.echo(f"features: {feats.describe()}")
+    retriever = None if hard_negatives is None else _retriever(hard_negatives, feats, device)
     start = time.perf_counter()
     trained, history = train(
-        cfg, feats, device=device, log=typer.echo, progress=sys.stderr.isatty()
-    )
+        cfg, feats, device=device, log=typer.echo, progress=sys.stderr.isatty(),
+        retriever=retriever,
+    )  # fmt: skip
     save_checkpoint(out, trained, feats, history)
     best = max(history, key=lambda h: h["val_hr@50"])
     typer.echo(
@@ -275,6 +300,20 @@ def train_cmd(
     )
     if "experts" in best:
         typer.echo(f"expert usage: {_json.dumps(best['experts'])}")
+
+
+def _retriever(path: Path, feats, device):
+    """--hard-negatives: the retrieval model's scorer over `feats` (checked: trained on them)."""
+    from m31.model import load_checkpoint
+    from m31.model.inference import ScoreFunction
+    from m31.model.inputs import Catalog
+    from m31.training.train import default_device
+
+    device = device if device is not None else default_device()
+    model, blob = load_checkpoint(path, feats, device=device)
+    if blob["config"]["kind"] == "ranking":
+        _fail(f"--hard-negatives: {path} is a ranking model; give a moe or two-tower checkpoint")
+    return ScoreFunction(model, feats, Catalog.from_features(feats).to(device))
 
 
 def _expert_slots(text: str) -> dict[str, int]:

@@ -29,6 +29,10 @@ class ModelConfig:
     uniform_negatives: int = 512
     ranking_negatives: int = 32  # uniform negatives per request for the ranking model
     ranking_in_batch: int = 31  # in-batch negatives per request for the ranking model
+    # hard negatives per request for the ranking model, drawn from a retrieval model's top
+    # `ranking_hard_pool` ads for the request (0: none; `m31.training.hard_negative_pool`)
+    ranking_hard: int = 0
+    ranking_hard_pool: int = 500
     lr: float = 2e-3
     weight_decay: float = 1e-5
     balance_weight: float = 0.02  # weight of the gate's load-balancing (mutual information) term
@@ -52,6 +56,13 @@ class ModelConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"lr must be a positive finite number, got {self.lr}")
+        if self.ranking_hard < 0 or self.ranking_hard_pool < 1:
+            raise ValueError(
+                f"ranking_hard must be >= 0 and ranking_hard_pool >= 1, got "
+                f"{self.ranking_hard} and {self.ranking_hard_pool}"
+            )
+        if self.ranking_hard and self.kind != "ranking":
+            raise ValueError(f"hard negatives train the ranking model, not a {self.kind} model")
 
     @property
     def n_experts(self) -> int:

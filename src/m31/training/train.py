@@ -6,8 +6,12 @@ Retrieval models train with a sampled softmax over in-batch and uniform negative
 correction (a candidate's logit minus the log-probability that sampling put it in the set),
 plus the gate's load-balancing term. The ranking model trains the same way, but scores each
 request against its own small candidate set (its positive, other requests' positives, uniform
-negatives), since every (request, ad) pair costs it a full forward pass. Early stopping reads
-the validation split through `m31.eval`, which is why training lives outside `m31.model`.
+negatives), since every (request, ad) pair costs it a full forward pass. Such negatives are
+easy; where the ranking model re-ranks a retrieval model's top candidates it meets hard ones, so
+it can also draw `ranking_hard` negatives per request from that model's top
+`ranking_hard_pool` ads for the request (`hard_negative_pool`, computed once before training).
+Early stopping reads the validation split through `m31.eval`, which is why training lives
+outside `m31.model`.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import copy
 import math
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -64,15 +69,53 @@ def _validate(
     return res["model"]
 
 
+def hard_negative_pool(
+    retriever: ScoreFunction, feats: Features, pool: int, batch: int = 256
+) -> np.ndarray:
+    """[n, pool] int64: for each of the n examples of the train split, the `pool` ads that
+    `retriever` (a trained model over the same features) scores highest for the example's
+    request, the user's own training ads left out: they are positives elsewhere in the log, not
+    negatives. Raises ValueError if some user leaves fewer than `pool` other ads."""
+    split = feats.splits["train"]
+    n, n_ads = len(split["user"]), feats.n_ads
+    users, items = split["user"], split["item"]
+    order = np.argsort(users, kind="stable")
+    by_user, starts = np.unique(users[order], return_index=True)
+    counts = np.diff(np.append(starts, len(order)))
+    most = int(counts.max()) if len(counts) else 0
+    if pool < 1 or pool > n_ads - most:
+        raise ValueError(
+            f"a hard-negative pool of {pool} ads: need 1 <= pool <= {n_ads - most} (the {n_ads} "
+            f"ads less the {most} of the user with the most training ads)"
+        )
+    out = np.empty((n, pool), dtype=np.int64)
+    for lo in range(0, n, batch):
+        rows = np.arange(lo, min(lo + batch, n))
+        req = SimpleNamespace(
+            **{k: split[k][rows] for k in ("user", "ts", "surface", "hour", "platform")}
+        )
+        scores = np.asarray(retriever(req), dtype=np.float32)  # [b, A]
+        at = np.searchsorted(by_user, users[rows])  # each row's user in by_user
+        n_seen = counts[at]
+        first = np.repeat(starts[at], n_seen)  # [S] the user's first entry in `order`
+        offset = np.arange(n_seen.sum()) - np.repeat(np.cumsum(n_seen) - n_seen, n_seen)
+        scores[np.repeat(np.arange(len(rows)), n_seen), items[order[first + offset]]] = -np.inf
+        out[rows] = np.argpartition(-scores, pool - 1, axis=1)[:, :pool]
+    return out
+
+
 def train(
     cfg: ModelConfig,
     feats: Features,
     device: torch.device | str | None = None,
     log: Log = print,
     progress: bool = True,
+    retriever: ScoreFunction | None = None,
 ):
     """Train a model on `feats` (train split; early stopping on the val split's HR@50).
 
+    `retriever`: for a ranking model with `cfg.ranking_hard` > 0, the trained retrieval model
+    whose top `cfg.ranking_hard_pool` ads per request the hard negatives come from.
     Returns (model, history) where history holds per-epoch loss, validation metrics, time, and
     for the MoE the experts' usage.
     """
@@ -98,6 +141,16 @@ def train(
         raise ValueError("the train split is empty")
     exclude_seen = feats.meta.get("source") == "movielens"
     pop = np.bincount(train_split["item"], minlength=n_ads) / n  # in-batch sampling probability
+    hard = None  # [n, pool] the hard negatives' pool of each example
+    if (cfg.ranking_hard > 0) != (retriever is not None):
+        raise ValueError("hard negatives need both cfg.ranking_hard > 0 and a retriever")
+    if retriever is not None:
+        start = time.perf_counter()
+        hard = hard_negative_pool(retriever, feats, cfg.ranking_hard_pool)
+        log(
+            f"hard negatives: {cfg.ranking_hard} per request from the retriever's top "
+            f"{cfg.ranking_hard_pool} ({time.perf_counter() - start:.0f} s)"
+        )
     steps = math.ceil(n / cfg.batch_size)
     history: list[dict] = []
     best, best_state, bad_epochs = -1.0, None, 0
@@ -124,7 +177,10 @@ def train(
                 r = requests_for(feats, train_split, rows, cfg.max_len).to(device)
                 pos = torch.from_numpy(train_split["item"][rows]).to(device)
                 if cfg.kind == "ranking":
-                    loss = _ranking_step(model, r, catalog, pos, pop, n_ads, cfg, rng, device)
+                    hard_ads = None if hard is None else _draw(hard[rows], cfg.ranking_hard, rng)
+                    loss = _ranking_step(
+                        model, r, catalog, pos, pop, n_ads, cfg, rng, device, hard_ads
+                    )
                 else:
                     loss, gate = _retrieval_step(
                         model, r, catalog, pos, pop, n_ads, cfg, rng, device
@@ -178,14 +234,29 @@ def _retrieval_step(model, r, catalog, pos, pop, n_ads, cfg, rng, device):
     return loss, gate
 
 
-def _ranking_step(model, r, catalog, pos, pop, n_ads, cfg, rng, device):
+def _draw(pool: np.ndarray, count: int, rng: np.random.Generator) -> np.ndarray:
+    """[B, count]: from each row of pool [B, P], `count` ads drawn uniformly (with replacement)."""
+    pick = rng.integers(0, pool.shape[1], (len(pool), count))
+    return np.take_along_axis(pool, pick, axis=1)
+
+
+def _ranking_step(model, r, catalog, pos, pop, n_ads, cfg, rng, device, hard=None):
+    """The ranking model's loss on candidates [B, C]: the positive, in-batch and uniform
+    negatives, and `hard` [B, H] (drawn from each request's pool of P ads) if given."""
     b = len(pos)
     k = min(cfg.ranking_in_batch, b - 1)
     shifts = torch.arange(1, k + 1, device=device)
     in_batch = pos[(torch.arange(b, device=device)[:, None] + shifts[None, :]) % b]  # [B, k]
     uniform = torch.from_numpy(rng.integers(0, n_ads, (b, cfg.ranking_negatives))).to(device)
-    cand = torch.cat([pos[:, None], in_batch, uniform], dim=1)  # [B, C]
+    parts = [pos[:, None], in_batch, uniform]
+    if hard is not None:
+        parts.append(torch.from_numpy(hard).to(device))
+    cand = torch.cat(parts, dim=1)  # [B, C]
+    # expected count of each candidate in the set: in-batch (popularity), uniform, and for the
+    # hard columns their draw from the pool (an ad's chance to be in the pool otherwise ignored)
     q = k * torch.from_numpy(pop).to(device)[cand] + cfg.ranking_negatives / n_ads
+    if hard is not None:
+        q[:, -hard.shape[1] :] += hard.shape[1] / cfg.ranking_hard_pool
     scores = model(r, catalog, cand)
     return sampled_softmax_loss(
         scores, q.log(), torch.zeros(b, dtype=torch.long, device=device), cand, pos
