@@ -356,7 +356,7 @@ def test_hard_negative_pool_is_the_retrievers_top_ads_less_the_users_own(feats):
     fn = ScoreFunction(make("moe", feats).eval(), feats, Catalog.from_features(feats))
     tr = feats.splits["train"]
     pool = hard_negative_pool(fn, feats, 40, batch=37)  # batches of an odd size
-    assert pool.shape == (len(tr["user"]), 40) and pool.dtype == np.int64
+    assert pool.shape == (len(tr["user"]), 40) and pool.dtype == np.int32
     rows = np.random.default_rng(0).choice(len(tr["user"]), 50, replace=False)
     from types import SimpleNamespace
 

@@ -72,7 +72,7 @@ def _validate(
 def hard_negative_pool(
     retriever: ScoreFunction, feats: Features, pool: int, batch: int = 256
 ) -> np.ndarray:
-    """[n, pool] int64: for each of the n examples of the train split, the `pool` ads that
+    """[n, pool] int32: for each of the n examples of the train split, the `pool` ads that
     `retriever` (a trained model over the same features) scores highest for the example's
     request, the user's own training ads left out: they are positives elsewhere in the log, not
     negatives. Raises ValueError if some user leaves fewer than `pool` other ads."""
@@ -88,7 +88,7 @@ def hard_negative_pool(
             f"a hard-negative pool of {pool} ads: need 1 <= pool <= {n_ads - most} (the {n_ads} "
             f"ads less the {most} of the user with the most training ads)"
         )
-    out = np.empty((n, pool), dtype=np.int64)
+    out = np.empty((n, pool), dtype=np.int32)  # ad rows (2 M examples x 500: 4 GB as int64)
     for lo in range(0, n, batch):
         rows = np.arange(lo, min(lo + batch, n))
         req = SimpleNamespace(
@@ -250,7 +250,7 @@ def _ranking_step(model, r, catalog, pos, pop, n_ads, cfg, rng, device, hard=Non
     uniform = torch.from_numpy(rng.integers(0, n_ads, (b, cfg.ranking_negatives))).to(device)
     parts = [pos[:, None], in_batch, uniform]
     if hard is not None:
-        parts.append(torch.from_numpy(hard).to(device))
+        parts.append(torch.from_numpy(hard).to(device, torch.long))
     cand = torch.cat(parts, dim=1)  # [B, C]
     # expected count of each candidate in the set: in-batch (popularity), uniform, and for the
     # hard columns their draw from the pool (an ad's chance to be in the pool otherwise ignored)
