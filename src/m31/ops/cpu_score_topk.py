@@ -571,7 +571,7 @@ class _Worker:
             self.a_buf = torch.empty(len(plan.vh) * block, dtype=out)
         self.l_buf = None  # (8-bit tables compute logits per request, `logits_int8`)
         if plan.qh is not None and not plan.quantized:
-            self.l_buf = torch.empty(len(plan.qh) * block, dtype=out)
+            self.l_buf = torch.empty(len(plan.qh) * block, dtype=plan.qh.dtype)
         self.pending: list[tuple[torch.Tensor, ...]] = []
         self.n_pending = 0
         self.refine_pairs = _REFINE_PAIRS_ONE if plan.n_req == 1 else _REFINE_PAIRS
