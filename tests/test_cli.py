@@ -308,7 +308,21 @@ def test_train_eval_simulate_end_to_end(tmp_path):
     assert "hard negatives: 4 per request from the retriever's top 50" in out
     blob = torch.load(tmp_path / "hard.pt", map_location="cpu", weights_only=False)
     assert (blob["config"]["ranking_hard"], blob["config"]["ranking_hard_pool"]) == (4, 50)
+    # The ranking model as a correction to the moe's score: epoch 0 is the moe alone.
+    code, out = run(
+        "train", "--model", "ranking", "--data", str(data), "--out", str(tmp_path / "res.pt"),
+        "--preset", "tiny", "--epochs", "1", "--base", str(tmp_path / "moe.pt"),
+    )  # fmt: skip
+    assert code == 0, out
+    assert "epoch 0 (the base alone)" in out
+    blob = torch.load(tmp_path / "res.pt", map_location="cpu", weights_only=False)
+    moe_blob = torch.load(tmp_path / "moe.pt", map_location="cpu", weights_only=False)
+    assert blob["config"]["ranking_base"] == moe_blob["config"]
+    assert [h["epoch"] for h in blob["history"]] == [0, 1]
     for args, message in (
+        (["--model", "moe", "--base", str(tmp_path / "moe.pt")], "takes a base"),
+        (["--model", "ranking", "--base", str(tmp_path / "ranking.pt")], "--base: "),
+        (["--model", "ranking", "--base", str(tmp_path / "nope.pt")], "no such"),
         (["--model", "moe", "--hard-negatives", str(tmp_path / "moe.pt")], "trains the ranking"),
         (["--model", "ranking", "--hard", "4"], "go with --hard-negatives"),
         (["--model", "ranking", "--hard-negatives", str(tmp_path / "ranking.pt")], "is a ranking"),

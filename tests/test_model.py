@@ -72,6 +72,25 @@ def test_scorer_equals_naive_loop(n_exp, gdim):
     )
 
 
+@pytest.mark.parametrize("n_exp,gdim", [(1, 0), (3, 5)])
+def test_scorer_takes_each_requests_own_ads(n_exp, gdim):
+    """g [B, N, G], x [B, N, D], b [B, N]: request r's row equals scoring its ads alone."""
+    gen = torch.Generator().manual_seed(7)
+    n_req, n_ads = 5, 9
+    q, v, p = (torch.randn(n_req, n_exp, s, generator=gen) for s in (gdim, 7, 1))
+    p = p[..., 0]
+    g, x, b = (
+        torch.randn(n_req, n_ads, gdim, generator=gen),
+        torch.randn(n_req, n_ads, 7, generator=gen),
+        torch.randn(n_req, n_ads, generator=gen),
+    )
+    got = score(q, v, p, g, x, b)
+    assert got.shape == (n_req, n_ads)
+    for r in range(n_req):
+        one = score(q[r : r + 1], v[r : r + 1], p[r : r + 1], g[r], x[r], b[r])[0]
+        torch.testing.assert_close(got[r], one, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("kind", ["moe", "two-tower"])
 def test_retrieval_shapes_and_contract(feats, kind):
     model = make(kind, feats).eval()
@@ -154,6 +173,77 @@ def test_ranking_model_scores_pairs(feats):
         one = model(r.slice(2, 3), catalog, cand[2:3])
     assert s.shape == (5, 9) and shared.shape == (5, 9)
     torch.testing.assert_close(one[0], s[2], rtol=1e-5, atol=1e-5)
+
+
+def with_base(feats, base_kind="moe"):
+    """A ranking model over a (randomly initialised) base retrieval model, and the base."""
+    base = make(base_kind, feats, seed=3).eval()
+    torch.manual_seed(4)
+    cfg = model_preset("tiny", "ranking").with_overrides(ranking_base=base.cfg.to_dict())
+    model = build_model(cfg, vocab_sizes(feats), feats.text_emb.shape[1], feats.cooc_emb.shape[1])
+    model.base.load_state_dict(base.state_dict())
+    return model, base
+
+
+@pytest.mark.parametrize("base_kind", ["moe", "two-tower"])
+def test_ranking_model_with_a_base_starts_at_the_bases_scores(feats, base_kind):
+    model, base = with_base(feats, base_kind)
+    catalog = Catalog.from_features(feats)
+    test = feats.splits["test"]
+    longer = requests_for(feats, test, np.arange(len(test["user"])), model.cfg.max_len)
+    # requests with more history than the base reads (the ranking model reads 3x as much)
+    rows = np.flatnonzero(longer.hist_item[:, -base.cfg.max_len - 1].numpy() >= 0)[:6]
+    assert len(rows) == 6
+    r = requests_for(feats, test, rows, model.cfg.max_len)
+    base_r = requests_for(feats, test, rows, base.cfg.max_len)
+    cand = torch.randint(0, feats.n_ads, (6, 11))
+    with torch.no_grad():
+        want = base(base_r, catalog, catalog)[0]  # [6, A]: the base as trained, on its history
+        got = model.eval()(r, catalog, cand)
+        shared = model(r, catalog, cand[0])
+    torch.testing.assert_close(got, torch.take_along_dim(want, cand, 1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(shared, want[:, cand[0]], rtol=1e-5, atol=1e-5)
+    assert model.flops_per_pair() == (
+        build_model(
+            model_preset("tiny", "ranking"), vocab_sizes(feats), feats.text_emb.shape[1],
+            feats.cooc_emb.shape[1],
+        ).flops_per_pair()
+        + base.flops_per_pair()
+    )  # fmt: skip
+
+
+def test_ranking_model_with_a_base_trains_its_correction_only(feats):
+    model = with_base(feats)[0]
+    catalog = Catalog.from_features(feats)
+    model.train()
+    assert not model.base.training  # the base stays in inference mode
+    out = model(some_requests(feats, 8), catalog, torch.randint(0, feats.n_ads, (8, 5)))
+    out.square().mean().backward()
+    assert all(p_.grad is None for p_ in model.base.parameters())
+    assert model.mlp[-1].weight.grad.abs().sum() > 0
+
+
+def test_training_a_ranking_model_with_a_base(feats):
+    from m31.training import train
+
+    model, base = with_base(feats)
+    with pytest.raises(ValueError, match="not a moe model's"):
+        ModelConfig(kind="moe", ranking_base=base.cfg.to_dict())
+    with pytest.raises(ValueError, match="must be a moe or two-tower"):
+        ModelConfig(kind="ranking", ranking_base=model_preset("tiny", "ranking").to_dict())
+    cfg = model.cfg.with_overrides(epochs=1)
+    quiet = {"device": "cpu", "log": lambda _: None, "progress": False}
+    with pytest.raises(ValueError, match="needs both"):
+        train(cfg, feats, **quiet)
+    with pytest.raises(ValueError, match="needs both"):
+        train(model_preset("tiny", "ranking"), feats, base=base, **quiet)
+    with pytest.raises(ValueError, match=r"not cfg\.ranking_base"):
+        train(cfg, feats, base=make("two-tower", feats), **quiet)
+    trained, history = train(cfg, feats, base=base, **quiet)
+    assert [h["epoch"] for h in history] == [0, 1] and history[0]["loss"] is None
+    assert history[0]["val_hr@50"] >= 0 and history[1]["loss"] > 0
+    for a, b in zip(trained.base.state_dict().values(), base.state_dict().values(), strict=True):
+        assert torch.equal(a, b)  # frozen
 
 
 def test_demo_ranking_model_costs_over_100x_the_moe_per_pair():
@@ -253,9 +343,9 @@ def test_training_reduces_the_loss(feats):
     assert held_loss() < before - 0.3
 
 
-@pytest.mark.parametrize("kind", ["moe", "ranking"])
+@pytest.mark.parametrize("kind", ["moe", "ranking", "ranking-with-base"])
 def test_checkpoint_round_trips_exactly(feats, tmp_path, kind):
-    model = make(kind, feats).eval()
+    model = with_base(feats)[0].eval() if kind == "ranking-with-base" else make(kind, feats).eval()
     path = save_checkpoint(tmp_path / "m.pt", model, feats, history=[{"epoch": 1}])
     again, blob = load_checkpoint(path, feats)
     assert blob["history"] == [{"epoch": 1}] and blob["config"] == model.cfg.to_dict()
@@ -265,7 +355,7 @@ def test_checkpoint_round_trips_exactly(feats, tmp_path, kind):
     catalog = Catalog.from_features(feats)
     r = some_requests(feats, 3)
     with torch.no_grad():
-        if kind == "ranking":
+        if kind.startswith("ranking"):
             cand = torch.arange(7)
             assert torch.equal(model(r, catalog, cand), again(r, catalog, cand))
         else:

@@ -252,6 +252,13 @@ def train_cmd(
     hard: Annotated[
         int | None, typer.Option(help="Hard negatives per request (default 32).")
     ] = None,
+    base: Annotated[
+        Path | None,
+        typer.Option(
+            help="Ranking model only: a trained moe or two-tower checkpoint (same data and split) "
+            "whose score the ranking model adds to its own, learning a correction to its order."
+        ),
+    ] = None,
     hard_pool: Annotated[
         int | None,
         typer.Option(help="The retriever's top ads per request they come from (default 500)."),
@@ -281,15 +288,22 @@ def train_cmd(
         cfg = cfg.with_overrides(ranking_hard=hard, ranking_hard_pool=hard_pool)
     if experts is not None:
         cfg = cfg.with_overrides(experts={**cfg.experts, **_expert_slots(experts)})
+    if base is not None and model != "ranking":
+        _fail(f"--base: the ranking model takes a base, not {model!r}")
     bar, callback = progress_bar()
     with bar:
         feats = features_for(data, split, progress=callback)
     typer.echo(f"features: {feats.describe()}")
-    retriever = None if hard_negatives is None else _retriever(hard_negatives, feats, device)
+    retriever = None
+    if hard_negatives is not None:
+        retriever = _retriever(hard_negatives, feats, device, "--hard-negatives")
+    base_model = None if base is None else _retriever(base, feats, device, "--base").model
+    if base_model is not None:
+        cfg = cfg.with_overrides(ranking_base=base_model.cfg.to_dict())
     start = time.perf_counter()
     trained, history = train(
         cfg, feats, device=device, log=typer.echo, progress=sys.stderr.isatty(),
-        retriever=retriever,
+        retriever=retriever, base=base_model,
     )  # fmt: skip
     save_checkpoint(out, trained, feats, history)
     best = max(history, key=lambda h: h["val_hr@50"])
@@ -302,8 +316,9 @@ def train_cmd(
         typer.echo(f"expert usage: {_json.dumps(best['experts'])}")
 
 
-def _retriever(path: Path, feats, device):
-    """--hard-negatives: the retrieval model's scorer over `feats` (checked: trained on them)."""
+def _retriever(path: Path, feats, device, option: str):
+    """--hard-negatives, --base: the retrieval model's scorer over `feats` (checked: trained on
+    them)."""
     from m31.model import load_checkpoint
     from m31.model.inference import ScoreFunction
     from m31.model.inputs import Catalog
@@ -312,7 +327,7 @@ def _retriever(path: Path, feats, device):
     device = device if device is not None else default_device()
     model, blob = load_checkpoint(path, feats, device=device)
     if blob["config"]["kind"] == "ranking":
-        _fail(f"--hard-negatives: {path} is a ranking model; give a moe or two-tower checkpoint")
+        _fail(f"{option}: {path} is a ranking model; give a moe or two-tower checkpoint")
     return ScoreFunction(model, feats, Catalog.from_features(feats).to(device))
 
 

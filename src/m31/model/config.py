@@ -33,6 +33,10 @@ class ModelConfig:
     # `ranking_hard_pool` ads for the request (0: none; `m31.training.hard_negative_pool`)
     ranking_hard: int = 0
     ranking_hard_pool: int = 500
+    # the config of a retrieval model whose score the ranking model adds to its own (its weights
+    # travel in the ranking model's, frozen): the ranking model then learns a correction to that
+    # model's order and starts from it (`m31.model.ranking`). None: the ranking model alone.
+    ranking_base: dict | None = None
     lr: float = 2e-3
     weight_decay: float = 1e-5
     balance_weight: float = 0.02  # weight of the gate's load-balancing (mutual information) term
@@ -63,6 +67,12 @@ class ModelConfig:
             )
         if self.ranking_hard and self.kind != "ranking":
             raise ValueError(f"hard negatives train the ranking model, not a {self.kind} model")
+        if self.ranking_base is not None:
+            if self.kind != "ranking":
+                raise ValueError(f"a base model is the ranking model's, not a {self.kind} model's")
+            base = self.base_config()
+            if base.kind == "ranking":
+                raise ValueError("the ranking model's base must be a moe or two-tower model")
 
     @property
     def n_experts(self) -> int:
@@ -72,6 +82,10 @@ class ModelConfig:
     @property
     def effective_gate_dim(self) -> int:
         return 0 if self.kind == "two-tower" else self.gate_dim
+
+    def base_config(self) -> ModelConfig | None:
+        """The config of the retrieval model under a ranking model (`ranking_base`), if any."""
+        return None if self.ranking_base is None else ModelConfig.from_dict(self.ranking_base)
 
     def to_dict(self) -> dict:
         return asdict(self)

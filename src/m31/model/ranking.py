@@ -6,10 +6,17 @@ Unlike the retrieval models it cannot be split into a request part and an ad par
 attends over the whole engagement history (target attention), and an MLP reads user, ad, context
 and explicit cross features of each pair. That costs hundreds of times the FLOPs of the §2 scorer
 per (request, ad) pair, which is why it only ranks what retrieval returns.
+
+With a base (`ModelConfig.ranking_base`), a trained retrieval model sits inside it, frozen, and
+the ranking model's score is the base's §2 score plus its own: it learns a correction to the
+order retrieval already has. Its output layer starts at zero, so before training it ranks
+exactly as the base does, and training keeps the epoch with the best validation (epoch 0: the
+base alone), so it is never worse than the base on the validation split.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import torch
@@ -18,6 +25,7 @@ from torch import nn
 from m31.data.schema import OBJECTIVES, SURFACES
 from m31.model.config import ModelConfig
 from m31.model.inputs import N_TIME_BUCKETS, Catalog, Requests
+from m31.model.retrieval import RetrievalModel
 from m31.model.towers import (
     N_AGE_BUCKETS,
     N_GENDERS,
@@ -27,6 +35,7 @@ from m31.model.towers import (
     masked_mean,
     mlp,
 )
+from m31.ops import score
 
 N_CROSS = 5
 
@@ -53,6 +62,30 @@ class RankingModel(nn.Module):
         self.att_v = nn.Linear(h, h)
         self.in_dim = 8 * h + N_CROSS
         self.mlp = mlp([self.in_dim, *cfg.ranking_mlp, 1])
+        base = cfg.base_config()
+        self.base = None if base is None else RetrievalModel(base, sizes, text_dim, cooc_dim)
+        if self.base is not None:
+            self.base.requires_grad_(False)
+            out = self.mlp[-1]
+            nn.init.zeros_(out.weight)  # the correction starts at zero: the base's order
+            nn.init.zeros_(out.bias)
+
+    def train(self, mode: bool = True) -> RankingModel:
+        super().train(mode)
+        if self.base is not None:
+            self.base.eval()  # frozen: always in inference mode
+        return self
+
+    def base_score(self, r: Requests, catalog: Catalog, cand_rows: torch.Tensor) -> torch.Tensor:
+        """The base model's §2 scores [B, C] of cand_rows [B, C] (or [C], shared), reading the
+        last `max_len` history events it was trained with."""
+        n = self.base.cfg.max_len
+        hist = {k: getattr(r, k)[:, -n:] for k in ("hist_item", "hist_surface", "hist_time")}
+        q, v, p = self.base.encode_requests(dataclasses.replace(r, **hist), catalog)
+        g, x, b = self.base.encode_ads(catalog.take(cand_rows.reshape(-1)))
+        if cand_rows.dim() == 2:
+            g, x, b = (t.reshape(*cand_rows.shape, *t.shape[1:]) for t in (g, x, b))
+        return score(q, v, p, g, x, b)
 
     def candidates(self, ads: Catalog) -> torch.Tensor:
         return (
@@ -65,6 +98,7 @@ class RankingModel(nn.Module):
     def forward(self, r: Requests, catalog: Catalog, cand_rows: torch.Tensor) -> torch.Tensor:
         """Scores [B, C] of each request's candidate ad rows cand_rows [B, C] (or [C], shared)."""
         b = len(r)
+        base = 0.0 if self.base is None else self.base_score(r, catalog, cand_rows)
         if cand_rows.dim() == 1:
             cand_rows = cand_rows[None, :].expand(b, -1)
         valid = r.hist_item >= 0  # [B, L]
@@ -128,7 +162,7 @@ class RankingModel(nn.Module):
             ],
             dim=-1,
         )  # [B, C, 8h + N_CROSS]
-        return self.mlp(feats)[..., 0]
+        return self.mlp(feats)[..., 0] + base
 
     def flops_per_pair(self) -> int:
         """Pair-specific FLOPs only (request-side and ad-side work amortised away)."""
@@ -137,4 +171,5 @@ class RankingModel(nn.Module):
         mlp_flops = sum(2 * a * b for a, b in itertools.pairwise(dims))
         attention = 2 * h * h + 4 * L * h  # query projection, scores, weighted sum
         cross = 2 * (384 + self.item.cooc.in_features) + 4 * L
-        return mlp_flops + attention + cross
+        base = 0 if self.base is None else self.base.flops_per_pair()
+        return mlp_flops + attention + cross + base

@@ -24,11 +24,12 @@ import torch
 
 
 def gate_weights(q: torch.Tensor, p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """w: q [B, E, G], p [B, E], g [N, G] -> [B, N, E]."""
+    """w: q [B, E, G], p [B, E], g [N, G] (or [B, N, G], each request's own ads) -> [B, N, E]."""
     if q.shape[-1] == 0:
-        logit = p[:, None, :].expand(-1, g.shape[0], -1)  # no gate key: priors alone route
+        logit = p[:, None, :].expand(-1, g.shape[-2], -1)  # no gate key: priors alone route
     else:
-        logit = torch.einsum("beg,ng->bne", q, g) / math.sqrt(q.shape[-1]) + p[:, None, :]
+        rows = "ng" if g.dim() == 2 else "bng"
+        logit = torch.einsum(f"beg,{rows}->bne", q, g) / math.sqrt(q.shape[-1]) + p[:, None, :]
     return torch.softmax(logit, dim=-1)  # [B, N, E]
 
 
@@ -43,12 +44,15 @@ def score(
 ):
     """s [B, N] (and the gate [B, N, E] with `return_gate`), computed in fp32.
 
-    q [B, E, G], v [B, E, D], p [B, E] from the request; g [N, G], x [N, D], b [N] from the ads.
+    q [B, E, G], v [B, E, D], p [B, E] from the request; g [N, G], x [N, D], b [N] from the ads
+    shared by the requests, or g [B, N, G], x [B, N, D], b [B, N] to score each request against
+    its own N ads (a ranking stage's candidates).
     """
     q, v, p, g, x, b = (t.float() for t in (q, v, p, g, x, b))
     w = gate_weights(q, p, g)  # [B, N, E]
-    affinity = torch.einsum("bed,nd->bne", v, x)  # [B, N, E]
-    s = (w * affinity).sum(-1) + b[None, :]  # [B, N]
+    rows = "nd" if x.dim() == 2 else "bnd"
+    affinity = torch.einsum(f"bed,{rows}->bne", v, x)  # [B, N, E]
+    s = (w * affinity).sum(-1) + b  # [B, N]
     return (s, w) if return_gate else s
 
 

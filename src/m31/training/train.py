@@ -10,6 +10,9 @@ negatives), since every (request, ad) pair costs it a full forward pass. Such ne
 easy; where the ranking model re-ranks a retrieval model's top candidates it meets hard ones, so
 it can also draw `ranking_hard` negatives per request from that model's top
 `ranking_hard_pool` ads for the request (`hard_negative_pool`, computed once before training).
+A ranking model with a base (`ModelConfig.ranking_base`) takes the base's weights from the
+trained retrieval model given, and its validation before the first epoch (the base's order) is
+the one to beat.
 Early stopping reads the validation split through `m31.eval`, which is why training lives
 outside `m31.model`.
 """
@@ -31,7 +34,12 @@ from m31.model.checkpoint import build_model, vocab_sizes
 from m31.model.config import ModelConfig
 from m31.model.inference import ScoreFunction
 from m31.model.inputs import Catalog, Requests, make_requests
-from m31.model.retrieval import balance_loss, expert_usage, sampled_softmax_loss
+from m31.model.retrieval import (
+    RetrievalModel,
+    balance_loss,
+    expert_usage,
+    sampled_softmax_loss,
+)
 
 Log = Callable[[str], None]
 
@@ -111,13 +119,17 @@ def train(
     log: Log = print,
     progress: bool = True,
     retriever: ScoreFunction | None = None,
+    base: RetrievalModel | None = None,
 ):
     """Train a model on `feats` (train split; early stopping on the val split's HR@50).
 
     `retriever`: for a ranking model with `cfg.ranking_hard` > 0, the trained retrieval model
     whose top `cfg.ranking_hard_pool` ads per request the hard negatives come from.
+    `base`: for a ranking model with `cfg.ranking_base`, the trained retrieval model (of that
+    config) whose score it corrects.
     Returns (model, history) where history holds per-epoch loss, validation metrics, time, and
-    for the MoE the experts' usage.
+    for the MoE the experts' usage; for a ranking model with a base it starts with epoch 0, the
+    base alone (loss None).
     """
     from rich.progress import (
         BarColumn,
@@ -134,7 +146,14 @@ def train(
     model = build_model(
         cfg, vocab_sizes(feats), feats.text_emb.shape[1], feats.cooc_emb.shape[1]
     ).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if (cfg.ranking_base is not None) != (base is not None):
+        raise ValueError("a ranking model's base needs both cfg.ranking_base and the base model")
+    if base is not None:
+        if base.cfg.to_dict() != cfg.ranking_base:
+            raise ValueError("the base model's config is not cfg.ranking_base")
+        model.base.load_state_dict(base.state_dict())
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     train_split = feats.splits["train"]
     n, n_ads = len(train_split["user"]), feats.n_ads
     if n == 0:
@@ -164,6 +183,12 @@ def train(
         disable=not progress,
         transient=True,
     )
+    if base is not None:  # epoch 0: the base's own order, the one to beat
+        model.eval()
+        val = _validate(model, feats, catalog, cfg, exclude_seen)
+        history.append({"epoch": 0, "loss": None, **{f"val_{k}": v for k, v in val.items()}})
+        log(f"epoch 0 (the base alone): val HR@10 {val['hr@10']:.4f}, HR@50 {val['hr@50']:.4f}")
+        best, best_state = val["hr@50"], copy.deepcopy(model.state_dict())
     with bar:
         for epoch in range(cfg.epochs):
             task = bar.add_task(
@@ -189,7 +214,7 @@ def train(
                         gates.append(gate.detach().mean((0, 1)))
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+                torch.nn.utils.clip_grad_norm_(trainable, 5.0)
                 opt.step()
                 losses.append(float(loss.detach()))
                 bar.update(task, advance=1, loss=float(np.mean(losses[-50:])))
