@@ -2,7 +2,8 @@
 # The whole GPU check of the score·filter·top-K pass, on the GPU image as it is (PyTorch, Triton,
 # numpy, typer, pyarrow, matplotlib; nothing is installed): every kernel against the reference on
 # fresh random data (stops here on a mismatch), then the timings at DESIGN §6's canonical shapes
-# with every baseline, then the engine end to end at N = 10 M. Under 5 minutes on one H200.
+# with every baseline, then the engine end to end at N = 10 M over a bf16 and an int8 index.
+# Under 5 minutes on one H200.
 #
 #   bash bench/gpu.sh                  # results in bench/out
 #   OUT=/tmp/m31-bench bash bench/gpu.sh
@@ -19,4 +20,5 @@ export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
 # After one warm-up call, at most 5 timed calls and 1.5 s of them per measurement: the slow
 # baselines (the reference at B = 512 or N = 100 M) stop after one, which keeps the run short.
 "$python" -m m31.bench --device cuda --timings --canonical --engine --engine-n 10M \
+    --engine-dtype bfloat16,int8 \
     --repeat 5 --budget 1.5 --out "$out"

@@ -130,11 +130,15 @@ def test_compile_baseline(tmp_path):
 
 def test_engine(tmp_path):
     argv = ["--device", "cpu", "--engine", "--engine-n", "20000", "--engine-batches", "1,3"]
+    argv += ["--engine-dtype", "bfloat16,int8"]
     assert main([*argv, "--repeat", "1", "--out", str(tmp_path)]) == 0
     assert not (tmp_path / "bench.csv").exists()  # --engine alone runs the engine alone
     rows = read_csv(tmp_path / "engine.csv")
     assert list(rows[0]) == list(EngineTiming.__dataclass_fields__)
-    assert [int(r["b"]) for r in rows] == [1, 3]
+    assert [(r["dtype"], int(r["b"])) for r in rows] == [
+        ("bfloat16", 1), ("bfloat16", 3), ("int8", 1), ("int8", 3),
+    ]  # fmt: skip
+    assert "| int8 | 3 |" in (tmp_path / "engine.md").read_text()
     for r in rows:
         assert (int(r["n"]), int(r["e"]), int(r["g"]), int(r["d"])) == (20_000, 8, 64, 64)
         for col in ("median_ms", "ads_per_s", "encode_ms", "mask_ms", "score_topk_ms"):
@@ -170,6 +174,9 @@ def test_bad_arguments():
         main(["--canonical", "--n", "1000"])
     with pytest.raises(SystemExit):
         main(["--n", "0"])
+    for bad in ("int4", "int8,int8", ""):
+        with pytest.raises(SystemExit):
+            main(["--engine", "--engine-dtype", bad])
 
 
 def test_acceptance_and_ratios():

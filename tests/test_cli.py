@@ -275,6 +275,12 @@ def test_train_eval_simulate_end_to_end(tmp_path):
     assert len(AdIndex.load(index_dir)) == 2_000
     assert read_manifest(index_dir)["model_hash"] == checkpoint_hash(tmp_path / "moe.pt")
     code, out = run(
+        "index", "build", "--data", str(data), "--model", str(tmp_path / "moe.pt"),
+        "--out", str(tmp_path / "index8"), "--dtype", "int8",
+    )  # fmt: skip
+    assert code == 0 and "int8" in out, out
+    assert AdIndex.load(tmp_path / "index8").dtype == torch.int8
+    code, out = run(
         "index", "build", "--data", str(data), "--model", str(tmp_path / "ranking.pt"),
         "--out", str(tmp_path / "index2"),
     )  # fmt: skip

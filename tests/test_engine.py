@@ -321,3 +321,30 @@ def test_equal_scores_go_to_the_lower_ad_id(world, k):
     merged = merge(parts, k)
     np.testing.assert_array_equal(merged.ad_ids, got.ad_ids)
     np.testing.assert_array_equal(merged.scores, got.scores)
+
+
+def test_an_8_bit_index_serves_what_its_dequantized_table_would(world):
+    """The engine on an int8 index (the 8-bit kernel reads the codes) returns the ads and scores
+    of the same engine on a float32 index of the dequantized rows."""
+    from m31.ops.quant import quantize_ad_table
+
+    ds, feats, model, _ = world
+    g, x, b = encode_ads(model, Catalog.from_features(feats))
+    int8 = AdIndex.from_table(ds.ads, g, x, b, dtype=torch.int8)
+    plain = AdIndex.from_table(
+        ds.ads, *quantize_ad_table(g, x, b).dequantize(), dtype=torch.float32
+    )
+    for index in (int8, plain):
+        index.pause(7)
+        index.delete([11, 12])
+    t0, _ = ds.meta["time_range"]
+    reqs = [
+        AdRequest(user_id=u, ts=t0 + 86_400 * u, surface=s, platform="web")
+        for u, s in zip(range(5), SURFACES, strict=True)
+    ]
+    got = Retriever(model, feats, int8, ds.users).retrieve(reqs, k=40)
+    want = Retriever(model, feats, plain, ds.users).retrieve(reqs, k=40)
+    for a, w in zip(got.results, want.results, strict=True):
+        assert len(a.ad_ids) > 0 and not {7, 11, 12} & set(a.ad_ids.tolist())
+        np.testing.assert_array_equal(a.ad_ids, w.ad_ids)
+        np.testing.assert_allclose(a.scores, w.scores, rtol=1e-5, atol=1e-5)

@@ -11,6 +11,8 @@ import torch
 
 from m31.index import AdIndex, AdIndexError, FilterError, RequestContext, read_manifest
 from m31.index.ad_index import BASE_FIELDS
+from m31.ops import score_topk
+from m31.ops.quant import Int8Table, quantize_ad_table
 from m31.world.config import preset
 from m31.world.generate import generate
 
@@ -45,14 +47,16 @@ def eligible_ids(index, request=REQ, filter_fn=None) -> list[int]:
 
 def state(index):
     """Everything observable about an index, to check that a failed call changed nothing."""
-    g, x, b, row_ids, version = index.table()
+    with index.snapshot_view() as view:
+        table = [view.g, view.x, view.b, view.row_ids, *(view.scales or ())]
+        version = view.version
     ids = index.ids().tolist()
     return {
         "version": version,
         "len": len(index),
         "rows": index.num_rows,
         "capacity": index.capacity,
-        "table": [t.clone() for t in (g, x, b, row_ids)],
+        "table": [t.clone() for t in table],
         "ids": ids,
         "ads": {i: index.get(i) for i in ids},
         "eligible": eligible_ids(index),
@@ -391,10 +395,20 @@ def _normalise(attrs):
     return out
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_random_operations_match_a_plain_model(seed):
+def stored_values(dtype, g, x, b):
+    """What an index of `dtype` stores for rows g [n, G], x [n, D], b [n] given in float32, as
+    `get` returns them: an 8-bit index's rows quantized, each with its own scales."""
+    if dtype == torch.int8:
+        return quantize_ad_table(g, x, b).dequantize()
+    return g.to(dtype), x.to(dtype), b.to(dtype)
+
+
+@pytest.mark.parametrize(
+    ("seed", "dtype"), [(0, torch.float32), (1, torch.float32), (2, torch.int8)]
+)
+def test_random_operations_match_a_plain_model(seed, dtype):
     rng = random.Random(seed)
-    index = AdIndex(G, D, dtype=torch.float32, capacity=2)
+    index = AdIndex(G, D, dtype=dtype, capacity=2)
     model: dict[int, tuple] = {}  # id -> (g, x, b, attributes)
     version = 0
     for step in range(70):
@@ -407,6 +421,7 @@ def test_random_operations_match_a_plain_model(seed):
                     rows[i]["schedule_end"] = NOW + rng.choice([-1, 0, 1])
             g, x, b = embeddings(ids, seed=step)
             version = index.upsert(ids, g, x, b, [rows[i] for i in ids])
+            g, x, b = stored_values(dtype, g, x, b)
             model.update(
                 {i: (g[k], x[k], float(b[k]), _normalise(rows[i])) for k, i in enumerate(ids)}
             )
@@ -441,6 +456,14 @@ def test_random_operations_match_a_plain_model(seed):
             expected = {i for i, m in model.items() if _reference_eligible(i, m[3], r)}
             got = eligible_ids(index, r)
             assert len(got) == len(set(got)) and set(got) == expected
+        with index.snapshot_view() as view:  # what is scored: the values `get` gives back
+            table = view.ad_table
+            if dtype == torch.int8:
+                table = table.dequantize()
+            for i in model:
+                row = index._row_of(i)
+                assert torch.equal(table[0][row], model[i][0])
+                assert torch.equal(table[1][row], model[i][1])
 
 
 # ---- snapshots -----------------------------------------------------------------------------
@@ -457,7 +480,7 @@ def _index_with_history(dtype=torch.bfloat16):
     return index
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8])
 def test_snapshot_round_trip(tmp_path, dtype):
     index = _index_with_history(dtype)
     index.save(tmp_path / "snap", model_hash="abc123")
@@ -474,16 +497,86 @@ def test_snapshot_round_trip(tmp_path, dtype):
     for i in live.tolist():
         assert loaded.get(i).attributes == index.get(i).attributes
     index.compact()  # a snapshot holds the live rows in order: the compacted table
-    for mine, theirs in zip(index.table()[:4], loaded.table()[:4], strict=True):
-        assert torch.equal(mine, theirs)
+    for mine, theirs in zip(state(index)["table"], state(loaded)["table"], strict=True):
+        assert torch.equal(mine, theirs)  # an 8-bit table: the same codes and scales
 
     # Anything can read it: numpy for the table, parquet for the attributes.
     manifest = read_manifest(tmp_path / "snap")
     assert manifest["count"] == len(index) and manifest["dtype"] == str(dtype).removeprefix(
         "torch."
     )
-    assert np.load(tmp_path / "snap" / "g.npy").shape == (len(index), G)
+    g = np.load(tmp_path / "snap" / "g.npy")
+    assert g.shape == (len(index), G) and g.dtype == (
+        np.int8 if dtype == torch.int8 else np.float32
+    )
     assert np.load(tmp_path / "snap" / "ids.npy").tolist() == live.tolist()
+
+
+def test_an_8_bit_index_quantizes_each_row_on_its_own_and_scores_as_stored():
+    rows = {i: {"advertiser_id": i % 3} for i in range(9)}
+    index = build(rows, dtype=torch.int8, capacity=4)
+    g, x, b = embeddings(list(rows))
+    g[4] = 0.0  # an all-zero row stays exactly zero
+    index.upsert([4], g[4:5], x[4:5], b[4:5], [rows[4]])
+    one_by_one = AdIndex(G, D, dtype=torch.int8)
+    for i in rows:  # each ad alone: the same codes and scales as in a batch
+        one_by_one.upsert([i], g[i : i + 1], x[i : i + 1], b[i : i + 1], [rows[i]])
+    with index.snapshot_view() as view, one_by_one.snapshot_view() as alone:
+        table = view.ad_table
+        assert isinstance(table, Int8Table) and table.g.dtype == torch.int8
+        live = torch.tensor([index._row_of(i) for i in rows])
+        want = quantize_ad_table(g, x, b)
+        for mine, theirs, single in zip(table, want, alone.ad_table, strict=True):
+            assert torch.equal(mine[live], theirs) and torch.equal(single, theirs)
+        assert not table.g[index._row_of(4)].any() and table.g_scale[index._row_of(4)] == 1
+        # scored as stored: the kernel on the codes equals the reference on the dequantized rows
+        gen = torch.Generator().manual_seed(1)
+        query = (torch.randn(3, 2, G, generator=gen), torch.randn(3, 2, D, generator=gen),
+                 torch.randn(3, 2, generator=gen))  # fmt: skip
+        mask = view.eligible_bits([REQ] * 3)
+        got = score_topk(query, table, mask, 5, kernel="cpu")
+        ref = score_topk(query, table.dequantize(), mask.unpack(), 5, kernel="torch")
+        torch.testing.assert_close(got[0], ref[0])
+        assert torch.equal(got[1], ref[1])
+    got = index.get(2)
+    g2, x2, b2 = quantize_ad_table(g[2:3], x[2:3], b[2:3]).dequantize()
+    assert torch.equal(got.g, g2[0]) and torch.equal(got.x, x2[0]) and got.b == float(b2[0])
+    with pytest.raises(AdIndexError, match="NaN or inf"):
+        index.upsert([1], torch.full((1, G), float("nan")), x[:1], b[:1], [rows[1]])
+    with pytest.raises(AdIndexError, match=re.escape("overflows torch.float32")):
+        index.upsert([1], g[:1], torch.full((1, D), 1e300, dtype=torch.float64), b[:1], [rows[1]])
+
+
+def test_load_rejects_damaged_8_bit_snapshots(tmp_path):
+    index = _index_with_history(torch.int8)
+    index.save(tmp_path / "good")
+    n = len(index)
+
+    def damage(folder, name, edit):
+        arr = np.load(folder / f"{name}.npy")
+        edit(arr)
+        np.save(folder / f"{name}.npy", arr)
+        manifest = json.loads((folder / "manifest.json").read_text())
+        manifest["files"][f"{name}.npy"]["bytes"] = (folder / f"{name}.npy").stat().st_size
+        (folder / "manifest.json").write_text(json.dumps(manifest))
+
+    for k, (name, edit, message) in enumerate([
+        ("g_scale", lambda a: a.__setitem__(1, 0.0), "g_scale: row 1 holds 0.0, not a positive"),
+        ("x_scale", lambda a: a.__setitem__(2, np.nan), "x_scale: row 2 holds nan"),
+        ("b", lambda a: a.__setitem__(0, np.inf), "b: row 0 holds inf, not a finite number"),
+        ("x", lambda a: a.__setitem__((0, 0), -128), "int8 code of -128"),
+    ]):  # fmt: skip
+        folder = tmp_path / f"bad{k}"
+        folder.mkdir()
+        for f in (tmp_path / "good").iterdir():
+            (folder / f.name).write_bytes(f.read_bytes())
+        damage(folder, name, edit)
+        with pytest.raises(AdIndexError, match=re.escape(message)):
+            AdIndex.load(folder)
+    (tmp_path / "bad0" / "g_scale.npy").unlink()
+    with pytest.raises(AdIndexError, match=re.escape("g_scale.npy: missing")):
+        AdIndex.load(tmp_path / "bad0")
+    assert len(AdIndex.load(tmp_path / "good")) == n
 
 
 def test_interrupted_save_keeps_the_previous_snapshot(tmp_path, monkeypatch):
@@ -547,7 +640,7 @@ def test_load_rejects_damaged_snapshots(tmp_path):
         (lambda f: (f / "manifest.json").write_text("{"), "not valid JSON"),
         (lambda f: _edit_manifest(f, format="other"), "not an m31.ad_index manifest"),
         (lambda f: _edit_manifest(f, format_version=99), "format_version 99"),
-        (lambda f: _edit_manifest(f, dtype="int8"), "dtype 'int8'"),
+        (lambda f: _edit_manifest(f, dtype="int4"), "dtype 'int4'"),
         (lambda f: _edit_manifest(f, count="many"), "'count' missing or not a int"),
         (lambda f: (f / "x.npy").unlink(), "x.npy: missing"),
         (lambda f: (f / "b.npy").write_bytes(b"\x93NUMPY"), "b.npy: size 6 differs"),

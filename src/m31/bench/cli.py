@@ -43,6 +43,21 @@ def _counts(text: str | None, option: str) -> tuple[int, ...] | None:
     return tuple(out)
 
 
+def _dtypes(text: str) -> tuple[str, ...]:
+    """--engine-dtype "bfloat16,int8" -> names of index table dtypes, each known, none twice."""
+    from m31.index.ad_index import _DTYPES
+
+    names = tuple(v.strip() for v in text.split(","))
+    bad = [v for v in names if v not in _DTYPES]
+    if bad:
+        raise typer.BadParameter(
+            f"unknown {bad[0]!r}; choose from {', '.join(_DTYPES)}", param_hint="--engine-dtype"
+        )
+    if len(set(names)) != len(names):
+        raise typer.BadParameter("a dtype given twice", param_hint="--engine-dtype")
+    return names
+
+
 def _variants(text: str) -> tuple[str, ...]:
     names = tuple(v.strip() for v in text.split(",") if v.strip())
     if not names:
@@ -94,6 +109,10 @@ def bench(
         str | None, typer.Option(help="Requests per call (1,64,256; 1,3 with --quick).")
     ] = None,
     engine_k: Annotated[int, typer.Option(help="Results per request of the engine.")] = 100,
+    engine_dtype: Annotated[
+        str,
+        typer.Option(help="The engine index's table dtypes, each timed: bfloat16,int8 compares."),
+    ] = "bfloat16",
     engine_model: Annotated[
         str, typer.Option(help="Model preset (demo: E = 8, G = D = 64).")
     ] = "demo",
@@ -117,6 +136,7 @@ def bench(
     ns, bs, ks = _counts(n, "--n"), _counts(batches, "--batches"), _counts(k, "--k")
     engine_ns = _counts(engine_n, "--engine-n")
     engine_bs = _counts(engine_batches, "--engine-batches")
+    engine_dtypes = _dtypes(engine_dtype)
     chosen = _variants(variants)
     if device == "auto":
         dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -174,6 +194,7 @@ def bench(
                 repeat,
                 budget,
                 seed,
+                dtypes=engine_dtypes,
             )
         except Skip as e:
             sections.append(f"## Engine end to end: skipped ({e})")

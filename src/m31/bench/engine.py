@@ -36,6 +36,7 @@ from m31.bench.common import (
 @dataclass
 class EngineTiming:
     device: str
+    dtype: str  # the index's table dtype (bfloat16, float32, int8, ...)
     n: int
     b: int
     k: int
@@ -53,9 +54,18 @@ class EngineTiming:
     index_build_s: float
 
 
-def synthetic_index(ads, n: int, gdim: int, ddim: int, device: torch.device, seed: int = 0):
-    """An AdIndex of N ads: attributes repeat the rows of a dataset's ads table (targeting,
-    status, schedules as real ads have them) under fresh ids 0..N-1; g, x, b are random."""
+def synthetic_index(
+    ads,
+    n: int,
+    gdim: int,
+    ddim: int,
+    device: torch.device,
+    seed: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+):
+    """An AdIndex of N ads in `dtype`: attributes repeat the rows of a dataset's ads table
+    (targeting, status, schedules as real ads have them) under fresh ids 0..N-1; g, x, b are
+    random."""
     import pyarrow as pa
 
     from m31.index import AdIndex
@@ -67,7 +77,7 @@ def synthetic_index(ads, n: int, gdim: int, ddim: int, device: torch.device, see
         table.schema.get_field_index("ad_id"), "ad_id", pa.array(np.arange(n, dtype=np.int64))
     )
     (g, x, b), _ = random_table(n, gdim, ddim, device, seed)
-    return AdIndex.from_table(table, g, x, b, device=device)
+    return AdIndex.from_table(table, g, x, b, device=device, dtype=dtype)
 
 
 def run_engine(
@@ -80,12 +90,14 @@ def run_engine(
     budget_s: float = 2.0,
     seed: int = 0,
     log: Log = to_stderr,
+    dtypes: Sequence[str] = ("bfloat16",),
 ) -> list[EngineTiming]:
-    """One row per batch size B: the median time of `Retriever.retrieve` on B random requests
-    for K ads each, and the medians of the engine's own encode, mask and score·top-K times."""
-    from m31.data.schema import PLATFORMS, SURFACES
-    from m31.engine import AdRequest, Retriever
+    """One row per table dtype and batch size B: the median time of `Retriever.retrieve` on B
+    random requests for K ads each, and the medians of the engine's own encode, mask and
+    score·top-K times. Every dtype's index holds the same ads and answers the same requests."""
+    from m31.engine import Retriever
     from m31.features import FeatureConfig, build_features
+    from m31.index.ad_index import _DTYPES
     from m31.model import build_model, model_preset, vocab_sizes
     from m31.world.config import preset
     from m31.world.generate import generate
@@ -97,61 +109,81 @@ def run_engine(
     cfg = model_preset(model, "moe")
     net = build_model(cfg, vocab_sizes(feats), feats.text_emb.shape[1], feats.cooc_emb.shape[1])
     log(f"engine: tiny world and features in {time.perf_counter() - start:.1f} s")
-    # The bf16 table; the arrow table the attributes come from, their encoding and the frozen
+    # The bf16 table (int8: less); the arrow table the attributes come from, their encoding and the frozen
     # view's copy of it (about 850 bytes per ad together: the process peaked at 11.7 GB with
     # N = 10 M, B = 64 on CPU); a [B, N] bool mask per call and its copy for a retry.
+    unknown = [d for d in dtypes if d not in _DTYPES]
+    if unknown:
+        raise ValueError(f"table dtype {unknown[0]!r} is not one of {', '.join(_DTYPES)}")
     per_ad = 2 * (cfg.gate_dim + cfg.value_dim) + 2 + 850 + 2 * max(batches)
     fits(n * per_ad, device, f"an index of {n:,} ads and its masks")
-    start = time.perf_counter()
-    index = synthetic_index(ds.ads, n, cfg.gate_dim, cfg.value_dim, device, seed)
-    build_s = time.perf_counter() - start
-    log(f"engine: index of {len(index):,} ads built with AdIndex.from_table in {build_s:.1f} s")
-    engine = Retriever(net, feats, index, ds.users)
     user_ids = feats.users["user_id"]
     ts = int(ds.meta["time_range"][1])  # the end of the log: every ad of the world is created
-    rng = np.random.default_rng(seed)
     rows = []
-    for b in batches:
-        requests = [
-            AdRequest(
-                user_id=int(rng.choice(user_ids)),
-                ts=ts,
-                surface=SURFACES[rng.integers(len(SURFACES))],
-                platform=PLATFORMS[rng.integers(len(PLATFORMS))],
-            )
-            for _ in range(b)
-        ]
-        parts: list[dict[str, float]] = []  # the engine's own breakdown of every call
-
-        def call(requests=requests, parts=parts):
-            res = engine.retrieve(requests, k)
-            parts.append(res.timings_ms)
-            return res
-
-        t, reps, _ = time_call(call, device, repeat, budget_s)
-        part = {p: statistics.median(c[p] for c in parts[1:]) for p in parts[0]}  # no warm-up
-        row = EngineTiming(
-            device=device_name(device),
-            n=n,
-            b=b,
-            k=k,
-            model=model,
-            e=cfg.n_experts,
-            g=cfg.gate_dim,
-            d=cfg.value_dim,
-            median_ms=1e3 * t,
-            repeats=reps,
-            ads_per_s=n / t,
-            pairs_per_s=b * n / t,
-            encode_ms=part["encode"],
-            mask_ms=part["mask"],
-            score_topk_ms=part["score_topk"],
-            index_build_s=build_s,
+    for dtype in dtypes:
+        start = time.perf_counter()
+        index = synthetic_index(
+            ds.ads, n, cfg.gate_dim, cfg.value_dim, device, seed, _DTYPES[dtype]
         )
-        rows.append(row)
-        log(
-            f"engine B = {b}: {row.median_ms:.1f} ms, {fmt_rate(row.pairs_per_s)} ads scored/s "
-            f"(encode {row.encode_ms:.1f}, masks {row.mask_ms:.1f}, score·top-K "
-            f"{row.score_topk_ms:.1f} ms)"
-        )
+        build_s = time.perf_counter() - start
+        log(f"engine: {dtype} index of {len(index):,} ads built in {build_s:.1f} s")
+        engine = Retriever(net, feats, index, ds.users)
+        rng = np.random.default_rng(seed)  # the same requests for every dtype
+        for b in batches:
+            args = (engine, dtype, build_s, b, k, user_ids, ts, cfg, model, device)
+            rows.append(_time_engine(*args, repeat, budget_s, rng, log))
+        del engine, index
     return rows
+
+
+def _time_engine(
+    engine, dtype, build_s, b, k, user_ids, ts, cfg, model, device, repeat, budget_s, rng, log
+) -> EngineTiming:
+    """One row of `run_engine`: B = b random requests drawn with rng, timed."""
+    from m31.data.schema import PLATFORMS, SURFACES
+    from m31.engine import AdRequest
+
+    n = len(engine.index)
+    requests = [
+        AdRequest(
+            user_id=int(rng.choice(user_ids)),
+            ts=ts,
+            surface=SURFACES[rng.integers(len(SURFACES))],
+            platform=PLATFORMS[rng.integers(len(PLATFORMS))],
+        )
+        for _ in range(b)
+    ]
+    parts: list[dict[str, float]] = []  # the engine's own breakdown of every call
+
+    def call():
+        res = engine.retrieve(requests, k)
+        parts.append(res.timings_ms)
+        return res
+
+    t, reps, _ = time_call(call, device, repeat, budget_s)
+    part = {p: statistics.median(c[p] for c in parts[1:]) for p in parts[0]}  # no warm-up
+    row = EngineTiming(
+        device=device_name(device),
+        dtype=dtype,
+        n=n,
+        b=b,
+        k=k,
+        model=model,
+        e=cfg.n_experts,
+        g=cfg.gate_dim,
+        d=cfg.value_dim,
+        median_ms=1e3 * t,
+        repeats=reps,
+        ads_per_s=n / t,
+        pairs_per_s=b * n / t,
+        encode_ms=part["encode"],
+        mask_ms=part["mask"],
+        score_topk_ms=part["score_topk"],
+        index_build_s=build_s,
+    )
+    log(
+        f"engine {dtype} B = {b}: {row.median_ms:.1f} ms, {fmt_rate(row.pairs_per_s)} ads "
+        f"scored/s (encode {row.encode_ms:.1f}, masks {row.mask_ms:.1f}, score·top-K "
+        f"{row.score_topk_ms:.1f} ms)"
+    )
+    return row

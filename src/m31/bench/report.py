@@ -247,12 +247,23 @@ def engine_report(rows: Sequence[EngineTiming]) -> str:
         [
             f"## Engine end to end on {first.device}: Retriever.retrieve over N = {first.n:,} "
             f"ads, K = {first.k}, untrained {first.model} moe (E = {first.e}, G = {first.g}, "
-            f"D = {first.d}); index built in {first.index_build_s:.1f} s",
+            f"D = {first.d}); index built in "
+            + ", ".join(f"{r.index_build_s:.1f} s ({r.dtype})" for r in rows if r.b == first.b),
             "",
             markdown(
-                ("B", "median ms", "ads/s", "pairs/s", "encode ms", "mask ms", "score·top-K ms"),
+                (
+                    "table",
+                    "B",
+                    "median ms",
+                    "ads/s",
+                    "pairs/s",
+                    "encode ms",
+                    "mask ms",
+                    "score·top-K ms",
+                ),
                 (
                     (
+                        r.dtype,
                         r.b,
                         f"{r.median_ms:.1f}",
                         fmt_rate(r.ads_per_s),

@@ -112,7 +112,7 @@ def search(
         sub_mask = mask
         if mask is not None and len(todo) < len(ks):
             sub_mask = mask.select(pick) if isinstance(mask, PackedMask) else mask[pick]
-        scores, rows = score_topk(sub, (view.g, view.x, view.b), sub_mask, want, kernel)  # [b, K']
+        scores, rows = score_topk(sub, view.ad_table, sub_mask, want, kernel)  # [b, K']
         ids = torch.where(rows == NO_ROW, NO_ROW, view.row_ids[rows.clamp_min(0)])
         scores, ids = scores.cpu().numpy(), ids.cpu().numpy()
         again = []

@@ -10,6 +10,12 @@ It is computed from row bitmaps that every mutation keeps up to date (`m31.index
 `_eligible_reference` computes the same mask from the attribute columns, the plain definition.
 `m31.index.durable` puts an index behind a write-ahead log.
 
+The table is stored in bfloat16 (the default), float16, float32 or int8. An int8 index holds the
+8-bit table of DESIGN §4 (`m31.ops.quant`): each row is quantized on upsert with its own scales
+(a row's codes depend on that row alone, so replaying an upsert gives the same bytes), b stays
+float32, and a view's `ad_table` is an `Int8Table` that the kernels read as stored. What goes in
+and what `get` and snapshots give back are the values themselves: for int8 the dequantized rows.
+
 Rows of the ad table are write-once. An upsert appends fresh rows and tombstones the ids' old
 rows; growth and compaction build new tensors. So the tensors `table()` hands out never change
 afterwards, even while later mutations run, and a scorer may keep reading them after the lock is
@@ -60,6 +66,7 @@ from m31.index.limits import (
     MAX_VOCABULARY,
 )
 from m31.ops.masks import PackedMask
+from m31.ops.quant import Int8Table, quantize_ad_table
 
 FORMAT = "m31.ad_index"
 FORMAT_VERSION = 1
@@ -95,10 +102,29 @@ _ALLOWED: dict[str, tuple[str, ...]] = {
     "target_platforms": PLATFORMS,
     "target_surfaces": SURFACES,
 }
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "int8": torch.int8,
+}
 # bf16 and fp16 tables are stored as float32 .npy (exact: both are subsets of float32), so
-# that numpy alone reads a snapshot; the manifest's "dtype" says what to cast back to.
+# that numpy alone reads a snapshot; the manifest's "dtype" says what to cast back to. An int8
+# table is stored as its codes and per-row scales, so a snapshot reloads to the same bytes.
 _NPY = {"g": np.float32, "x": np.float32, "b": np.float32, "ids": np.int64}
+_NPY_INT8 = {
+    "g": np.int8,
+    "g_scale": np.float32,
+    "x": np.int8,
+    "x_scale": np.float32,
+    "b": np.float32,
+    "ids": np.int64,
+}
+
+
+def _npy_files(dtype: str) -> dict[str, type]:
+    """The arrays of a snapshot of this table dtype: name -> numpy dtype."""
+    return _NPY_INT8 if dtype == "int8" else _NPY
 
 
 class AdIndexError(ValueError):
@@ -133,7 +159,7 @@ class CheckedUpsert:
     what a `DurableIndex` logs)."""
 
     ids: np.ndarray  # [n] int64, distinct
-    g: torch.Tensor  # [n, G] in the table dtype, on the index's device
+    g: torch.Tensor  # [n, G] in the table dtype (int8: float32, quantized on apply), on its device
     x: torch.Tensor  # [n, D]
     b: torch.Tensor  # [n]
     columns: pa.Table  # n rows of the attribute schema, normalised
@@ -153,13 +179,21 @@ class IndexView:
     """One version of the index, valid while its `snapshot_view()` block is open (for good,
     when it comes from `frozen_view()`)."""
 
-    g: torch.Tensor  # [N, G]
+    g: torch.Tensor  # [N, G] as stored (int8 codes for an 8-bit table)
     x: torch.Tensor  # [N, D]
     b: torch.Tensor  # [N]
     row_ids: torch.Tensor  # [N] int64 external ad id of each row
     version: int
     attributes: AttributeTable
     _index: AdIndex = field(repr=False)
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None  # int8: (g_scale [N], x_scale [N])
+
+    @property
+    def ad_table(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | Int8Table:
+        """What `m31.ops.score_topk` scores: (g, x, b), or an `Int8Table` for an 8-bit index."""
+        if self.scales is None:
+            return self.g, self.x, self.b
+        return Int8Table(self.g, self.scales[0], self.x, self.scales[1], self.b)
 
     def eligible_mask(
         self, request: RequestContext, filter_fn: CompiledFilter | Mapping | None = None
@@ -276,6 +310,9 @@ class AdIndex:
         except ValueError as e:
             raise AdIndexError(str(e)) from e
         self.dim_g, self.dim_x, self.dtype = dim_g, dim_x, dtype
+        self.quantized = dtype == torch.int8
+        # what upserts are validated in, and b's dtype: an 8-bit table keeps b in float32
+        self._value_dtype = torch.float32 if self.quantized else dtype
         self.device = torch.device(device)
         self.model_hash: str | None = None  # of the checkpoint whose ad tower made g, x, b
         self._lock = threading.RLock()
@@ -285,7 +322,12 @@ class AdIndex:
         self._rows: dict[int, int] = {}  # external id -> its live row
         self._g = torch.zeros(capacity, dim_g, dtype=dtype, device=self.device)  # [cap, G]
         self._x = torch.zeros(capacity, dim_x, dtype=dtype, device=self.device)  # [cap, D]
-        self._b = torch.zeros(capacity, dtype=dtype, device=self.device)  # [cap]
+        self._b = torch.zeros(capacity, dtype=self._value_dtype, device=self.device)  # [cap]
+        # int8: each row's scales ([cap] float32 each), else None
+        self._g_scale = self._x_scale = None
+        if self.quantized:
+            self._g_scale = torch.ones(capacity, device=self.device)
+            self._x_scale = torch.ones(capacity, device=self.device)
         self._row_ids = torch.full((capacity,), -1, dtype=torch.int64, device=self.device)
         self._live = torch.zeros(capacity, dtype=torch.bool, device=self.device)  # [cap]
         self._attrs = AttributeTable(self._schema, self.device, capacity)
@@ -329,22 +371,39 @@ class AdIndex:
             row = self._row_of(ad_id)
             rows = torch.tensor([row], device=self.device)
             attributes = self._attrs.to_arrow(rows).to_pylist()[0]
-            return AdRow(
-                self._g[row].clone(), self._x[row].clone(), float(self._b[row]), attributes
-            )
+            g, x, b = self._values(slice(row, row + 1))
+            return AdRow(g[0], x[0], float(b[0]), attributes)
+
+    def _values(
+        self, rows: torch.Tensor | slice
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Copies of the rows' (g, x, b) values: an 8-bit table's dequantized, in float32."""
+        if self.quantized:
+            return self._int8(rows).dequantize()
+        return self._g[rows].clone(), self._x[rows].clone(), self._b[rows].clone()
+
+    def _int8(self, rows: torch.Tensor | slice) -> Int8Table:
+        return Int8Table(
+            self._g[rows], self._g_scale[rows], self._x[rows], self._x_scale[rows], self._b[rows]
+        )
 
     def table(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
-        """(g [N, G], x [N, D], b [N], row_ids [N], version): never modified afterwards."""
+        """(g [N, G], x [N, D], b [N], row_ids [N], version) as stored, never modified
+        afterwards. For an 8-bit index g and x are the codes: score a view's `ad_table`."""
         with self._lock:
             n = self._n
             return self._g[:n], self._x[:n], self._b[:n], self._row_ids[:n], self._version
+
+    def _scales(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(g_scale [N], x_scale [N]) of an 8-bit index (write-once like the table), else None."""
+        return None if not self.quantized else (self._g_scale[: self._n], self._x_scale[: self._n])
 
     @contextmanager
     def snapshot_view(self) -> Iterator[IndexView]:
         """Hold the lock: mutations wait until the block ends, so table and masks agree."""
         with self._lock:
             g, x, b, row_ids, version = self.table()
-            yield IndexView(g, x, b, row_ids, version, self._attrs, self)
+            yield IndexView(g, x, b, row_ids, version, self._attrs, self, self._scales())
 
     def frozen_view(self) -> IndexView:
         """A view that stays valid without the lock: its masks are built from a copy of the
@@ -367,7 +426,7 @@ class AdIndex:
                 frozen._frozen = None
                 self._frozen = frozen
             g, x, b, row_ids, version = frozen.table()
-            return IndexView(g, x, b, row_ids, version, frozen._attrs, frozen)
+            return IndexView(g, x, b, row_ids, version, frozen._attrs, frozen, frozen._scales())
 
     def eligible_mask(
         self, request: RequestContext, filter_fn: CompiledFilter | Mapping | None = None
@@ -481,7 +540,7 @@ class AdIndex:
 
     def check_upsert(self, ad_ids: Any, g: Any, x: Any, b: Any, attributes: Any) -> CheckedUpsert:
         """Validate the ads of an upsert on their own: ids [n], g [n, G], x [n, D], b [n] (cast
-        to the table dtype) and attributes (dicts or an arrow table). `check_vocabulary` then
+        to the table dtype; float32 for an 8-bit table, which quantizes them on apply) and attributes (dicts or an arrow table). `check_vocabulary` then
         checks the attributes against the index."""
         ids = _ids(ad_ids)
         n = len(ids)
@@ -537,11 +596,12 @@ class AdIndex:
             raise AdIndexError(f"{what}: expected shape {list(shape)}, got {list(t.shape)}")
         if t.dtype == torch.bool or t.is_complex():
             raise AdIndexError(f"{what}: expected real numbers, got {t.dtype}")
-        t = t.to(device=self.device, dtype=self.dtype)
+        t = t.to(device=self.device, dtype=self._value_dtype)
         bad = ~torch.isfinite(t) if dim is None else ~torch.isfinite(t).all(1)
         if bad.any():
             raise AdIndexError(
-                f"{what}: row {int(bad.nonzero()[0])} holds NaN or inf (or overflows {self.dtype})"
+                f"{what}: row {int(bad.nonzero()[0])} holds NaN or inf (or overflows "
+                f"{self._value_dtype})"
             )
         return t
 
@@ -589,17 +649,34 @@ class AdIndex:
     def upsert(self, ad_ids: Any, g: Any, x: Any, b: Any, attributes: Any) -> int:
         """Add new ads or replace existing ones: ids [n], g [n, G], x [n, D], b [n]."""
         checked = self.check_upsert(ad_ids, g, x, b, attributes)
-        ids, n = checked.ids, len(checked.ids)
+        table = (checked.g, checked.x, checked.b)
+        if self.quantized:  # row by row: an ad's codes do not depend on the rest of its batch
+            table = quantize_ad_table(*table)
+        return self._append(checked.ids, table, checked.columns)
+
+    def _append(
+        self,
+        ids: np.ndarray,
+        table: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | Int8Table,
+        columns: pa.Table,
+    ) -> int:
+        """Write validated ads (ids [n], their table rows as stored, their attributes) to fresh
+        rows and retire the ids' old rows."""
+        n = len(ids)
         with self._lock:
-            self.check_vocabulary(checked.columns, ids)
+            self.check_vocabulary(columns, ids)
             start = self._n
             self._reserve(start + n)
             new = slice(start, start + n)
-            self._g[new], self._x[new], self._b[new] = checked.g, checked.x, checked.b
+            if self.quantized:
+                self._g[new], self._x[new], self._b[new] = table.g, table.x, table.b
+                self._g_scale[new], self._x_scale[new] = table.g_scale, table.x_scale
+            else:
+                self._g[new], self._x[new], self._b[new] = table
             self._row_ids[new] = torch.from_numpy(ids).to(self.device)  # [n]
             self._live[new] = True
             rows = torch.arange(start, start + n, device=self.device)  # [n]
-            self._attrs.write(rows, checked.columns)
+            self._attrs.write(rows, columns)
             self._bitmaps.write(rows, self._attrs)
             self._bitmaps.set_live(rows, True)
             # A changed ad moves to its new row, so rows already handed out stay as they were.
@@ -619,7 +696,7 @@ class AdIndex:
         while cap < need:
             cap *= 2  # geometric growth: amortised O(1) copies per appended row
         n = self._n
-        for name, fill in (("_g", 0), ("_x", 0), ("_b", 0), ("_row_ids", -1), ("_live", False)):
+        for name, fill in self._row_arrays():
             old = getattr(self, name)
             grown = torch.full((cap, *old.shape[1:]), fill, dtype=old.dtype, device=self.device)
             grown[:n] = old[:n]
@@ -627,6 +704,11 @@ class AdIndex:
         self._attrs.reserve(cap)
         self._bitmaps.reserve(cap)
         self._cap = cap
+
+    def _row_arrays(self) -> list[tuple[str, Any]]:
+        """The per-row tensors (attribute name, fill of an unused row)."""
+        arrays = [("_g", 0), ("_x", 0), ("_b", 0), ("_row_ids", -1), ("_live", False)]
+        return arrays + ([("_g_scale", 1.0), ("_x_scale", 1.0)] if self.quantized else [])
 
     def update_attributes(self, ad_id: int, **attrs: Any) -> int:
         """Change some attributes of one live ad; its embeddings are kept as they are."""
@@ -662,27 +744,21 @@ class AdIndex:
         with self._lock:
             live = self._live[: self._n].nonzero().squeeze(1)  # [n_live], ascending
             k = len(live)
-            g = torch.zeros_like(self._g)  # [cap, G]
-            x = torch.zeros_like(self._x)  # [cap, D]
-            b = torch.zeros_like(self._b)  # [cap]
-            row_ids = torch.full_like(self._row_ids, -1)  # [cap]
-            alive = torch.zeros_like(self._live)  # [cap]
-            g[:k], x[:k], b[:k], row_ids[:k] = (
-                self._g[live],
-                self._x[live],
-                self._b[live],
-                self._row_ids[live],
-            )
-            alive[:k] = True
+            fresh = {}  # name -> [cap, ...]: the live rows first, in order, then unused rows
+            for name, fill in self._row_arrays():
+                old = getattr(self, name)
+                fresh[name] = torch.full_like(old, fill)
+                fresh[name][:k] = old[live]
             attrs = self._attrs.take(live, self._cap)
             bitmaps = Eligibility(self.device, self._cap)
             kept = torch.arange(k, device=self.device)  # [k]
             bitmaps.write(kept, attrs)
             bitmaps.set_live(kept, True)
             # New tensors rather than moving rows in place: views already handed out stay valid.
-            self._g, self._x, self._b, self._row_ids, self._live = g, x, b, row_ids, alive
+            for name, t in fresh.items():
+                setattr(self, name, t)
             self._attrs, self._bitmaps = attrs, bitmaps
-            self._rows = dict(zip(row_ids[:k].tolist(), range(k), strict=True))
+            self._rows = dict(zip(self._row_ids[:k].tolist(), range(k), strict=True))
             self._n = k
             self._version += 1
             return self._version
@@ -747,10 +823,17 @@ class AdIndex:
         with self._lock:
             live = self._live[: self._n].nonzero().squeeze(1)  # [n_live]
             arrays = {
-                "g": self._g[live].float().cpu().numpy(),  # [n_live, G]
-                "x": self._x[live].float().cpu().numpy(),  # [n_live, D]
-                "b": self._b[live].float().cpu().numpy(),  # [n_live]
-                "ids": self._row_ids[live].cpu().numpy(),  # [n_live]
+                "g": self._g[live],  # [n_live, G]
+                "x": self._x[live],  # [n_live, D]
+                "b": self._b[live],  # [n_live]
+                "ids": self._row_ids[live],  # [n_live]
+            }
+            if self.quantized:
+                arrays |= {"g_scale": self._g_scale[live], "x_scale": self._x_scale[live]}
+            dtype = str(self.dtype).removeprefix("torch.")
+            arrays = {
+                name: arrays[name].to(torch.from_numpy(np.zeros(0, t)).dtype).cpu().numpy()
+                for name, t in _npy_files(dtype).items()
             }
             attributes = self._attrs.to_arrow(live)
             manifest = {
@@ -759,7 +842,7 @@ class AdIndex:
                 "index_version": self._version,
                 "dim_g": self.dim_g,
                 "dim_x": self.dim_x,
-                "dtype": str(self.dtype).removeprefix("torch."),
+                "dtype": dtype,
                 "count": len(live),
                 "model_hash": model_hash,
                 "fields": dict(self._schema),
@@ -785,7 +868,7 @@ class AdIndex:
         manifest = read_manifest(path)
         count, dims = manifest["count"], {"g": manifest["dim_g"], "x": manifest["dim_x"]}
         arrays = {}
-        for name, dtype in _NPY.items():
+        for name, dtype in _npy_files(manifest["dtype"]).items():
             file = path / f"{name}.npy"
             try:
                 arr = np.load(file, allow_pickle=False)
@@ -818,12 +901,34 @@ class AdIndex:
             extra_fields=extra,
         )
         try:
-            index.upsert(arrays["ids"], arrays["g"], arrays["x"], arrays["b"], attributes)
+            if index.quantized:
+                index._load_int8(arrays, attributes)
+            else:
+                index.upsert(arrays["ids"], arrays["g"], arrays["x"], arrays["b"], attributes)
         except AdIndexError as e:
             raise AdIndexError(f"{path}: snapshot content is invalid: {e}") from e
         index._version = manifest["index_version"]
         index.model_hash = manifest["model_hash"]
         return index
+
+    def _load_int8(self, arrays: dict[str, np.ndarray], attributes: pa.Table) -> None:
+        """Append a snapshot's 8-bit rows as stored (codes and scales, shapes checked by
+        `load`): requantizing their dequantized values could move a scale by an ulp."""
+        ids = _ids(arrays["ids"])
+        _no_duplicates(ids, "snapshot")
+        t = Int8Table(*(torch.from_numpy(arrays[k]).to(self.device) for k in Int8Table._fields))
+        ok = {"g_scale": t.g_scale > 0, "x_scale": t.x_scale > 0, "b": torch.isfinite(t.b)}
+        for name, good in ok.items():
+            bad = ~(good & torch.isfinite(getattr(t, name)))
+            if bad.any():
+                row = int(bad.nonzero()[0])
+                want = "a finite number" if name == "b" else "a positive finite scale"
+                raise AdIndexError(
+                    f"{name}: row {row} holds {float(getattr(t, name)[row])}, not {want}"
+                )
+        if (t.g == -128).any() or (t.x == -128).any():
+            raise AdIndexError("g, x: an int8 code of -128 (the symmetric range is ±127)")
+        self._append(ids, t, self._columns(attributes, ids))
 
 
 def read_manifest(path: str | Path) -> dict:
@@ -832,8 +937,9 @@ def read_manifest(path: str | Path) -> dict:
     Layout: `manifest.json` (format, format_version, index_version, dim_g, dim_x, dtype, count,
     model_hash, fields = attribute name -> kind, files = name -> {"bytes": size}), `g.npy`
     [count, dim_g], `x.npy` [count, dim_x], `b.npy` [count] (float32 whatever `dtype` is: bf16
-    and fp16 values are exact in float32), `ids.npy` [count] int64, `attributes.parquet` (one
-    row per ad, in the same order; list columns are sets).
+    and fp16 values are exact in float32; for int8, g and x are the int8 codes and
+    `g_scale.npy`, `x_scale.npy` [count] float32 their row scales), `ids.npy` [count] int64,
+    `attributes.parquet` (one row per ad, in the same order; list columns are sets).
     """
     path = Path(path)
     file = path / "manifest.json"
@@ -871,7 +977,7 @@ def read_manifest(path: str | Path) -> dict:
         raise AdIndexError(f"{file}: fields {fields} lack the built-in attributes or kinds")
     if not isinstance(manifest.get("model_hash"), str | None):
         raise AdIndexError(f"{file}: 'model_hash' must be a string or null")
-    expected = {f"{name}.npy" for name in _NPY} | {"attributes.parquet"}
+    expected = {f"{name}.npy" for name in _npy_files(manifest["dtype"])} | {"attributes.parquet"}
     if set(manifest["files"]) != expected:
         raise AdIndexError(
             f"{file}: files {sorted(manifest['files'])}, expected {sorted(expected)}"
