@@ -547,6 +547,31 @@ def test_an_8_bit_index_quantizes_each_row_on_its_own_and_scores_as_stored():
         index.upsert([1], g[:1], torch.full((1, D), 1e300, dtype=torch.float64), b[:1], [rows[1]])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
+def test_frozen_view_is_one_object_per_version(dtype, monkeypatch):
+    """Every call of one version returns the same view, tensors and all: what a kernel keeps
+    per table object (the cpu kernel's row norms) is found again by the next request."""
+    from m31.ops import cpu_score_topk as cpu
+
+    norms = []
+    row_norms = cpu._row_norms
+    monkeypatch.setattr(cpu, "_row_norms", lambda *a, **kw: norms.append(1) or row_norms(*a, **kw))
+    index = build({i: {"advertiser_id": i} for i in range(6)}, dtype=dtype)
+    view = index.frozen_view()
+    assert index.frozen_view() is view
+    g, x, _ = embeddings([0, 1])
+    query = (g[None], x[None], torch.zeros(1, 2))  # q [1, 2, G], v [1, 2, D], p [1, 2]
+    score_topk(query, index.frozen_view().ad_table, None, 3, kernel="cpu")
+    first = len(norms)
+    for _ in range(2):
+        score_topk(query, index.frozen_view().ad_table, None, 3, kernel="cpu")
+    assert first > 0 and len(norms) == first  # the table's norms: computed once
+    index.pause(2)
+    again = index.frozen_view()
+    assert again is not view and again.version == view.version + 1
+    assert index.frozen_view() is again
+
+
 def test_load_rejects_damaged_8_bit_snapshots(tmp_path):
     index = _index_with_history(torch.int8)
     index.save(tmp_path / "good")

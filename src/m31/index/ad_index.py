@@ -333,6 +333,7 @@ class AdIndex:
         self._attrs = AttributeTable(self._schema, self.device, capacity)
         self._bitmaps = Eligibility(self.device, capacity)  # follows _live and _attrs
         self._frozen: AdIndex | None = None  # copy of the last version `frozen_view` saw
+        self._view: IndexView | None = None  # of a frozen copy: the view `frozen_view` returns
 
     # ---- reading -------------------------------------------------------------------------
 
@@ -410,7 +411,9 @@ class AdIndex:
         liveness and attributes of its version, so mutations never wait for them.
 
         The copy is made under the lock once per version (a mutation costs the next view one
-        copy of the attributes, not the build of every mask after it).
+        copy of the attributes, not the build of every mask after it), and every call of one
+        version returns the same view: its tensors are the same objects, so what a kernel keeps
+        per table (the cpu kernel's row norms) is found again rather than recomputed per call.
         """
         with self._lock:
             frozen = self._frozen
@@ -424,9 +427,12 @@ class AdIndex:
                 frozen._bitmaps = self._bitmaps.copy(n)
                 frozen._rows = None  # the live map moves on; masks read `_row_ids` instead
                 frozen._frozen = None
+                g, x, b, row_ids, version = frozen.table()
+                frozen._view = IndexView(
+                    g, x, b, row_ids, version, frozen._attrs, frozen, frozen._scales()
+                )
                 self._frozen = frozen
-            g, x, b, row_ids, version = frozen.table()
-            return IndexView(g, x, b, row_ids, version, frozen._attrs, frozen, frozen._scales())
+            return frozen._view
 
     def eligible_mask(
         self, request: RequestContext, filter_fn: CompiledFilter | Mapping | None = None
