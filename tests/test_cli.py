@@ -217,9 +217,24 @@ def test_train_eval_simulate_end_to_end(tmp_path):
     assert means["moe>ranking"]["hr@50"] == pytest.approx(means["moe"]["hr@50"])  # same top 50
     assert len(doc["runs"]["tt"]) == 2 and len(doc["runs"]["ranking"]) == 1
     assert "ref_overlap@10" in doc["runs"]["tt"][1]  # the one ranking model served both rounds
-    for bad in ("moe", "moe,ranking,x", "moe,nope"):
-        code, out = run("eval", "--data", str(data), *models, "--rerank", bad, "--max-users", "9")
-        assert code == 2 and "--rerank" in out, (bad, out)
+    # --rerank-only: the ranking model scores the moe's candidates, never the whole corpus.
+    code, out = run(
+        "eval", "--data", str(data), *models, "--rerank", "moe,ranking,50", "--rerank-only",
+        "--ks", "10,50", "--max-users", "60", "--json", str(tmp_path / "ro.json"),
+    )  # fmt: skip
+    assert code == 0, out
+    only = json.loads((tmp_path / "ro.json").read_text())
+    assert "ranking" not in only["means"] and "ref_overlap@10" not in only["runs"]["moe"][0]
+    assert only["means"]["moe>ranking"] == pytest.approx(
+        {k: v for k, v in means["moe>ranking"].items() if not k.startswith("ref_")}
+    )  # the same two-stage figures as above
+    for args in (
+        ["--rerank", "moe"], ["--rerank", "moe,ranking,x"], ["--rerank", "moe,nope"],
+        ["--rerank-only"],
+        ["--rerank", "moe,ranking", "--rerank-only", "--reference", "ranking"],
+    ):  # fmt: skip
+        code, out = run("eval", "--data", str(data), *models, *args, "--max-users", "9")
+        assert code == 2 and "--re" in out, (args, out)
     code, out = run(
         "ablate", "--data", str(data), "--model", str(tmp_path / "moe.pt"),
         f"--reference=two-tower={tmp_path / 'two-tower*.pt'}", "--max-users", "60",

@@ -397,6 +397,14 @@ def eval_cmd(
             "orders FIRST's top K (default 500), named FIRST>SECOND."
         ),
     ] = None,
+    rerank_only: Annotated[
+        bool,
+        typer.Option(
+            "--rerank-only",
+            help="With --rerank: SECOND scores FIRST's candidates only, not the whole corpus "
+            "(a ranking model over a large catalogue).",
+        ),
+    ] = False,
     split: SplitOption = "leave-last-out",
     max_users: MaxUsersOption = None,
     ks: Annotated[str, typer.Option(help="Cut-offs, comma-separated.")] = "10,50,100,500",
@@ -443,6 +451,10 @@ def eval_cmd(
         if k_rerank <= 0:
             _fail(f"--rerank: K must be positive, got {k_rerank}")
         two_stage = (parts[0], parts[1], k_rerank)
+        if rerank_only and reference == parts[1]:
+            _fail(f"--reference {reference!r}: with --rerank-only it scores no whole corpus")
+    elif rerank_only:
+        _fail("--rerank-only goes with --rerank")
     base_names = [b for b in (baselines or "").split(",") if b]
     if not runs and not base_names:
         _fail("nothing to evaluate: give --model and/or --baselines")
@@ -477,8 +489,6 @@ def eval_cmd(
                 if name in fns:
                     _fail(f"two models are named {name!r}; name them NAME=PATH")
                 fns[name] = latest[name] = ScoreFunction(m, feats, catalog)
-        if reference is None and "ranking" in fns and len(fns) > 1:
-            reference = "ranking"
         stages = {}
         if two_stage is not None:
             first, second, k_rerank = two_stage
@@ -486,6 +496,10 @@ def eval_cmd(
                 _fail(f"--rerank: {first!r} and {second!r} must both be given with --model")
             if first in fns:  # a second stage with fewer seeds serves the later rounds too
                 stages[f"{first}>{second}"] = (first, latest[second].rank, k_rerank)
+            if rerank_only:  # scored as the second stage only
+                fns.pop(second, None)
+        if reference is None and "ranking" in fns and len(fns) > 1:
+            reference = "ranking"
         # A reference with fewer seeds than the others serves the later rounds as well, so that
         # every round reports the same metrics; its own metrics count once per checkpoint.
         reused = None
