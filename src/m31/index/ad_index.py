@@ -380,13 +380,11 @@ class AdIndex:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Copies of the rows' (g, x, b) values: an 8-bit table's dequantized, in float32."""
         if self.quantized:
-            return self._int8(rows).dequantize()
+            scales = self._g_scale[rows], self._x_scale[rows]
+            return Int8Table(
+                self._g[rows], scales[0], self._x[rows], scales[1], self._b[rows]
+            ).dequantize()
         return self._g[rows].clone(), self._x[rows].clone(), self._b[rows].clone()
-
-    def _int8(self, rows: torch.Tensor | slice) -> Int8Table:
-        return Int8Table(
-            self._g[rows], self._g_scale[rows], self._x[rows], self._x_scale[rows], self._b[rows]
-        )
 
     def table(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """(g [N, G], x [N, D], b [N], row_ids [N], version) as stored, never modified
@@ -836,11 +834,13 @@ class AdIndex:
             }
             if self.quantized:
                 arrays |= {"g_scale": self._g_scale[live], "x_scale": self._x_scale[live]}
-            dtype = str(self.dtype).removeprefix("torch.")
+            # bf16 and fp16 widened to float32 (exactly); int8 codes, scales and ids as they are
             arrays = {
-                name: arrays[name].to(torch.from_numpy(np.zeros(0, t)).dtype).cpu().numpy()
-                for name, t in _npy_files(dtype).items()
+                name: (a.float() if a.is_floating_point() else a).cpu().numpy()
+                for name, a in arrays.items()
             }
+            dtype = str(self.dtype).removeprefix("torch.")
+            assert {k: a.dtype for k, a in arrays.items()} == _npy_files(dtype)
             attributes = self._attrs.to_arrow(live)
             manifest = {
                 "format": FORMAT,
