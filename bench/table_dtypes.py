@@ -1,0 +1,90 @@
+"""What the engine returns over a bfloat16 and an int8 ad table, against a float32 one.
+
+    python bench/table_dtypes.py --data runs/demo --model runs/demo/moe.pt [--requests 2000] [--k 100]
+
+A trained retrieval model's ad tower encodes the dataset's catalogue into three indexes (float32,
+bfloat16 and int8: `AdIndex(dtype=...)`); the same held-out test requests (a random sample of the
+split's test events: user, time, surface, platform) go through `Retriever.retrieve` on each. Each
+kernel is exact for the table it reads, so the differences are the tables' rounding alone. Prints
+the mean overlap@k of each narrower table's results with float32's (the share of float32's top k
+that it also returns), at k = 10 and the given K.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from m31.data import dataset
+from m31.data.schema import PLATFORMS, SURFACES
+from m31.engine import AdRequest, Retriever
+from m31.engine.build import index_from_model
+from m31.model import load_checkpoint
+from m31.pipeline import features_for
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
+
+
+def test_requests(feats, n: int, seed: int) -> list[AdRequest]:
+    test = feats.splits["test"]
+    rows = np.random.default_rng(seed).choice(len(test["user"]), min(n, len(test["user"])), False)
+    ids = feats.users["user_id"]
+    return [
+        AdRequest(
+            user_id=int(ids[test["user"][i]]),
+            ts=int(test["ts"][i]),
+            surface=SURFACES[int(test["surface"][i])],
+            platform=PLATFORMS[int(test["platform"][i])],
+        )
+        for i in rows
+    ]
+
+
+def overlap(got, want, k: int) -> float:
+    """Mean over requests of |got's top k ∩ want's top k| / |want's top k|."""
+    return float(
+        np.mean(
+            [
+                len(set(a.ad_ids[:k].tolist()) & set(b.ad_ids[:k].tolist())) / len(b.ad_ids[:k])
+                for a, b in zip(got, want, strict=True)
+                if len(b.ad_ids)
+            ]
+        )
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data", type=Path, required=True, help="dataset folder the model learnt")
+    ap.add_argument("--model", type=Path, required=True, help="moe or two-tower checkpoint")
+    ap.add_argument("--split", default="leave-last-out")
+    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--k", type=int, default=100)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    if args.requests <= 0 or args.k <= 0:
+        ap.error("--requests and --k must be positive")
+    feats = features_for(args.data, args.split)
+    model, _ = load_checkpoint(args.model, feats)
+    users = dataset.load(args.data).users
+    requests = test_requests(feats, args.requests, args.seed)
+    results = {}
+    for name, dtype in DTYPES.items():
+        engine = Retriever(model, feats, index_from_model(args.data, model, feats, dtype), users)
+        results[name] = [
+            r for lo in range(0, len(requests), 100)
+            for r in engine.retrieve(requests[lo : lo + 100], args.k).results
+        ]  # fmt: skip
+    print(f"{len(requests)} test requests, K = {args.k}; overlap with the float32 table's results")
+    print("| table | overlap@10 | " + f"overlap@{args.k} |")
+    print("| --- | ---: | ---: |")
+    for name in ("bfloat16", "int8"):
+        got, want = results[name], results["float32"]
+        print(f"| {name} | {overlap(got, want, 10):.4f} | {overlap(got, want, args.k):.4f} |")
+
+
+if __name__ == "__main__":
+    main()
