@@ -339,6 +339,8 @@ def test_train_eval_simulate_end_to_end(tmp_path):
     blob = torch.load(tmp_path / "res.pt", map_location="cpu", weights_only=False)
     moe_blob = torch.load(tmp_path / "moe.pt", map_location="cpu", weights_only=False)
     assert blob["config"]["ranking_base"] == moe_blob["config"]
+    # it validates on the moe's top ads only: on as many requests as the moe
+    assert blob["config"]["val_requests"] == moe_blob["config"]["val_requests"]
     assert [h["epoch"] for h in blob["history"]] == [0, 1]
     for args, message in (
         (["--model", "moe", "--base", str(tmp_path / "moe.pt")], "takes a base"),

@@ -241,7 +241,27 @@ def test_training_a_ranking_model_with_a_base(feats):
         train(cfg, feats, base=make("two-tower", feats), **quiet)
     trained, history = train(cfg, feats, base=base, **quiet)
     assert [h["epoch"] for h in history] == [0, 1] and history[0]["loss"] is None
-    assert history[0]["val_hr@50"] >= 0 and history[1]["loss"] > 0
+    assert history[1]["loss"] > 0
+    # epoch 0 re-ranks the base's top ads by the base's own score: the base's validation
+    from m31.eval import evaluate
+    from m31.model.inference import ScoreFunction
+
+    fn = ScoreFunction(base, feats, Catalog.from_features(feats))
+    want = evaluate({"base": fn}, feats, "val", ks=(10, 50), max_users=cfg.val_requests,
+                    exclude_seen=False)["base"]  # fmt: skip
+    for k in (10, 50):
+        assert history[0][f"val_hr@{k}"] == pytest.approx(want[f"hr@{k}"], abs=0.02)
+    assert want["hr@50"] > 0
+    # and it scores each request's candidates [b, C], never the whole corpus (shared rows [A])
+    from m31.training.train import _validate
+
+    shapes = []
+    forward = RankingModel.forward
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(RankingModel, "forward",
+                      lambda self, r, c, rows: shapes.append(rows.dim()) or forward(self, r, c, rows))  # fmt: skip
+        _validate(trained, feats, Catalog.from_features(feats), cfg, exclude_seen=False)
+    assert shapes and set(shapes) == {2}
     for a, b in zip(trained.base.state_dict().values(), base.state_dict().values(), strict=True):
         assert torch.equal(a, b)  # frozen
 

@@ -299,7 +299,9 @@ def train_cmd(
         retriever = _retriever(hard_negatives, feats, device, "--hard-negatives")
     base_model = None if base is None else _retriever(base, feats, device, "--base").model
     if base_model is not None:
-        cfg = cfg.with_overrides(ranking_base=base_model.cfg.to_dict())
+        # it validates on the base's top ads only, so on as many requests as a retrieval model
+        val = model_preset(preset, base_model.cfg.kind).val_requests
+        cfg = cfg.with_overrides(ranking_base=base_model.cfg.to_dict(), val_requests=val)
     start = time.perf_counter()
     trained, history = train(
         cfg, feats, device=device, log=typer.echo, progress=sys.stderr.isatty(),

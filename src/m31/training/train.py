@@ -11,8 +11,8 @@ easy; where the ranking model re-ranks a retrieval model's top candidates it mee
 it can also draw `ranking_hard` negatives per request from that model's top
 `ranking_hard_pool` ads for the request (`hard_negative_pool`, computed once before training).
 A ranking model with a base (`ModelConfig.ranking_base`) takes the base's weights from the
-trained retrieval model given, and its validation before the first epoch (the base's order) is
-the one to beat.
+trained retrieval model given, validates by re-ranking the base's top `ranking_hard_pool` ads,
+and its validation before the first epoch (the base's order) is the one to beat.
 Early stopping reads the validation split through `m31.eval`, which is why training lives
 outside `m31.model`.
 """
@@ -65,14 +65,24 @@ def requests_for(
 def _validate(
     model, feats: Features, catalog: Catalog, cfg: ModelConfig, exclude_seen: bool
 ) -> dict:
+    """HR@10 and HR@50 on `cfg.val_requests` validation requests: over the whole corpus, or for
+    a ranking model with a base, over the base's top `cfg.ranking_hard_pool` ads it re-ranks
+    (where it is used; also a small fraction of the pairs of the whole corpus)."""
     fn = ScoreFunction(model, feats, catalog)
+    base = getattr(model, "base", None)
+    if base is None:
+        fns, rerank = {"model": fn}, None
+    else:
+        fns = {"base": ScoreFunction(base, feats, catalog)}
+        rerank = {"model": ("base", fn.rank, cfg.ranking_hard_pool)}
     res = evaluate(
-        {"model": fn},
+        fns,
         feats,
         split="val",
         ks=(10, 50),
         max_users=cfg.val_requests,
         exclude_seen=exclude_seen,
+        rerank=rerank,
     )
     return res["model"]
 
