@@ -95,7 +95,8 @@ def run_engine(
     """One row per table dtype and batch size B: the median time of `Retriever.retrieve` on B
     random requests for K ads each, and the medians of the engine's own encode, mask and
     score·top-K times. Every dtype's index holds the same ads and answers the same requests."""
-    from m31.engine import Retriever
+    from m31.data.schema import PLATFORMS, SURFACES
+    from m31.engine import AdRequest, Retriever
     from m31.features import FeatureConfig, build_features
     from m31.index.ad_index import _DTYPES
     from m31.model import build_model, model_preset, vocab_sizes
@@ -109,9 +110,9 @@ def run_engine(
     cfg = model_preset(model, "moe")
     net = build_model(cfg, vocab_sizes(feats), feats.text_emb.shape[1], feats.cooc_emb.shape[1])
     log(f"engine: tiny world and features in {time.perf_counter() - start:.1f} s")
-    # The bf16 table (int8: less); the arrow table the attributes come from, their encoding and the frozen
-    # view's copy of it (about 850 bytes per ad together: the process peaked at 11.7 GB with
-    # N = 10 M, B = 64 on CPU); a [B, N] bool mask per call and its copy for a retry.
+    # The bf16 table (int8: less); the arrow table the attributes come from, their encoding and
+    # the frozen view's copy of it (about 850 bytes per ad together: the process peaked at
+    # 11.7 GB with N = 10 M, B = 64 on CPU); a [B, N] bool mask per call and its copy for a retry.
     unknown = [d for d in dtypes if d not in _DTYPES]
     if unknown:
         raise ValueError(f"table dtype {unknown[0]!r} is not one of {', '.join(_DTYPES)}")
@@ -130,60 +131,48 @@ def run_engine(
         engine = Retriever(net, feats, index, ds.users)
         rng = np.random.default_rng(seed)  # the same requests for every dtype
         for b in batches:
-            args = (engine, dtype, build_s, b, k, user_ids, ts, cfg, model, device)
-            rows.append(_time_engine(*args, repeat, budget_s, rng, log))
+            requests = [
+                AdRequest(
+                    user_id=int(rng.choice(user_ids)),
+                    ts=ts,
+                    surface=SURFACES[rng.integers(len(SURFACES))],
+                    platform=PLATFORMS[rng.integers(len(PLATFORMS))],
+                )
+                for _ in range(b)
+            ]
+            parts: list[dict[str, float]] = []  # the engine's own breakdown of every call
+
+            def call(engine=engine, requests=requests, parts=parts):
+                res = engine.retrieve(requests, k)
+                parts.append(res.timings_ms)
+                return res
+
+            t, reps, _ = time_call(call, device, repeat, budget_s)
+            part = {p: statistics.median(c[p] for c in parts[1:]) for p in parts[0]}  # no warm-up
+            row = EngineTiming(
+                device=device_name(device),
+                dtype=dtype,
+                n=n,
+                b=b,
+                k=k,
+                model=model,
+                e=cfg.n_experts,
+                g=cfg.gate_dim,
+                d=cfg.value_dim,
+                median_ms=1e3 * t,
+                repeats=reps,
+                ads_per_s=n / t,
+                pairs_per_s=b * n / t,
+                encode_ms=part["encode"],
+                mask_ms=part["mask"],
+                score_topk_ms=part["score_topk"],
+                index_build_s=build_s,
+            )
+            rows.append(row)
+            log(
+                f"engine {dtype} B = {b}: {row.median_ms:.1f} ms, {fmt_rate(row.pairs_per_s)} "
+                f"ads scored/s (encode {row.encode_ms:.1f}, masks {row.mask_ms:.1f}, "
+                f"score·top-K {row.score_topk_ms:.1f} ms)"
+            )
         del engine, index
     return rows
-
-
-def _time_engine(
-    engine, dtype, build_s, b, k, user_ids, ts, cfg, model, device, repeat, budget_s, rng, log
-) -> EngineTiming:
-    """One row of `run_engine`: B = b random requests drawn with rng, timed."""
-    from m31.data.schema import PLATFORMS, SURFACES
-    from m31.engine import AdRequest
-
-    n = len(engine.index)
-    requests = [
-        AdRequest(
-            user_id=int(rng.choice(user_ids)),
-            ts=ts,
-            surface=SURFACES[rng.integers(len(SURFACES))],
-            platform=PLATFORMS[rng.integers(len(PLATFORMS))],
-        )
-        for _ in range(b)
-    ]
-    parts: list[dict[str, float]] = []  # the engine's own breakdown of every call
-
-    def call():
-        res = engine.retrieve(requests, k)
-        parts.append(res.timings_ms)
-        return res
-
-    t, reps, _ = time_call(call, device, repeat, budget_s)
-    part = {p: statistics.median(c[p] for c in parts[1:]) for p in parts[0]}  # no warm-up
-    row = EngineTiming(
-        device=device_name(device),
-        dtype=dtype,
-        n=n,
-        b=b,
-        k=k,
-        model=model,
-        e=cfg.n_experts,
-        g=cfg.gate_dim,
-        d=cfg.value_dim,
-        median_ms=1e3 * t,
-        repeats=reps,
-        ads_per_s=n / t,
-        pairs_per_s=b * n / t,
-        encode_ms=part["encode"],
-        mask_ms=part["mask"],
-        score_topk_ms=part["score_topk"],
-        index_build_s=build_s,
-    )
-    log(
-        f"engine {dtype} B = {b}: {row.median_ms:.1f} ms, {fmt_rate(row.pairs_per_s)} ads "
-        f"scored/s (encode {row.encode_ms:.1f}, masks {row.mask_ms:.1f}, score·top-K "
-        f"{row.score_topk_ms:.1f} ms)"
-    )
-    return row

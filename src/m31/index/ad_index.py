@@ -332,8 +332,8 @@ class AdIndex:
         self._live = torch.zeros(capacity, dtype=torch.bool, device=self.device)  # [cap]
         self._attrs = AttributeTable(self._schema, self.device, capacity)
         self._bitmaps = Eligibility(self.device, capacity)  # follows _live and _attrs
-        self._frozen: AdIndex | None = None  # copy of the last version `frozen_view` saw
-        self._view: IndexView | None = None  # of a frozen copy: the view `frozen_view` returns
+        # the view `frozen_view` returned for the last version it saw (over a frozen copy)
+        self._frozen: IndexView | None = None
 
     # ---- reading -------------------------------------------------------------------------
 
@@ -414,8 +414,8 @@ class AdIndex:
         per table (the cpu kernel's row norms) is found again rather than recomputed per call.
         """
         with self._lock:
-            frozen = self._frozen
-            if frozen is None or frozen._version != self._version:
+            view = self._frozen
+            if view is None or view.version != self._version:
                 n = self._n
                 frozen = copy.copy(self)  # shares the write-once table
                 frozen._lock = threading.RLock()
@@ -426,11 +426,9 @@ class AdIndex:
                 frozen._rows = None  # the live map moves on; masks read `_row_ids` instead
                 frozen._frozen = None
                 g, x, b, row_ids, version = frozen.table()
-                frozen._view = IndexView(
-                    g, x, b, row_ids, version, frozen._attrs, frozen, frozen._scales()
-                )
-                self._frozen = frozen
-            return frozen._view
+                view = IndexView(g, x, b, row_ids, version, frozen._attrs, frozen, frozen._scales())
+                self._frozen = view
+            return view
 
     def eligible_mask(
         self, request: RequestContext, filter_fn: CompiledFilter | Mapping | None = None
@@ -544,8 +542,9 @@ class AdIndex:
 
     def check_upsert(self, ad_ids: Any, g: Any, x: Any, b: Any, attributes: Any) -> CheckedUpsert:
         """Validate the ads of an upsert on their own: ids [n], g [n, G], x [n, D], b [n] (cast
-        to the table dtype; float32 for an 8-bit table, which quantizes them on apply) and attributes (dicts or an arrow table). `check_vocabulary` then
-        checks the attributes against the index."""
+        to the table dtype; float32 for an 8-bit table, which quantizes them on apply) and
+        attributes (dicts or an arrow table). `check_vocabulary` then checks the attributes
+        against the index."""
         ids = _ids(ad_ids)
         n = len(ids)
         _no_duplicates(ids, "upsert")
