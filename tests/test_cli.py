@@ -318,6 +318,21 @@ def test_train_eval_simulate_end_to_end(tmp_path):
         "sequence": 2, "cohort": 0, "semantic": 0, "coengagement": 0,
     }  # fmt: skip
     assert (blob["config"]["max_len"], blob["config"]["lr"]) == (13, 0.004)
+    # Another: no per-ad routing (G = 0); such a moe indexes like any other.
+    code, out = run(
+        "train", "--model", "moe", "--data", str(data), "--out", str(tmp_path / "g0.pt"),
+        "--preset", "tiny", "--epochs", "1", "--gate-dim", "0",
+    )  # fmt: skip
+    assert code == 0, out
+    blob = torch.load(tmp_path / "g0.pt", map_location="cpu", weights_only=False)
+    assert blob["config"]["gate_dim"] == 0
+    code, out = run(
+        "index", "build", "--data", str(data), "--model", str(tmp_path / "g0.pt"),
+        "--out", str(tmp_path / "index-g0"),
+    )  # fmt: skip
+    assert code == 0, out
+    index_g0 = AdIndex.load(tmp_path / "index-g0")
+    assert index_g0.get(int(index_g0.ids()[0])).g.shape == (0,)
 
     # The ranking model with hard negatives from the moe's top ads.
     code, out = run(
@@ -344,6 +359,7 @@ def test_train_eval_simulate_end_to_end(tmp_path):
     assert [h["epoch"] for h in blob["history"]] == [0, 1]
     for args, message in (
         (["--model", "moe", "--base", str(tmp_path / "moe.pt")], "takes a base"),
+        (["--model", "two-tower", "--gate-dim", "0"], "the moe has a gate"),
         (["--model", "ranking", "--base", str(tmp_path / "ranking.pt")], "--base: "),
         (["--model", "ranking", "--base", str(tmp_path / "nope.pt")], "no such"),
         (["--model", "moe", "--hard-negatives", str(tmp_path / "moe.pt")], "trains the ranking"),
@@ -382,6 +398,8 @@ def test_train_eval_simulate_end_to_end(tmp_path):
         ("--lr", "0", "lr must be a positive finite number"),
         ("--lr", "nan", "lr must be a positive finite number"),
         ("--lr", "fast", "--lr"),
+        ("--gate-dim", "-1", "--gate-dim must be >= 0"),
+        ("--gate-dim", "wide", "--gate-dim"),
     ):
         code, out = run(
             "train", "--model", "moe", "--data", str(data), "--out", str(tmp_path / "bad.pt"),

@@ -422,6 +422,8 @@ def test_bad_model_config():
         ModelConfig(kind="gbdt")
     with pytest.raises(ValueError, match="unknown expert families"):
         ModelConfig(experts={"sequence": 2, "vibes": 1})
+    with pytest.raises(ValueError, match="gate_dim must be >= 0"):
+        ModelConfig(gate_dim=-1)
     with pytest.raises(ValueError, match="unknown model preset"):
         model_preset("huge", "moe")
     with pytest.raises(ValueError, match="RetrievalModel is moe or two-tower"):

@@ -242,6 +242,13 @@ def train_cmd(
             "families not named keep the preset's."
         ),
     ] = None,
+    gate_dim: Annotated[
+        int | None,
+        typer.Option(
+            help="moe only: override the gate-key width G; 0 routes every ad of a request with "
+            "the same expert weights (no per-ad routing)."
+        ),
+    ] = None,
     hard_negatives: Annotated[
         Path | None,
         typer.Option(
@@ -288,6 +295,12 @@ def train_cmd(
         cfg = cfg.with_overrides(ranking_hard=hard, ranking_hard_pool=hard_pool)
     if experts is not None:
         cfg = cfg.with_overrides(experts={**cfg.experts, **_expert_slots(experts)})
+    if gate_dim is not None:
+        if model != "moe":
+            _fail(f"--gate-dim: the moe has a gate, not {model!r}")
+        if gate_dim < 0:
+            _fail(f"--gate-dim must be >= 0, got {gate_dim}")
+        cfg = cfg.with_overrides(gate_dim=gate_dim)
     if base is not None and model != "ranking":
         _fail(f"--base: the ranking model takes a base, not {model!r}")
     bar, callback = progress_bar()

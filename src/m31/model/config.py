@@ -17,7 +17,8 @@ class ModelConfig:
     experts: dict[str, int] = field(
         default_factory=lambda: {"sequence": 3, "cohort": 1, "semantic": 2, "coengagement": 2}
     )
-    gate_dim: int = 64  # G
+    # G; 0 leaves the gate without ad keys: softmax(p), the same expert weights for every ad
+    gate_dim: int = 64
     value_dim: int = 64  # D
     hidden: int = 64  # width of embeddings and tower trunks
     max_len: int = 20  # engagement-sequence length
@@ -58,6 +59,8 @@ class ModelConfig:
         for name in ("hidden", "value_dim", "max_len", "batch_size", "epochs"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.gate_dim < 0:
+            raise ValueError(f"gate_dim must be >= 0 (0: no per-ad routing), got {self.gate_dim}")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"lr must be a positive finite number, got {self.lr}")
         if self.ranking_hard < 0 or self.ranking_hard_pool < 1:
