@@ -239,10 +239,15 @@ def test_train_eval_simulate_end_to_end(tmp_path):
         "ablate", "--data", str(data), "--model", str(tmp_path / "moe.pt"),
         f"--reference=two-tower={tmp_path / 'two-tower*.pt'}", "--max-users", "60",
         "--plot", str(tmp_path / "ablation.png"), "--json", str(tmp_path / "a.json"),
+        f"--retrained=again={tmp_path / 'moe.pt'}", "--metric", "hr@100",
     )  # fmt: skip
     assert code == 0, out
     doc = json.loads((tmp_path / "a.json").read_text())
-    assert doc["requests"] == 60 and doc["seeds"] == 1 and doc["metric"] == "hr@10"
+    # a "retrained" checkpoint that is the full model itself: the same figure, request by request
+    again = doc["variants"]["again"]
+    assert again["retrained"] and not doc["variants"]["full"]["retrained"]
+    assert again["mean"] == doc["variants"]["full"]["mean"] > 0 and again["vs_full"]["ratio"] == 1
+    assert doc["requests"] == 60 and doc["seeds"] == 1 and doc["metric"] == "hr@100"
     assert {"full", "uniform gate", "without cohort", "only semantic", "two-tower"} <= set(
         doc["variants"]
     )
@@ -251,6 +256,18 @@ def test_train_eval_simulate_end_to_end(tmp_path):
     assert (tmp_path / "ablation.png").read_bytes()[:4] == b"\x89PNG"
     code, out = run("ablate", "--data", str(data), "--model", str(tmp_path / "two-tower.pt"))
     assert code == 2 and "not a moe" in out
+    moe = ["ablate", "--data", str(data), "--model", str(tmp_path / "moe.pt")]
+    for args, message in (
+        ([f"--retrained=tt={tmp_path / 'two-tower.pt'}"], "is a two-tower checkpoint"),
+        ([f"--retrained=full={tmp_path / 'moe.pt'}"], "the name 'full' is taken"),
+        ([f"--retrained={tmp_path / 'moe.pt'}"], "--retrained: give NAME=CHECKPOINT"),
+        (
+            [f"--retrained=x={tmp_path / 'moe.pt'}", f"--reference=x={tmp_path / 'moe.pt'}"],
+            "the name 'x' is taken",
+        ),
+    ):
+        code, out = run(*moe, *args, "--max-users", "9")
+        assert code == 2 and message in out, (args, out)
     code, out = run(
         "ablate", "--data", str(data), "--model", str(tmp_path / "moe.pt"), "--metric", "auc"
     )

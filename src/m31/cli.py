@@ -364,6 +364,16 @@ def _expert_slots(text: str) -> dict[str, int]:
     return out
 
 
+def _grouped_runs(values: list[str] | None, option: str) -> dict[str, list[Path]]:
+    """NAME=PATH options (PATH a glob, a NAME repeatable) grouped by name; names required."""
+    out: dict[str, list[Path]] = {}
+    for name, path in _named_runs(values or [], option):
+        if not name:
+            _fail(f"{option}: give NAME=CHECKPOINT")
+        out.setdefault(name, []).append(path)
+    return out
+
+
 def _named_runs(values: list[str], option: str) -> list[tuple[str, Path]]:
     """NAME=PATH pairs, a name repeated for several training seeds; PATH may be a glob (sorted).
     A bare path is named by its checkpoint's model kind when loaded ("")."""
@@ -599,6 +609,13 @@ def ablate_cmd(
         list[str] | None,
         typer.Option(help="NAME=CHECKPOINT (or glob) of a model drawn beside, e.g. two-tower."),
     ] = None,
+    retrained: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="NAME=CHECKPOINT (or glob): a moe retrained as a variant (m31 train --experts, "
+            "--gate-dim), compared with the full model like the others."
+        ),
+    ] = None,
     split: SplitOption = "leave-last-out",
     metric: Annotated[str, typer.Option(help="hr@K or ndcg@K.")] = "hr@10",
     max_users: MaxUsersOption = None,
@@ -612,6 +629,7 @@ def ablate_cmd(
     Every variant rewrites the trained model's query (uniform gate; a family's slots removed;
     one family alone) and is scored over the full corpus on the same test requests as the model
     itself; each is compared with the full model request by request (95% percentile bootstrap).
+    Models retrained without a part (--retrained) are compared the same way.
     """
     import numpy as np
 
@@ -626,19 +644,19 @@ def ablate_cmd(
     if kind not in ("hr", "ndcg") or not cutoff.isdigit() or int(cutoff) <= 0:
         _fail(f"--metric: expected hr@K or ndcg@K, got {metric!r}")
     moes = [path for _, path in _named_runs(model, "--model")]
-    refs = _named_runs(reference or [], "--reference")
-    if any(not name for name, _ in refs):
-        _fail("--reference: give NAME=CHECKPOINT")
+    by_ref = _grouped_runs(reference, "--reference")
+    by_retrained = _grouped_runs(retrained, "--retrained")
+    clash = (set(by_ref) & set(by_retrained)) | ((set(by_ref) | set(by_retrained)) & {"full"})
+    if clash:
+        _fail(f"--reference/--retrained: the name {sorted(clash)[0]!r} is taken")
     feats = features_for(data, split)
     if exclude_seen is None:
         exclude_seen = feats.meta.get("source") == "movielens"
     catalog = Catalog.from_features(feats).to(device)
-    by_ref: dict[str, list[Path]] = {}
-    for name, path in refs:
-        by_ref.setdefault(name, []).append(path)
     per_seed: dict[str, list[dict]] = {}
     ranks: dict[str, list[np.ndarray]] = {}
-    for s in range(max([len(moes), *(len(p) for p in by_ref.values())])):
+    others = {**by_retrained, **by_ref}
+    for s in range(max([len(moes), *(len(p) for p in others.values())])):
         fns = {}
         if s < len(moes):
             m, blob = load_checkpoint(moes[s], feats, device=device)
@@ -646,11 +664,12 @@ def ablate_cmd(
                 _fail(f"--model: {moes[s]} is a {blob['config']['kind']} checkpoint, not a moe")
             for name, query_map in ablations(m.cfg).items():
                 fns[name] = ScoreFunction(m, feats, catalog, query_map=query_map)
-        for name, paths in by_ref.items():
+        for name, paths in others.items():
             if s < len(paths):
-                fns[name] = ScoreFunction(
-                    load_checkpoint(paths[s], feats, device=device)[0], feats, catalog
-                )
+                m, blob = load_checkpoint(paths[s], feats, device=device)
+                if name in by_retrained and blob["config"]["kind"] != "moe":
+                    _fail(f"--retrained: {paths[s]} is a {blob['config']['kind']} checkpoint")
+                fns[name] = ScoreFunction(m, feats, catalog)
         bar, callback = progress_bar()
         with bar:
             metrics, r = evaluate(
@@ -680,6 +699,8 @@ def ablate_cmd(
         line = f"  {name:<24} {summary.mean:.4f}"
         line += "" if np.isnan(summary.std) else f" ± {summary.std:.4f}"
         rows[name] = {"mean": summary.mean, "std": None if np.isnan(summary.std) else summary.std}
+        rows[name]["seeds"] = len(per_seed[name])
+        rows[name]["retrained"] = name in by_retrained
         if name != "full":
             c = paired_comparison(per_request(np.stack(ranks[name]), metric), full)
             rows[name]["vs_full"] = c.as_dict()
@@ -694,6 +715,7 @@ def ablate_cmd(
             {name: summaries[name].mean for name in by_ref},
             metric,
             plot,
+            retrained=set(by_retrained),
         )
         typer.echo(f"wrote {plot}")
 

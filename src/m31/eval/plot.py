@@ -46,12 +46,15 @@ def plot_ablation(
     references: dict[str, float],
     metric: str,
     path: Path | str,
+    retrained: set[str] = frozenset(),
 ) -> Path:
     """PNG of one metric by ablation variant: horizontal bars of mean ± std over training seeds
-    (std NaN: no error bar), and a dashed line per reference model (its mean); returns the path."""
+    (std NaN: no error bar), those of models retrained as the variant (`retrained`) in their own
+    colour, and a dashed line per reference model (its mean); returns the path."""
     import math
 
     from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
 
     if not variants:
         raise ValueError("no variants to plot")
@@ -60,15 +63,22 @@ def plot_ablation(
     errors = [0.0 if math.isnan(variants[n][1]) else variants[n][1] for n in names]
     fig = Figure(figsize=(6.5, 0.45 * len(names) + 1.4), dpi=120)
     ax = fig.add_subplot()
-    ax.barh(range(len(names)), means, xerr=errors, color="#4c72b0", capsize=3)
+    colours = ["#dd8452" if n in retrained else "#4c72b0" for n in names]
+    ax.barh(range(len(names)), means, xerr=errors, color=colours, capsize=3)
     ax.set_yticks(range(len(names)), names)
     ax.invert_yaxis()  # the full model on top
     for i, (name, value) in enumerate(references.items()):
         ax.axvline(value, color=f"C{i + 1}", linestyle="--", label=name)
     ax.set_xlabel(metric)
     ax.grid(True, axis="x", alpha=0.3)
-    if references:
-        ax.legend(loc="lower right")
+    handles = ax.get_legend_handles_labels()[0]
+    if retrained & set(names):
+        handles += [
+            Patch(color="#4c72b0", label="the trained moe, rewritten"),
+            Patch(color="#dd8452", label="retrained"),
+        ]
+    if handles:
+        ax.legend(handles=handles, loc="lower right")
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, format="png")
