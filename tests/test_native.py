@@ -2,7 +2,8 @@
 
 The helpers must return the torch path's values bit for bit (the bounds of cpu_score_topk are
 proved for those): step 1's survivors and affinities, step 2's kept pairs and bounds, compared
-here block by block on odd sizes and every mask kind, for the AVX-512 build and the plain one.
+here block by block on odd sizes and every mask kind, for this CPU's build (AVX-512 or AVX2 loops)
+and the plain one.
 Then the loader: the cache, the switch, and what happens without a compiler or with a broken one.
 """
 
@@ -61,6 +62,10 @@ CASES = [  # n_req, n_ads, n_exp, gdim, ddim, mask
     (4, 200, 1, 1, 1, "packed"),
     (2, 333, 6, 200, 580, "packed"),  # D past the registers: plain loops inside the AVX build
     (64, 67, 8, 16, 16, "per-request"),
+    # AVX2 takes rows of a multiple of 16 values, up to 192, eight experts at a time
+    (3, 130, 12, 48, 32, "shared"),  # E = 8 + 4: the second round repeats its last expert
+    (2, 200, 3, 32, 48, "per-request"),
+    (2, 101, 8, 192, 208, "none"),  # G in registers, D past them
 ]
 
 
@@ -124,7 +129,7 @@ def test_every_way_gives_the_definition_on_large_logits():
 
 
 def test_the_builds_and_the_switch(monkeypatch):
-    assert native.library().m31_simd() in (b"avx512", b"plain")
+    assert native.library().m31_simd() in (b"avx512", b"avx2", b"plain")
     with native.use("plain"):
         assert native.library().m31_simd() == b"plain"
     with native.use("off"):
