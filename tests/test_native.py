@@ -25,6 +25,7 @@ from m31.ops.cpu_score_topk import (
     _Worker,
     cpu_score_topk_int8,
 )
+from m31.ops.masks import pack
 
 pytestmark = [
     needs_exact_int8,
@@ -36,9 +37,12 @@ def setup_block(n_req, n_ads, n_exp, gdim, ddim, mask_kind, way, seed):
     """(worker, plan) over one block of all n_ads, τ of each request at a random level near the
     scores' middle (they are of unit size), so that some pairs pass step 1 and some do not."""
     query, table, _ = int8_problem(n_req, n_ads, n_exp, gdim, ddim, seed=seed)
-    mask = make_mask("per-request" if mask_kind == "packed" else mask_kind, n_req, n_ads, seed)
+    kind = {"packed": "per-request", "packed-shared": "shared"}.get(mask_kind, mask_kind)
+    mask = make_mask(kind, n_req, n_ads, seed)
     if mask_kind == "packed":
         mask = PackedMask.of(mask)
+    elif mask_kind == "packed-shared":  # one bitmap for every request
+        mask = PackedMask(pack(mask[None]), torch.zeros(n_req, dtype=torch.int64), n_ads)
     plan = _plan_int8(*query, 5)
     stats = _table_stats(table.g, table.x, table.b, table.g_scale, table.x_scale)
     shared = _Threshold(n_req, 1, plan.u_scan)
@@ -66,6 +70,12 @@ CASES = [  # n_req, n_ads, n_exp, gdim, ddim, mask
     (3, 130, 12, 48, 32, "shared"),  # E = 8 + 4: the second round repeats its last expert
     (2, 200, 3, 32, 48, "per-request"),
     (2, 101, 8, 192, 208, "none"),  # G in registers, D past them
+    # AVX2, from 4 requests that share their eligible ads: the tiled scan (ads in the lanes)
+    (4, 1000, 8, 64, 64, "shared"),
+    (64, 301, 8, 64, 64, "packed-shared"),
+    (5, 259, 9, 16, 32, "none"),  # E = 4 + 4 + 1, 259 ads: tiles of every fill
+    (6, 150, 3, 8, 192, "shared"),  # E = 3: one expert at a time; the longest tiled row
+    (4, 90, 2, 8, 208, "packed-shared"),  # D past the tiled rows: the per-pair scan
 ]
 
 
@@ -81,9 +91,8 @@ def test_step_1_is_the_torch_ops_bit_for_bit(n_req, n_ads, n_exp, gdim, ddim, ma
     want_req, want_row, _, want_aff, _ = plain.pending[0]
     got_req, got_row, _, got_aff, _ = compiled.pending[0]
     assert 0 < len(want_req) < n_req * n_ads  # τ filters some pairs, not all
-    want = by_pair(want_req, want_row, want_aff, n_ads=n_ads)
-    got = by_pair(got_req, got_row, got_aff, n_ads=n_ads)
-    for w, g in zip(want, got, strict=True):
+    # the same pairs in the same order (by request, then ad), with the same affinities
+    for w, g in zip((want_req, want_row, want_aff), (got_req, got_row, got_aff), strict=True):
         assert torch.equal(w, g)
 
 

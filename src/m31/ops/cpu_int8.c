@@ -15,10 +15,13 @@
  * int32 exactly. With AVX-512 the products run as int16 multiply-adds (vpdpwssd with VNNI), four
  * experts at a time, lane sums by a shuffle tree; with AVX2 as vpmaddwd, eight experts at a time,
  * lane sums by horizontal adds; elsewhere (or built with -DM31_PLAIN) as plain loops, which the
- * compiler vectorizes less well (on Zen 3, 1.3-1.4x slower than the AVX2 path).
+ * compiler vectorizes less well (on Zen 3, 1.3-1.4x slower than the AVX2 path). On AVX2, step 1
+ * of two or more requests with the same eligible ads runs with the ads in the lanes instead
+ * (`scan_tiled`): no lane sums at all.
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -198,6 +201,9 @@ INLINE int32_t products(const int16_t *w, const row_t *row, int64_t n_exp, int64
 const char *m31_simd(void) { return M31_SIMD; }
 
 #define SCAN_AHEAD 64 /* ads */
+#ifndef TILED_MIN_REQUESTS
+#define TILED_MIN_REQUESTS 2 /* the tiled scan's gather pays off from this many requests on */
+#endif
 
 /* Bit i of the result: whether request r may take ad a0 + i (block-local), i < count <= 64,
  * under the mask of the call. mode 0: no mask. 1: bool bytes, request r's row at
@@ -290,11 +296,258 @@ INLINE int64_t scan(const int8_t *x, const float *x_scale, const float *offset, 
  * x [n, d] int8, x_scale [n], offset [n] (`_affinity_offset`), w [B, E, d] int16,
  * v_scale [B], tau [B] (`_Threshold.for_scan`). cap >= B·n. Returns S; the pairs come by
  * request, then ad. */
+#if defined(__AVX2__) && !defined(__AVX512F__) && !defined(M31_PLAIN)
+#define TILED 1
+#define TILE_DIM 192 /* the longest row the tiled scan takes (a multiple of 16) */
+#define TILE 64 /* ads in a tile: the eligible ones of 64 */
+
+/* Whether every request of the call has the same eligible ads: no mask, one bool row for all,
+ * or one packed bitmap for all. */
+static int shared_mask(int64_t mode, int64_t stride, const int64_t *index, int64_t n_req) {
+    if (mode == 0) return 1;
+    if (mode == 1) return stride == 0;
+    for (int64_t r = 1; r < n_req; r++)
+        if (index[r] != index[0]) return 0;
+    return 1;
+}
+
+/* The products of 8 tile slots with 4 experts into out [4 experts][8 slots]: wb [4, pairs] the
+ * experts' value pairs w[2j], w[2j + 1], each as one int32 in every lane (`broadcast_pairs`).
+ * Four named accumulators: with eight, GCC 12 spills one and the loop waits on the store. */
+INLINE void dots4(const int32_t *tile, const __m256i *wb, int64_t pairs, int32_t *out) {
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+#pragma GCC unroll 2
+    for (int64_t j = 0; j < pairs; j++) {
+        const __m256i xj = _mm256_load_si256((const __m256i *)(tile + j * TILE));
+        a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(xj, _mm256_load_si256(wb + j)));
+        a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(xj, _mm256_load_si256(wb + pairs + j)));
+        a2 = _mm256_add_epi32(a2, _mm256_madd_epi16(xj, _mm256_load_si256(wb + 2 * pairs + j)));
+        a3 = _mm256_add_epi32(a3, _mm256_madd_epi16(xj, _mm256_load_si256(wb + 3 * pairs + j)));
+    }
+    _mm256_store_si256((__m256i *)out, a0);
+    _mm256_store_si256((__m256i *)(out + 8), a1);
+    _mm256_store_si256((__m256i *)(out + 16), a2);
+    _mm256_store_si256((__m256i *)(out + 24), a3);
+}
+
+/* `dots4` for 16 slots, each expert's pair loaded once for both halves: slots 0-7 into out0
+ * [4][8], slots 8-15 into out1. */
+INLINE void dots4x2(const int32_t *tile, const __m256i *wb, int64_t pairs, int32_t *out0,
+                    int32_t *out1) {
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+    __m256i b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+#pragma GCC unroll 2
+    for (int64_t j = 0; j < pairs; j++) {
+        const __m256i x0 = _mm256_load_si256((const __m256i *)(tile + j * TILE));
+        const __m256i x1 = _mm256_load_si256((const __m256i *)(tile + j * TILE + 8));
+        __m256i w = _mm256_load_si256(wb + j);
+        a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(x0, w));
+        b0 = _mm256_add_epi32(b0, _mm256_madd_epi16(x1, w));
+        w = _mm256_load_si256(wb + pairs + j);
+        a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(x0, w));
+        b1 = _mm256_add_epi32(b1, _mm256_madd_epi16(x1, w));
+        w = _mm256_load_si256(wb + 2 * pairs + j);
+        a2 = _mm256_add_epi32(a2, _mm256_madd_epi16(x0, w));
+        b2 = _mm256_add_epi32(b2, _mm256_madd_epi16(x1, w));
+        w = _mm256_load_si256(wb + 3 * pairs + j);
+        a3 = _mm256_add_epi32(a3, _mm256_madd_epi16(x0, w));
+        b3 = _mm256_add_epi32(b3, _mm256_madd_epi16(x1, w));
+    }
+    _mm256_store_si256((__m256i *)out0, a0);
+    _mm256_store_si256((__m256i *)(out0 + 8), a1);
+    _mm256_store_si256((__m256i *)(out0 + 16), a2);
+    _mm256_store_si256((__m256i *)(out0 + 24), a3);
+    _mm256_store_si256((__m256i *)out1, b0);
+    _mm256_store_si256((__m256i *)(out1 + 8), b1);
+    _mm256_store_si256((__m256i *)(out1 + 16), b2);
+    _mm256_store_si256((__m256i *)(out1 + 24), b3);
+}
+
+/* The same for one expert (the last ones of an E that is not a multiple of 4). */
+INLINE void dots1(const int32_t *tile, const __m256i *wb, int64_t pairs, int32_t *out) {
+    __m256i acc = _mm256_setzero_si256();
+    for (int64_t j = 0; j < pairs; j++)
+        acc = _mm256_add_epi32(
+            acc, _mm256_madd_epi16(_mm256_load_si256((const __m256i *)(tile + j * TILE)),
+                                   _mm256_load_si256(wb + j)));
+    _mm256_store_si256((__m256i *)out, acc);
+}
+
+/* wb [rows, pairs]: row k's values 2j and 2j + 1 of w [rows, d] as one int32 in every lane. */
+static void broadcast_pairs(const int16_t *w, int64_t rows, int64_t d, __m256i *wb) {
+    const int64_t pairs = d / 2;
+    for (int64_t k = 0; k < rows; k++)
+        for (int64_t j = 0; j < pairs; j++) {
+            int32_t both;
+            __builtin_memcpy(&both, w + k * d + 2 * j, sizeof both);
+            wb[k * pairs + j] = _mm256_set1_epi32(both);
+        }
+}
+
+/* Slots s..s+7 of the tile from the rows of ads[0..8) (-1: a zero row), by pairs of values:
+ * each row's 16 values at a time as int16 (eight pairs, as int32), then an 8 x 8 transpose. */
+INLINE void gather8(const int8_t *x, int64_t d, const int64_t *ads, int32_t *tile) {
+    static const int8_t zeros[TILE_DIM] = {0};
+    const int8_t *rows[8];
+    for (int k = 0; k < 8; k++) rows[k] = ads[k] < 0 ? zeros : x + ads[k] * d;
+    for (int64_t c = 0; c < d / 16; c++) {
+        __m256i v[8];
+        for (int k = 0; k < 8; k++)
+            v[k] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(rows[k] + 16 * c)));
+        /* 8 x 8 int32 transpose: the tile's row 8c + j gets pair 8c + j of the 8 rows */
+        const __m256i u0 = _mm256_unpacklo_epi32(v[0], v[1]);
+        const __m256i u1 = _mm256_unpackhi_epi32(v[0], v[1]);
+        const __m256i u2 = _mm256_unpacklo_epi32(v[2], v[3]);
+        const __m256i u3 = _mm256_unpackhi_epi32(v[2], v[3]);
+        const __m256i u4 = _mm256_unpacklo_epi32(v[4], v[5]);
+        const __m256i u5 = _mm256_unpackhi_epi32(v[4], v[5]);
+        const __m256i u6 = _mm256_unpacklo_epi32(v[6], v[7]);
+        const __m256i u7 = _mm256_unpackhi_epi32(v[6], v[7]);
+        const __m256i w0 = _mm256_unpacklo_epi64(u0, u2), w1 = _mm256_unpackhi_epi64(u0, u2);
+        const __m256i w2 = _mm256_unpacklo_epi64(u1, u3), w3 = _mm256_unpackhi_epi64(u1, u3);
+        const __m256i w4 = _mm256_unpacklo_epi64(u4, u6), w5 = _mm256_unpackhi_epi64(u4, u6);
+        const __m256i w6 = _mm256_unpacklo_epi64(u5, u7), w7 = _mm256_unpackhi_epi64(u5, u7);
+        int32_t *out = tile + 8 * c * TILE;
+#define PUT(j, lo, hi, sel) \
+    _mm256_store_si256((__m256i *)(out + (j) * TILE), _mm256_permute2x128_si256(lo, hi, sel))
+        PUT(0, w0, w4, 0x20), PUT(1, w1, w5, 0x20), PUT(2, w2, w6, 0x20), PUT(3, w3, w7, 0x20);
+        PUT(4, w0, w4, 0x31), PUT(5, w1, w5, 0x31), PUT(6, w2, w6, 0x31), PUT(7, w3, w7, 0x31);
+#undef PUT
+    }
+}
+
+/* `scan` with the ads in the lanes, for requests that share their eligible ads (`shared_mask`).
+ * The eligible ads of each 64 are gathered once, for all requests, into a tile that holds them
+ * by pairs of values: tile[j·TILE + slot] = x[ad, 2j] and x[ad, 2j + 1] as two int16. Each
+ * request's products for 8 ads and one expert are then one vpmaddwd per pair of values (the 8
+ * slots against the expert's pair in every lane, `broadcast_pairs`) with no lane sums, where
+ * `products` needs a shuffle tree per ad. The sums are exact int32 in any order, so the values
+ * are `scan`'s. Survivors go to their request's region of the outputs (request r from r·n) and
+ * are packed by request at the end: the same order as `scan` (by request, then ad). d is a
+ * multiple of 16, at most TILE_DIM. Returns -1 without memory for the broadcasts. */
+INLINE int64_t scan_tiled(const int8_t *x, const float *x_scale, const float *offset, int64_t n,
+                          int64_t d, const int16_t *w, const float *v_scale, const float *tau,
+                          int64_t n_req, int64_t n_exp, int64_t mask_mode, const uint8_t *mask,
+                          int64_t mask_stride, const int64_t *mask_index, int64_t mask_offset,
+                          int64_t *out_req, int64_t *out_ad, float *out_aff, int64_t cap) {
+    const int64_t pairs = d / 2;
+    __m256i *wb = aligned_alloc(32, (size_t)(n_req * n_exp * pairs) * sizeof(__m256i));
+    if (!wb) return -1;
+    broadcast_pairs(w, n_req * n_exp, d, wb);
+    int32_t tile[TILE_DIM / 2 * TILE] __attribute__((aligned(32)));
+    int32_t sums[2 * n_exp * 8] __attribute__((aligned(32)));
+    float xs[64] __attribute__((aligned(32))), off[64] __attribute__((aligned(32)));
+    int64_t ads[64], kept[n_req];
+    for (int64_t r = 0; r < n_req; r++) kept[r] = 0;
+    for (int64_t a0 = 0; a0 < n; a0 += 64) {
+        const int64_t count = n - a0 < 64 ? n - a0 : 64;
+        uint64_t todo =
+            eligible(mask_mode, mask, mask_stride, mask_index, mask_offset, 0, a0, count);
+        int64_t m = 0;
+        while (todo) {
+            const int64_t a = a0 + __builtin_ctzll(todo);
+            todo &= todo - 1;
+            __builtin_prefetch(x + (a + SCAN_AHEAD) * d); /* as `scan` asks for rows ahead */
+            ads[m] = a, xs[m] = x_scale[a], off[m] = offset[a];
+            m++;
+        }
+        if (!m) continue;
+        for (int64_t i = m; i < ((m + 7) & ~7); i++) /* the last 8's empty slots: zero rows */
+            ads[i] = -1, xs[i] = 0.0f, off[i] = 0.0f;
+        for (int64_t s0 = 0; s0 < m; s0 += 8) gather8(x, d, ads + s0, tile + s0);
+        for (int64_t r = 0; r < n_req; r++) {
+            const __m256i *wr = wb + r * n_exp * pairs;
+            const __m256 vs = _mm256_set1_ps(v_scale[r]), t = _mm256_set1_ps(tau[r]);
+            for (int64_t s0 = 0; s0 < m; s0 += 16) { /* 16 slots, or the last 8 */
+                const int64_t halves = m - s0 > 8 ? 2 : 1;
+                int64_t e = 0;
+                for (; e + 4 <= n_exp; e += 4) {
+                    if (halves == 2)
+                        dots4x2(tile + s0, wr + e * pairs, pairs, sums + e * 8,
+                                sums + (n_exp + e) * 8);
+                    else
+                        dots4(tile + s0, wr + e * pairs, pairs, sums + e * 8);
+                }
+                for (; e < n_exp; e++)
+                    for (int64_t h = 0; h < halves; h++)
+                        dots1(tile + s0 + 8 * h, wr + e * pairs, pairs, sums + (h * n_exp + e) * 8);
+                for (int64_t h = 0; h < halves; h++) {
+                    const int32_t *part = sums + h * n_exp * 8;
+                    const int64_t first = s0 + 8 * h;
+                    __m256i best = _mm256_set1_epi32(INT32_MIN);
+                    for (e = 0; e < n_exp; e++)
+                        best = _mm256_max_epi32(best,
+                                                _mm256_load_si256((const __m256i *)(part + e * 8)));
+                    /* the bound, as `scan` evaluates it: ((float)best · vs) · xs + offset >= tau */
+                    __m256 bound = _mm256_mul_ps(_mm256_cvtepi32_ps(best), vs);
+                    bound = _mm256_mul_ps(bound, _mm256_load_ps(xs + first));
+                    bound = _mm256_add_ps(bound, _mm256_load_ps(off + first));
+                    uint32_t pass =
+                        (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(bound, t, _CMP_GE_OQ));
+                    if (m - first < 8) pass &= (1u << (m - first)) - 1; /* not the empty slots */
+                    while (pass) {
+                        const int64_t i = __builtin_ctz(pass);
+                        pass &= pass - 1;
+                        const int64_t s = r * n + kept[r]++;
+                        const float scale = xs[first + i];
+                        out_req[s] = r;
+                        out_ad[s] = ads[first + i];
+                        for (e = 0; e < n_exp; e++)
+                            out_aff[e * cap + s] = ((float)part[e * 8 + i] * v_scale[r]) * scale;
+                    }
+                }
+            }
+        }
+    }
+    int64_t total = 0; /* the regions, packed by request */
+    for (int64_t r = 0; r < n_req; r++) {
+        if (total != r * n && kept[r]) {
+            __builtin_memmove(out_req + total, out_req + r * n, kept[r] * sizeof *out_req);
+            __builtin_memmove(out_ad + total, out_ad + r * n, kept[r] * sizeof *out_ad);
+            for (int64_t e = 0; e < n_exp; e++)
+                __builtin_memmove(out_aff + e * cap + total, out_aff + e * cap + r * n,
+                                  kept[r] * sizeof *out_aff);
+        }
+        total += kept[r];
+    }
+    free(wb);
+    return total;
+}
+#else
+#define TILED 0
+#define TILE_DIM 0
+INLINE int64_t scan_tiled(const int8_t *x, const float *x_scale, const float *offset, int64_t n,
+                          int64_t d, const int16_t *w, const float *v_scale, const float *tau,
+                          int64_t n_req, int64_t n_exp, int64_t mask_mode, const uint8_t *mask,
+                          int64_t mask_stride, const int64_t *mask_index, int64_t mask_offset,
+                          int64_t *out_req, int64_t *out_ad, float *out_aff, int64_t cap) {
+    (void)x, (void)x_scale, (void)offset, (void)n, (void)d, (void)w, (void)v_scale, (void)tau;
+    (void)n_req, (void)n_exp, (void)mask_mode, (void)mask, (void)mask_stride, (void)mask_index;
+    (void)mask_offset, (void)out_req, (void)out_ad, (void)out_aff, (void)cap;
+    return -1;
+}
+static int shared_mask(int64_t mode, int64_t stride, const int64_t *index, int64_t n_req) {
+    (void)mode, (void)stride, (void)index, (void)n_req;
+    return 0;
+}
+#endif
+
 int64_t m31_scan_int8(const int8_t *x, const float *x_scale, const float *offset, int64_t n,
                       int64_t d, const int16_t *w, const float *v_scale, const float *tau,
                       int64_t n_req, int64_t n_exp, int64_t mask_mode, const uint8_t *mask,
                       int64_t mask_stride, const int64_t *mask_index, int64_t mask_offset,
                       int64_t *out_req, int64_t *out_ad, float *out_aff, int64_t cap) {
+    if (TILED && n_req >= TILED_MIN_REQUESTS && d % 16 == 0 && d <= TILE_DIM &&
+        shared_mask(mask_mode, mask_stride, mask_index, n_req)) {
+        const int64_t kept =
+            n_exp == 8 && d == 64
+                ? scan_tiled(x, x_scale, offset, n, 64, w, v_scale, tau, n_req, 8, mask_mode, mask,
+                             mask_stride, mask_index, mask_offset, out_req, out_ad, out_aff, cap)
+                : scan_tiled(x, x_scale, offset, n, d, w, v_scale, tau, n_req, n_exp, mask_mode,
+                             mask, mask_stride, mask_index, mask_offset, out_req, out_ad, out_aff,
+                             cap);
+        if (kept >= 0) return kept; /* else no memory for its broadcasts: the per-pair scan */
+    }
     if (d == 64 && n_exp == 8) /* the common shape, its loops unrolled */
         return scan(x, x_scale, offset, n, 64, 64 / CHUNK, w, v_scale, tau, n_req, 8, mask_mode,
                     mask, mask_stride, mask_index, mask_offset, out_req, out_ad, out_aff, cap);
