@@ -566,6 +566,7 @@ class _Worker:
             self.s_ad = torch.empty(plan.n_req * block, dtype=torch.long)
             self.s_aff = torch.empty(plan.n_exp, plan.n_req * block)
             self.mask_args = _mask_args(mask) if mask_args is None else mask_args
+            self._fixed_args(table, stats)
         else:  # products' scratch: [B·E, n] in the product dtype, or [P·B·E, n] int32 (8-bit)
             out = torch.int32 if plan.quantized else plan.vh.dtype
             self.a_buf = torch.empty(len(plan.vh) * block, dtype=out)
@@ -648,20 +649,44 @@ class _Worker:
         aff.mul_(plan.v_scale.index_select(0, req)).mul_(x_scale.index_select(0, ad))  # Â
         self.add_pending(req, ad + lo, None, aff, n)  # the logits follow in `refine`
 
+    def _fixed_args(self, table: Int8Table, stats: _TableStats) -> None:
+        """The compiled helpers' arguments that stay for the call: the addresses of the table's,
+        the plan's and the outputs' arrays, checked once here (`native.ptr`). A block's rows
+        are then base + offset: each array is contiguous, and at a few per block the checks of
+        Python-side pointers measured 13% of a B = 1 call with two threads (the GIL)."""
+        plan, ptr = self.plan, native.ptr
+        mode, mask, stride, index = self.mask_args
+        g_norm, x_norm, bias = stats.per_ad.unbind(0)  # rows of a contiguous [3, N]
+        self._per_ad = (g_norm, x_norm, bias)  # alive with the worker
+        self._x_at = (ptr(table.x), table.x.shape[1], ptr(table.x_scale))  # int8, fp32 rows
+        self._mask_at = None if mask is None else ptr(mask)  # bool or packed bits
+        self._scan_args = (
+            ptr(plan.v_int), ptr(plan.v_scale), plan.n_req, plan.n_exp, mode, stride, ptr(index),
+            ptr(self.s_req), ptr(self.s_ad), ptr(self.s_aff), self.s_aff.shape[1],
+        )  # fmt: skip
+        self._logits_args = (
+            ptr(table.g), ptr(table.g_scale), table.g.shape[1], ptr(plan.q_int),
+            ptr(plan.q_scale), ptr(plan.p_t), plan.n_req, plan.n_exp, ptr(plan.coef),
+            ptr(g_norm), plan.p_abs_max + math.log(plan.n_exp), plan.eta_l,
+        )  # fmt: skip
+        self._bounds_args = (
+            ptr(x_norm), ptr(bias), ptr(plan.coef), plan.n_exp, plan.kappa, 1 + plan.u_a,
+            plan.u_a + 2 * plan.kappa,
+        )  # fmt: skip
+
     def scan_native(self, lo: int, hi: int) -> None:
         """`scan_int8` in one compiled pass over the block (`cpu_int8.c`: the same values)."""
-        plan, stats, table, n = self.plan, self.stats, self.table, hi - lo
+        plan, stats, n = self.plan, self.stats, hi - lo
         offset = _affinity_offset(plan, stats.x_norm[lo:hi], stats.scan_bias[lo:hi])  # [n]
         tau = self.shared.for_scan.contiguous()  # [B], alive through the call
-        mode, mask, stride, index = self.mask_args
-        if mode == 1:
-            mask = mask[..., lo:hi]
-        ptr = native.ptr
+        x_at, d, x_scale_at = self._x_at
+        w_at, v_scale_at, n_req, n_exp, mode, stride, index_at, *out = self._scan_args
+        mask_at = self._mask_at
+        if mode == 1:  # bool rows: the block's first byte (packed bits take lo as an offset)
+            mask_at += lo
         count = self.lib.m31_scan_int8(
-            ptr(table.x[lo:hi]), ptr(table.x_scale[lo:hi]), ptr(offset), n, table.x.shape[1],
-            ptr(plan.v_int), ptr(plan.v_scale), ptr(tau), plan.n_req, plan.n_exp,
-            mode, None if mask is None else mask.data_ptr(), stride, ptr(index), lo,
-            ptr(self.s_req), ptr(self.s_ad), ptr(self.s_aff), self.s_aff.shape[1],
+            x_at + lo * d, x_scale_at + 4 * lo, offset.data_ptr(), n, d, w_at, v_scale_at,
+            tau.data_ptr(), n_req, n_exp, mode, mask_at, stride, index_at, lo, *out,
         )  # fmt: skip
         if count:
             req, ad = self.s_req[:count].clone(), self.s_ad[:count] + lo
@@ -725,26 +750,21 @@ class _Worker:
     def bounds_native(self):
         """`bounds` of an 8-bit table in two compiled passes around torch's exp and expm1
         (`cpu_int8.c`), so the exponentials, and with them the bounds' proof, stay torch's."""
-        plan, table, stats, ptr = self.plan, self.table, self.stats, native.ptr
+        plan, ptr = self.plan, native.ptr
         req, row, _, affs, _ = zip(*self.pending, strict=True)
         self.pending, self.n_pending = [], 0
         req, row, aff = torch.cat(req), torch.cat(row), torch.cat(affs, dim=1)  # aff [E, S]
         n_pairs = len(req)
         logits, eta2 = torch.empty(plan.n_exp, n_pairs), torch.empty(n_pairs)  # [E, S], [S]
-        g_norm, x_norm, bias = stats.per_ad.unbind(0)  # [N] each
         self.lib.m31_logits_int8(
-            ptr(table.g), ptr(table.g_scale), table.g.shape[1], ptr(plan.q_int), ptr(plan.q_scale),
-            ptr(plan.p_t), plan.n_req, plan.n_exp, ptr(plan.coef), ptr(g_norm),
-            plan.p_abs_max + math.log(plan.n_exp), plan.eta_l, ptr(req), ptr(row), n_pairs,
-            ptr(logits), ptr(eta2),
-        )  # fmt: skip
+            *self._logits_args, ptr(req), ptr(row), n_pairs, ptr(logits), ptr(eta2)
+        )
         weights, em = logits.exp_(), eta2.expm1_()
         tau = self.shared.for_refine.contiguous()  # [B], alive through the call
         out_req, out_row = torch.empty_like(req), torch.empty_like(row)
         lower, upper = torch.empty(n_pairs), torch.empty(n_pairs)
         count = self.lib.m31_bounds(
-            ptr(weights), ptr(em), ptr(aff), ptr(x_norm), ptr(bias), ptr(plan.coef), plan.n_exp,
-            plan.kappa, 1 + plan.u_a, plan.u_a + 2 * plan.kappa, ptr(req), ptr(row), n_pairs,
+            ptr(weights), ptr(em), ptr(aff), *self._bounds_args, ptr(req), ptr(row), n_pairs,
             ptr(tau), ptr(out_req), ptr(out_row), ptr(lower), ptr(upper),
         )  # fmt: skip
         return out_req[:count], out_row[:count], lower[:count], upper[:count]

@@ -169,6 +169,6 @@ def ptr(t: torch.Tensor | None) -> int | None:
     """The address of a contiguous CPU tensor's first element, for a call into the library."""
     if t is None:
         return None
-    if not t.is_contiguous() or t.device.type != "cpu":
+    if not (t.is_cpu and t.is_contiguous()):  # (not t.device: 8x slower, a call per array)
         raise ValueError("the compiled helpers take contiguous CPU tensors")
     return t.data_ptr()
