@@ -37,9 +37,14 @@ def setup_block(n_req, n_ads, n_exp, gdim, ddim, mask_kind, way, seed):
     """(worker, plan) over one block of all n_ads, τ of each request at a random level near the
     scores' middle (they are of unit size), so that some pairs pass step 1 and some do not."""
     query, table, _ = int8_problem(n_req, n_ads, n_exp, gdim, ddim, seed=seed)
-    kind = {"packed": "per-request", "packed-shared": "shared"}.get(mask_kind, mask_kind)
-    mask = make_mask(kind, n_req, n_ads, seed)
-    if mask_kind == "packed":
+    if mask_kind.startswith("mostly-shared"):  # each request drops a tenth of a shared set
+        gen = torch.Generator().manual_seed(seed)
+        shared = torch.rand(n_ads, generator=gen) < 0.6
+        mask = shared & (torch.rand(n_req, n_ads, generator=gen) < 0.9)
+    else:
+        kind = {"packed": "per-request", "packed-shared": "shared"}.get(mask_kind, mask_kind)
+        mask = make_mask(kind, n_req, n_ads, seed)
+    if mask_kind in ("packed", "mostly-shared-packed"):
         mask = PackedMask.of(mask)
     elif mask_kind == "packed-shared":  # one bitmap for every request
         mask = PackedMask(pack(mask[None]), torch.zeros(n_req, dtype=torch.int64), n_ads)
@@ -76,6 +81,10 @@ CASES = [  # n_req, n_ads, n_exp, gdim, ddim, mask
     (5, 259, 9, 16, 32, "none"),  # E = 4 + 4 + 1, 259 ads: tiles of every fill
     (6, 150, 3, 8, 192, "shared"),  # E = 3: one expert at a time; the longest tiled row
     (4, 90, 2, 8, 208, "packed-shared"),  # D past the tiled rows: the per-pair scan
+    # requests with their own masks: a tile of 64 is tiled when they want most of its ads
+    (6, 500, 8, 64, 64, "mostly-shared"),
+    (5, 300, 5, 32, 32, "mostly-shared-packed"),
+    (64, 130, 8, 64, 64, "per-request"),  # half of each: one by one inside the tiled scan
 ]
 
 

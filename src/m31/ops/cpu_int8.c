@@ -16,8 +16,7 @@
  * experts at a time, lane sums by a shuffle tree; with AVX2 as vpmaddwd, eight experts at a time,
  * lane sums by horizontal adds; elsewhere (or built with -DM31_PLAIN) as plain loops, which the
  * compiler vectorizes less well (on Zen 3, 1.3-1.4x slower than the AVX2 path). On AVX2, step 1
- * of two or more requests with the same eligible ads runs with the ads in the lanes instead
- * (`scan_tiled`): no lane sums at all.
+ * of two or more requests runs with the ads in the lanes instead (`scan_tiled`): no lane sums.
  */
 #include <math.h>
 #include <stdint.h>
@@ -300,6 +299,9 @@ INLINE int64_t scan(const int8_t *x, const float *x_scale, const float *offset, 
 #define TILED 1
 #define TILE_DIM 192 /* the longest row the tiled scan takes (a multiple of 16) */
 #define TILE 64 /* ads in a tile: the eligible ones of 64 */
+/* A tile of 64 ads goes the tiled way when the requests want at least this share of the pairs
+ * of the ads that any of them wants (each such pair costs about 2/3 of one by one). */
+#define TILED_FILL 0.7
 
 /* Whether every request of the call has the same eligible ads: no mask, one bool row for all,
  * or one packed bitmap for all. */
@@ -416,49 +418,100 @@ INLINE void gather8(const int8_t *x, int64_t d, const int64_t *ads, int32_t *til
     }
 }
 
-/* `scan` with the ads in the lanes, for requests that share their eligible ads (`shared_mask`).
- * The eligible ads of each 64 are gathered once, for all requests, into a tile that holds them
- * by pairs of values: tile[j·TILE + slot] = x[ad, 2j] and x[ad, 2j + 1] as two int16. Each
- * request's products for 8 ads and one expert are then one vpmaddwd per pair of values (the 8
- * slots against the expert's pair in every lane, `broadcast_pairs`) with no lane sums, where
- * `products` needs a shuffle tree per ad. The sums are exact int32 in any order, so the values
- * are `scan`'s. Survivors go to their request's region of the outputs (request r from r·n) and
- * are packed by request at the end: the same order as `scan` (by request, then ad). d is a
- * multiple of 16, at most TILE_DIM. Returns -1 without memory for the broadcasts. */
+/* The bits of `word` at the positions of the set bits of `within`, packed from bit 0 (BMI2's
+ * pext). */
+INLINE uint64_t compress_bits(uint64_t word, uint64_t within) {
+#ifdef __BMI2__
+    return _pext_u64(word, within);
+#else
+    uint64_t out = 0;
+    for (int64_t i = 0; within; within &= within - 1, i++)
+        out |= (uint64_t)((word >> __builtin_ctzll(within)) & 1) << i;
+    return out;
+#endif
+}
+
+/* `scan` with the ads in the lanes, for two or more requests. The ads of each 64 that any
+ * request may take are gathered once, for all requests, into a tile that holds them by pairs of
+ * values: tile[j·TILE + slot] = x[ad, 2j] and x[ad, 2j + 1] as two int16. Each request's
+ * products for 8 ads and one expert are then one vpmaddwd per pair of values (the 8 slots
+ * against the expert's pair in every lane, `broadcast_pairs`) with no lane sums, where
+ * `products` needs a shuffle tree per ad; a request keeps the slots of its own ads
+ * (`compress_bits`). Where the requests want less than TILED_FILL of the pairs of a tile (their
+ * masks differ), its pairs go one by one as in `scan`. The sums are exact int32 in any order,
+ * so the values are `scan`'s. Survivors go to their request's region of the outputs (request r
+ * from r·n) and are packed by request at the end: the same order as `scan` (by request, then
+ * ad). d is a multiple of 16, at most TILE_DIM. Returns -1 without memory for the broadcasts. */
 INLINE int64_t scan_tiled(const int8_t *x, const float *x_scale, const float *offset, int64_t n,
                           int64_t d, const int16_t *w, const float *v_scale, const float *tau,
                           int64_t n_req, int64_t n_exp, int64_t mask_mode, const uint8_t *mask,
                           int64_t mask_stride, const int64_t *mask_index, int64_t mask_offset,
                           int64_t *out_req, int64_t *out_ad, float *out_aff, int64_t cap) {
-    const int64_t pairs = d / 2;
+    const int64_t pairs = d / 2, chunks = d / CHUNK;
     __m256i *wb = aligned_alloc(32, (size_t)(n_req * n_exp * pairs) * sizeof(__m256i));
     if (!wb) return -1;
     broadcast_pairs(w, n_req * n_exp, d, wb);
+    const int shared = shared_mask(mask_mode, mask_stride, mask_index, n_req);
     int32_t tile[TILE_DIM / 2 * TILE] __attribute__((aligned(32)));
-    int32_t sums[2 * n_exp * 8] __attribute__((aligned(32)));
+    int32_t sums[2 * n_exp * 8] __attribute__((aligned(32))), ints[n_exp + 7];
     float xs[64] __attribute__((aligned(32))), off[64] __attribute__((aligned(32)));
     int64_t ads[64], kept[n_req];
+    uint64_t words[n_req];
+    row_t row;
     for (int64_t r = 0; r < n_req; r++) kept[r] = 0;
     for (int64_t a0 = 0; a0 < n; a0 += 64) {
         const int64_t count = n - a0 < 64 ? n - a0 : 64;
-        uint64_t todo =
-            eligible(mask_mode, mask, mask_stride, mask_index, mask_offset, 0, a0, count);
-        int64_t m = 0;
-        while (todo) {
-            const int64_t a = a0 + __builtin_ctzll(todo);
-            todo &= todo - 1;
-            __builtin_prefetch(x + (a + SCAN_AHEAD) * d); /* as `scan` asks for rows ahead */
-            ads[m] = a, xs[m] = x_scale[a], off[m] = offset[a];
-            m++;
+        uint64_t any = 0; /* the ads of these 64 that some request may take */
+        int64_t wanted = 0; /* pairs */
+        for (int64_t r = 0; r < n_req; r++) {
+            words[r] = shared && r ? words[0]
+                                   : eligible(mask_mode, mask, mask_stride, mask_index,
+                                              mask_offset, r, a0, count);
+            any |= words[r];
+            wanted += __builtin_popcountll(words[r]);
         }
+        const int64_t m = __builtin_popcountll(any);
         if (!m) continue;
+        if ((double)wanted < TILED_FILL * (double)(n_req * m)) {
+            /* requests that share few of these ads: their pairs one by one, as `scan` */
+            for (int64_t r = 0; r < n_req; r++) {
+                const float vs = v_scale[r], t = tau[r];
+                for (uint64_t todo = words[r]; todo; todo &= todo - 1) {
+                    const int64_t a = a0 + __builtin_ctzll(todo);
+                    __builtin_prefetch(x + (a + SCAN_AHEAD) * d);
+                    load_row(x + a * d, d, chunks, &row);
+                    const int32_t best = products(w + r * n_exp * d, &row, n_exp, d, chunks, ints);
+                    const float scale = x_scale[a];
+                    float bound = (float)best * vs;
+                    bound = bound * scale;
+                    bound = bound + offset[a];
+                    if (!(bound >= t)) continue;
+                    const int64_t s = r * n + kept[r]++;
+                    out_req[s] = r;
+                    out_ad[s] = a;
+                    for (int64_t e = 0; e < n_exp; e++)
+                        out_aff[e * cap + s] = ((float)ints[e] * vs) * scale;
+                }
+            }
+            continue;
+        }
+        int64_t slot = 0;
+        for (uint64_t todo = any; todo; todo &= todo - 1) {
+            const int64_t a = a0 + __builtin_ctzll(todo);
+            __builtin_prefetch(x + (a + SCAN_AHEAD) * d); /* as `scan` asks for rows ahead */
+            ads[slot] = a, xs[slot] = x_scale[a], off[slot] = offset[a];
+            slot++;
+        }
         for (int64_t i = m; i < ((m + 7) & ~7); i++) /* the last 8's empty slots: zero rows */
             ads[i] = -1, xs[i] = 0.0f, off[i] = 0.0f;
         for (int64_t s0 = 0; s0 < m; s0 += 8) gather8(x, d, ads + s0, tile + s0);
         for (int64_t r = 0; r < n_req; r++) {
+            const uint64_t mine = compress_bits(words[r], any); /* by slot */
+            if (!mine) continue;
             const __m256i *wr = wb + r * n_exp * pairs;
             const __m256 vs = _mm256_set1_ps(v_scale[r]), t = _mm256_set1_ps(tau[r]);
             for (int64_t s0 = 0; s0 < m; s0 += 16) { /* 16 slots, or the last 8 */
+                if (!((mine >> s0) & 0xFFFF)) continue;
                 const int64_t halves = m - s0 > 8 ? 2 : 1;
                 int64_t e = 0;
                 for (; e + 4 <= n_exp; e += 4) {
@@ -484,7 +537,7 @@ INLINE int64_t scan_tiled(const int8_t *x, const float *x_scale, const float *of
                     bound = _mm256_add_ps(bound, _mm256_load_ps(off + first));
                     uint32_t pass =
                         (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(bound, t, _CMP_GE_OQ));
-                    if (m - first < 8) pass &= (1u << (m - first)) - 1; /* not the empty slots */
+                    pass &= (uint32_t)(mine >> first) & 0xFF; /* its own ads, no empty slots */
                     while (pass) {
                         const int64_t i = __builtin_ctz(pass);
                         pass &= pass - 1;
@@ -526,10 +579,6 @@ INLINE int64_t scan_tiled(const int8_t *x, const float *x_scale, const float *of
     (void)mask_offset, (void)out_req, (void)out_ad, (void)out_aff, (void)cap;
     return -1;
 }
-static int shared_mask(int64_t mode, int64_t stride, const int64_t *index, int64_t n_req) {
-    (void)mode, (void)stride, (void)index, (void)n_req;
-    return 0;
-}
 #endif
 
 int64_t m31_scan_int8(const int8_t *x, const float *x_scale, const float *offset, int64_t n,
@@ -537,8 +586,7 @@ int64_t m31_scan_int8(const int8_t *x, const float *x_scale, const float *offset
                       int64_t n_req, int64_t n_exp, int64_t mask_mode, const uint8_t *mask,
                       int64_t mask_stride, const int64_t *mask_index, int64_t mask_offset,
                       int64_t *out_req, int64_t *out_ad, float *out_aff, int64_t cap) {
-    if (TILED && n_req >= TILED_MIN_REQUESTS && d % 16 == 0 && d <= TILE_DIM &&
-        shared_mask(mask_mode, mask_stride, mask_index, n_req)) {
+    if (TILED && n_req >= TILED_MIN_REQUESTS && d % 16 == 0 && d <= TILE_DIM) {
         const int64_t kept =
             n_exp == 8 && d == 64
                 ? scan_tiled(x, x_scale, offset, n, 64, w, v_scale, tau, n_req, 8, mask_mode, mask,
