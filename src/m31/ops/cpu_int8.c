@@ -20,7 +20,6 @@
  */
 #include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -300,8 +299,8 @@ INLINE int64_t scan(const int8_t *x, const float *x_scale, const float *offset, 
 #define TILE_DIM 192 /* the longest row the tiled scan takes (a multiple of 16) */
 #define TILE 64 /* ads in a tile: the eligible ones of 64 */
 /* A tile of 64 ads goes the tiled way when the requests want at least this share of the pairs
- * of the ads that any of them wants (each such pair costs about 2/3 of one by one). */
-#define TILED_FILL 0.7
+ * of the ads that any of them wants (each such pair costs about half of one by one). */
+#define TILED_FILL 0.6
 
 /* Whether every request of the call has the same eligible ads: no mask, one bool row for all,
  * or one packed bitmap for all. */
@@ -313,18 +312,25 @@ static int shared_mask(int64_t mode, int64_t stride, const int64_t *index, int64
     return 1;
 }
 
-/* The products of 8 tile slots with 4 experts into out [4 experts][8 slots]: wb [4, pairs] the
- * experts' value pairs w[2j], w[2j + 1], each as one int32 in every lane (`broadcast_pairs`).
+/* Expert values w[2j], w[2j + 1] as one int32 in every lane (a broadcast load: from the
+ * request's 1 KB of w, not from 32-byte copies of each pair, which at B = 64 outgrow L2). */
+INLINE __m256i pair_of(const int16_t *w, int64_t j) {
+    int32_t both;
+    __builtin_memcpy(&both, w + 2 * j, sizeof both);
+    return _mm256_set1_epi32(both);
+}
+
+/* The products of 8 tile slots with 4 experts' rows (w [4, d]) into out [4 experts][8 slots].
  * Four named accumulators: with eight, GCC 12 spills one and the loop waits on the store. */
-INLINE void dots4(const int32_t *tile, const __m256i *wb, int64_t pairs, int32_t *out) {
+INLINE void dots4(const int32_t *tile, const int16_t *w, int64_t d, int64_t pairs, int32_t *out) {
     __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
 #pragma GCC unroll 2
     for (int64_t j = 0; j < pairs; j++) {
         const __m256i xj = _mm256_load_si256((const __m256i *)(tile + j * TILE));
-        a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(xj, _mm256_load_si256(wb + j)));
-        a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(xj, _mm256_load_si256(wb + pairs + j)));
-        a2 = _mm256_add_epi32(a2, _mm256_madd_epi16(xj, _mm256_load_si256(wb + 2 * pairs + j)));
-        a3 = _mm256_add_epi32(a3, _mm256_madd_epi16(xj, _mm256_load_si256(wb + 3 * pairs + j)));
+        a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(xj, pair_of(w, j)));
+        a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(xj, pair_of(w + d, j)));
+        a2 = _mm256_add_epi32(a2, _mm256_madd_epi16(xj, pair_of(w + 2 * d, j)));
+        a3 = _mm256_add_epi32(a3, _mm256_madd_epi16(xj, pair_of(w + 3 * d, j)));
     }
     _mm256_store_si256((__m256i *)out, a0);
     _mm256_store_si256((__m256i *)(out + 8), a1);
@@ -334,26 +340,26 @@ INLINE void dots4(const int32_t *tile, const __m256i *wb, int64_t pairs, int32_t
 
 /* `dots4` for 16 slots, each expert's pair loaded once for both halves: slots 0-7 into out0
  * [4][8], slots 8-15 into out1. */
-INLINE void dots4x2(const int32_t *tile, const __m256i *wb, int64_t pairs, int32_t *out0,
-                    int32_t *out1) {
+INLINE void dots4x2(const int32_t *tile, const int16_t *w, int64_t d, int64_t pairs,
+                    int32_t *out0, int32_t *out1) {
     __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
     __m256i b0 = a0, b1 = a0, b2 = a0, b3 = a0;
 #pragma GCC unroll 2
     for (int64_t j = 0; j < pairs; j++) {
         const __m256i x0 = _mm256_load_si256((const __m256i *)(tile + j * TILE));
         const __m256i x1 = _mm256_load_si256((const __m256i *)(tile + j * TILE + 8));
-        __m256i w = _mm256_load_si256(wb + j);
-        a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(x0, w));
-        b0 = _mm256_add_epi32(b0, _mm256_madd_epi16(x1, w));
-        w = _mm256_load_si256(wb + pairs + j);
-        a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(x0, w));
-        b1 = _mm256_add_epi32(b1, _mm256_madd_epi16(x1, w));
-        w = _mm256_load_si256(wb + 2 * pairs + j);
-        a2 = _mm256_add_epi32(a2, _mm256_madd_epi16(x0, w));
-        b2 = _mm256_add_epi32(b2, _mm256_madd_epi16(x1, w));
-        w = _mm256_load_si256(wb + 3 * pairs + j);
-        a3 = _mm256_add_epi32(a3, _mm256_madd_epi16(x0, w));
-        b3 = _mm256_add_epi32(b3, _mm256_madd_epi16(x1, w));
+        __m256i v = pair_of(w, j);
+        a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(x0, v));
+        b0 = _mm256_add_epi32(b0, _mm256_madd_epi16(x1, v));
+        v = pair_of(w + d, j);
+        a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(x0, v));
+        b1 = _mm256_add_epi32(b1, _mm256_madd_epi16(x1, v));
+        v = pair_of(w + 2 * d, j);
+        a2 = _mm256_add_epi32(a2, _mm256_madd_epi16(x0, v));
+        b2 = _mm256_add_epi32(b2, _mm256_madd_epi16(x1, v));
+        v = pair_of(w + 3 * d, j);
+        a3 = _mm256_add_epi32(a3, _mm256_madd_epi16(x0, v));
+        b3 = _mm256_add_epi32(b3, _mm256_madd_epi16(x1, v));
     }
     _mm256_store_si256((__m256i *)out0, a0);
     _mm256_store_si256((__m256i *)(out0 + 8), a1);
@@ -366,24 +372,13 @@ INLINE void dots4x2(const int32_t *tile, const __m256i *wb, int64_t pairs, int32
 }
 
 /* The same for one expert (the last ones of an E that is not a multiple of 4). */
-INLINE void dots1(const int32_t *tile, const __m256i *wb, int64_t pairs, int32_t *out) {
+INLINE void dots1(const int32_t *tile, const int16_t *w, int64_t pairs, int32_t *out) {
     __m256i acc = _mm256_setzero_si256();
     for (int64_t j = 0; j < pairs; j++)
         acc = _mm256_add_epi32(
             acc, _mm256_madd_epi16(_mm256_load_si256((const __m256i *)(tile + j * TILE)),
-                                   _mm256_load_si256(wb + j)));
+                                   pair_of(w, j)));
     _mm256_store_si256((__m256i *)out, acc);
-}
-
-/* wb [rows, pairs]: row k's values 2j and 2j + 1 of w [rows, d] as one int32 in every lane. */
-static void broadcast_pairs(const int16_t *w, int64_t rows, int64_t d, __m256i *wb) {
-    const int64_t pairs = d / 2;
-    for (int64_t k = 0; k < rows; k++)
-        for (int64_t j = 0; j < pairs; j++) {
-            int32_t both;
-            __builtin_memcpy(&both, w + k * d + 2 * j, sizeof both);
-            wb[k * pairs + j] = _mm256_set1_epi32(both);
-        }
 }
 
 /* Slots s..s+7 of the tile from the rows of ads[0..8) (-1: a zero row), by pairs of values:
@@ -435,22 +430,19 @@ INLINE uint64_t compress_bits(uint64_t word, uint64_t within) {
  * request may take are gathered once, for all requests, into a tile that holds them by pairs of
  * values: tile[j·TILE + slot] = x[ad, 2j] and x[ad, 2j + 1] as two int16. Each request's
  * products for 8 ads and one expert are then one vpmaddwd per pair of values (the 8 slots
- * against the expert's pair in every lane, `broadcast_pairs`) with no lane sums, where
+ * against the expert's pair in every lane, `pair_of`) with no lane sums, where
  * `products` needs a shuffle tree per ad; a request keeps the slots of its own ads
  * (`compress_bits`). Where the requests want less than TILED_FILL of the pairs of a tile (their
  * masks differ), its pairs go one by one as in `scan`. The sums are exact int32 in any order,
  * so the values are `scan`'s. Survivors go to their request's region of the outputs (request r
  * from r·n) and are packed by request at the end: the same order as `scan` (by request, then
- * ad). d is a multiple of 16, at most TILE_DIM. Returns -1 without memory for the broadcasts. */
+ * ad). d is a multiple of 16, at most TILE_DIM. */
 INLINE int64_t scan_tiled(const int8_t *x, const float *x_scale, const float *offset, int64_t n,
                           int64_t d, const int16_t *w, const float *v_scale, const float *tau,
                           int64_t n_req, int64_t n_exp, int64_t mask_mode, const uint8_t *mask,
                           int64_t mask_stride, const int64_t *mask_index, int64_t mask_offset,
                           int64_t *out_req, int64_t *out_ad, float *out_aff, int64_t cap) {
     const int64_t pairs = d / 2, chunks = d / CHUNK;
-    __m256i *wb = aligned_alloc(32, (size_t)(n_req * n_exp * pairs) * sizeof(__m256i));
-    if (!wb) return -1;
-    broadcast_pairs(w, n_req * n_exp, d, wb);
     const int shared = shared_mask(mask_mode, mask_stride, mask_index, n_req);
     int32_t tile[TILE_DIM / 2 * TILE] __attribute__((aligned(32)));
     int32_t sums[2 * n_exp * 8] __attribute__((aligned(32))), ints[n_exp + 7];
@@ -508,7 +500,7 @@ INLINE int64_t scan_tiled(const int8_t *x, const float *x_scale, const float *of
         for (int64_t r = 0; r < n_req; r++) {
             const uint64_t mine = compress_bits(words[r], any); /* by slot */
             if (!mine) continue;
-            const __m256i *wr = wb + r * n_exp * pairs;
+            const int16_t *wr = w + r * n_exp * d;
             const __m256 vs = _mm256_set1_ps(v_scale[r]), t = _mm256_set1_ps(tau[r]);
             for (int64_t s0 = 0; s0 < m; s0 += 16) { /* 16 slots, or the last 8 */
                 if (!((mine >> s0) & 0xFFFF)) continue;
@@ -516,14 +508,14 @@ INLINE int64_t scan_tiled(const int8_t *x, const float *x_scale, const float *of
                 int64_t e = 0;
                 for (; e + 4 <= n_exp; e += 4) {
                     if (halves == 2)
-                        dots4x2(tile + s0, wr + e * pairs, pairs, sums + e * 8,
+                        dots4x2(tile + s0, wr + e * d, d, pairs, sums + e * 8,
                                 sums + (n_exp + e) * 8);
                     else
-                        dots4(tile + s0, wr + e * pairs, pairs, sums + e * 8);
+                        dots4(tile + s0, wr + e * d, d, pairs, sums + e * 8);
                 }
                 for (; e < n_exp; e++)
                     for (int64_t h = 0; h < halves; h++)
-                        dots1(tile + s0 + 8 * h, wr + e * pairs, pairs, sums + (h * n_exp + e) * 8);
+                        dots1(tile + s0 + 8 * h, wr + e * d, pairs, sums + (h * n_exp + e) * 8);
                 for (int64_t h = 0; h < halves; h++) {
                     const int32_t *part = sums + h * n_exp * 8;
                     const int64_t first = s0 + 8 * h;
@@ -563,10 +555,9 @@ INLINE int64_t scan_tiled(const int8_t *x, const float *x_scale, const float *of
         }
         total += kept[r];
     }
-    free(wb);
     return total;
 }
-#else
+#else /* no tiled scan: a stub that `m31_scan_int8` never calls (TILED is 0) */
 #define TILED 0
 #define TILE_DIM 0
 INLINE int64_t scan_tiled(const int8_t *x, const float *x_scale, const float *offset, int64_t n,
@@ -577,7 +568,7 @@ INLINE int64_t scan_tiled(const int8_t *x, const float *x_scale, const float *of
     (void)x, (void)x_scale, (void)offset, (void)n, (void)d, (void)w, (void)v_scale, (void)tau;
     (void)n_req, (void)n_exp, (void)mask_mode, (void)mask, (void)mask_stride, (void)mask_index;
     (void)mask_offset, (void)out_req, (void)out_ad, (void)out_aff, (void)cap;
-    return -1;
+    return 0;
 }
 #endif
 
@@ -587,14 +578,12 @@ int64_t m31_scan_int8(const int8_t *x, const float *x_scale, const float *offset
                       int64_t mask_stride, const int64_t *mask_index, int64_t mask_offset,
                       int64_t *out_req, int64_t *out_ad, float *out_aff, int64_t cap) {
     if (TILED && n_req >= TILED_MIN_REQUESTS && d % 16 == 0 && d <= TILE_DIM) {
-        const int64_t kept =
-            n_exp == 8 && d == 64
-                ? scan_tiled(x, x_scale, offset, n, 64, w, v_scale, tau, n_req, 8, mask_mode, mask,
-                             mask_stride, mask_index, mask_offset, out_req, out_ad, out_aff, cap)
-                : scan_tiled(x, x_scale, offset, n, d, w, v_scale, tau, n_req, n_exp, mask_mode,
-                             mask, mask_stride, mask_index, mask_offset, out_req, out_ad, out_aff,
-                             cap);
-        if (kept >= 0) return kept; /* else no memory for its broadcasts: the per-pair scan */
+        if (n_exp == 8 && d == 64)
+            return scan_tiled(x, x_scale, offset, n, 64, w, v_scale, tau, n_req, 8, mask_mode,
+                              mask, mask_stride, mask_index, mask_offset, out_req, out_ad, out_aff,
+                              cap);
+        return scan_tiled(x, x_scale, offset, n, d, w, v_scale, tau, n_req, n_exp, mask_mode, mask,
+                          mask_stride, mask_index, mask_offset, out_req, out_ad, out_aff, cap);
     }
     if (d == 64 && n_exp == 8) /* the common shape, its loops unrolled */
         return scan(x, x_scale, offset, n, 64, 64 / CHUNK, w, v_scale, tau, n_req, 8, mask_mode,
