@@ -7,8 +7,8 @@ in two passes around torch's exponentials, with the same values (step 1 bit for 
 to the order of fp32 sums, which its bounds allow for).
 
 It needs a C compiler (`$CC`, else `cc`) when first used: the library is built for this
-machine's CPU (-march=native: AVX-512 loops where it has them, else plain loops that the
-compiler vectorizes for it) into a cache folder (`$M31_CACHE/native`, default
+machine's CPU (-march=native: AVX-512 or AVX2 loops where it has them, else plain loops that
+the compiler vectorizes for it) into a cache folder (`$M31_CACHE/native`, default
 `~/.cache/m31/native`), named by a hash of the source, the flags, the compiler and the CPU, so
 a changed source or another machine builds its own (in about a second). Without a compiler, or
 with `M31_NATIVE=0`, `library()` is None and the kernel keeps its torch path (the same answers,
@@ -65,8 +65,8 @@ _override: str | None = None
 
 def mode() -> str:
     """What is asked for: "on" (the default), "off" (the torch path) or "plain" (the portable
-    loops even where the CPU has AVX-512: for tests and comparisons). Set by `use`, else by the
-    environment variable M31_NATIVE (1, on, true, yes / 0, off, false, no / plain)."""
+    loops even where the CPU has AVX-512 or AVX2: for tests and comparisons). Set by `use`, else
+    by the environment variable M31_NATIVE (1, on, true, yes / 0, off, false, no / plain)."""
     if _override is not None:
         return _override
     value = os.environ.get("M31_NATIVE", "on").strip().lower()
