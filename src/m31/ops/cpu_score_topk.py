@@ -88,8 +88,9 @@ Where a C compiler is at hand, steps 1 and 2 of an 8-bit table run as compiled l
 (`m31.ops.native`, `cpu_int8.c`; 2.2x the torch ops at B = 1, 3.1x at B = 64, N = 1 M, on an
 Ice Lake Xeon with VNNI; far more where torch's int8 products have no VNNI, see bench/RESULTS.md):
 step 1 in one pass per block over the eligible pairs only (with AVX-512, four experts' int16
-multiply-adds at a time; elsewhere loops that the compiler vectorizes), step 2 in two passes
-around torch's exp and expm1. Step 1 computes the same integer products and the same fp32
+multiply-adds at a time; with AVX2, eight, and from two requests on the ads in the lanes with no
+lane sums; elsewhere loops that the compiler vectorizes), step 2 in two passes around torch's
+exp and expm1. Step 1 computes the same integer products and the same fp32
 operations in the same order, so its survivors and their values are the torch ops' own; step 2
 is another fp32 evaluation of the same formulas (its sums over E in expert order), which the
 bounds above allow for.
