@@ -694,9 +694,10 @@ def ablate_cmd(
         f"mean ± std over seeds, and each variant against the full model on the same requests:"
     )
     rows = {}
+    width = max(len(name) for name in summaries)
     for name in [*variants, *by_ref]:
         summary = summaries[name]
-        line = f"  {name:<24} {summary.mean:.4f}"
+        line = f"  {name:<{width}} {summary.mean:.4f}"
         line += "" if np.isnan(summary.std) else f" ± {summary.std:.4f}"
         rows[name] = {"mean": summary.mean, "std": None if np.isnan(summary.std) else summary.std}
         rows[name]["seeds"] = len(per_seed[name])
