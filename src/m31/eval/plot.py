@@ -67,8 +67,8 @@ def plot_ablation(
     ax.barh(range(len(names)), means, xerr=errors, color=colours, capsize=3)
     ax.set_yticks(range(len(names)), names)
     ax.invert_yaxis()  # the full model on top
-    for i, (name, value) in enumerate(references.items()):
-        ax.axvline(value, color=f"C{i + 1}", linestyle="--", label=name)
+    for i, (name, value) in enumerate(references.items()):  # not the bars' blue and orange
+        ax.axvline(value, color=f"C{i + 2}", linestyle="--", label=name)
     ax.set_xlabel(metric)
     ax.grid(True, axis="x", alpha=0.3)
     handles = ax.get_legend_handles_labels()[0]
@@ -77,9 +77,12 @@ def plot_ablation(
             Patch(color="#4c72b0", label="the trained moe, rewritten"),
             Patch(color="#dd8452", label="retrained"),
         ]
-    if handles:
-        ax.legend(handles=handles, loc="lower right")
-    fig.tight_layout()
+    if handles:  # below the axes, clear of the bars
+        rows = math.ceil(len(handles) / 2)
+        fig.legend(handles=handles, loc="lower center", ncol=2, frameon=False)
+        fig.tight_layout(rect=(0, 0.3 * rows / fig.get_figheight(), 1, 1))
+    else:
+        fig.tight_layout()
     path = Path(path)
     fig.savefig(path, format="png")
     return path
