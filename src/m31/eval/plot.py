@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 
 
@@ -46,7 +47,7 @@ def plot_ablation(
     references: dict[str, float],
     metric: str,
     path: Path | str,
-    retrained: set[str] = frozenset(),
+    retrained: AbstractSet[str] = frozenset(),
 ) -> Path:
     """PNG of one metric by ablation variant: horizontal bars of mean ± std over training seeds
     (std NaN: no error bar), those of models retrained as the variant (`retrained`) in their own

@@ -90,10 +90,10 @@ Ice Lake Xeon with VNNI; far more where torch's int8 products have no VNNI, see 
 step 1 in one pass per block over the eligible pairs only (with AVX-512, four experts' int16
 multiply-adds at a time; with AVX2, eight, and from two requests on the ads in the lanes with no
 lane sums; elsewhere loops that the compiler vectorizes), step 2 in two passes around torch's
-exp and expm1. Step 1 computes the same integer products and the same fp32
-operations in the same order, so its survivors and their values are the torch ops' own; step 2
-is another fp32 evaluation of the same formulas (its sums over E in expert order), which the
-bounds above allow for.
+exp and expm1. Step 1 computes the same integer products and the same fp32 operations in the
+same order, so its survivors and their values are the torch ops' own; step 2 is another fp32
+evaluation of the same formulas (its sums over E in expert order), which the bounds above allow
+for.
 
 The bounds are worst cases (typically 5-20× the actual error), which only costs extra survivors.
 fp32 (or fp16) tables take the same path with fp32 products (u = 0): a quarter of the product
