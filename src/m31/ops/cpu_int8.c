@@ -286,18 +286,10 @@ INLINE int64_t scan(const int8_t *x, const float *x_scale, const float *offset, 
     return s;
 }
 
-/* Step 1 on a block of n ads (`_Worker.scan_int8`): for every eligible pair (r, a), the
- * integer affinities I_e = w[r, e]·x[a], the bound
- *     M = ((float)max_e I_e · v_scale[r]) · x_scale[a] + offset[a]
- * and, where M >= tau[r], the pair as a survivor: out_req, out_ad (block-local) and
- * out_aff[e·cap + s] = ((float)I_e · v_scale[r]) · x_scale[a].
- * x [n, d] int8, x_scale [n], offset [n] (`_affinity_offset`), w [B, E, d] int16,
- * v_scale [B], tau [B] (`_Threshold.for_scan`). cap >= B·n. Returns S; the pairs come by
- * request, then ad. */
 #if defined(__AVX2__) && !defined(__AVX512F__) && !defined(M31_PLAIN)
 #define TILED 1
 #define TILE_DIM 192 /* the longest row the tiled scan takes (a multiple of 16) */
-#define TILE 64 /* ads in a tile: the eligible ones of 64 */
+#define TILE 64 /* slots of a tile: the ads of 64 that any request wants */
 /* A tile of 64 ads goes the tiled way when the requests want at least this share of the pairs
  * of the ads that any of them wants (each such pair costs about half of one by one). */
 #define TILED_FILL 0.6
@@ -572,6 +564,15 @@ INLINE int64_t scan_tiled(const int8_t *x, const float *x_scale, const float *of
 }
 #endif
 
+/* Step 1 on a block of n ads (`_Worker.scan_int8`): for every eligible pair (r, a), the
+ * integer affinities I_e = w[r, e]·x[a], the bound
+ *     M = ((float)max_e I_e · v_scale[r]) · x_scale[a] + offset[a]
+ * and, where M >= tau[r], the pair as a survivor: out_req, out_ad (block-local) and
+ * out_aff[e·cap + s] = ((float)I_e · v_scale[r]) · x_scale[a].
+ * x [n, d] int8, x_scale [n], offset [n] (`_affinity_offset`), w [B, E, d] int16,
+ * v_scale [B], tau [B] (`_Threshold.for_scan`). cap >= B·n. Returns S; the pairs come by
+ * request, then ad. `scan_tiled` where it is built (AVX2) for two or more requests and rows of a
+ * multiple of 16 values up to TILE_DIM; `scan` otherwise, which gives the same. */
 int64_t m31_scan_int8(const int8_t *x, const float *x_scale, const float *offset, int64_t n,
                       int64_t d, const int16_t *w, const float *v_scale, const float *tau,
                       int64_t n_req, int64_t n_exp, int64_t mask_mode, const uint8_t *mask,
