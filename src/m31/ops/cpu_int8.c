@@ -244,6 +244,29 @@ INLINE uint64_t eligible(int64_t mode, const uint8_t *mask, int64_t stride, cons
     return word & all;
 }
 
+/* One eligible pair (request r, ad a; wr its rows of w, vs its v_scale, t its tau): the
+ * products, the bound M, and where M >= t the survivor at position s of the outputs. Returns
+ * whether it survived. */
+INLINE int scan_pair(const int8_t *x, const float *x_scale, const float *offset, int64_t d,
+                     int64_t chunks, const int16_t *wr, float vs, float t, int64_t n_exp, int64_t r,
+                     int64_t a, int64_t s, row_t *row, int32_t *ints, int64_t *out_req,
+                     int64_t *out_ad, float *out_aff, int64_t cap) {
+    /* the table streams from memory: ask for rows a little ahead (a hint, which never faults,
+     * past the block's end included) */
+    __builtin_prefetch(x + (a + SCAN_AHEAD) * d);
+    load_row(x + a * d, d, chunks, row);
+    const int32_t best = products(wr, row, n_exp, d, chunks, ints);
+    const float xs = x_scale[a];
+    float m = (float)best * vs;
+    m = m * xs;
+    m = m + offset[a];
+    if (!(m >= t)) return 0;
+    out_req[s] = r;
+    out_ad[s] = a;
+    for (int64_t e = 0; e < n_exp; e++) out_aff[e * cap + s] = ((float)ints[e] * vs) * xs;
+    return 1;
+}
+
 INLINE int64_t scan(const int8_t *x, const float *x_scale, const float *offset, int64_t n,
                     int64_t d, int64_t chunks, const int16_t *w, const float *v_scale,
                     const float *tau, int64_t n_req, int64_t n_exp, int64_t mask_mode,
@@ -262,25 +285,10 @@ INLINE int64_t scan(const int8_t *x, const float *x_scale, const float *offset, 
             const int64_t count = n - a0 < 64 ? n - a0 : 64;
             uint64_t todo = eligible(mask_mode, mask, mask_stride, mask_index, mask_offset, r, a0,
                                      count);
-            while (todo) {
-                const int64_t a = a0 + __builtin_ctzll(todo);
-                todo &= todo - 1;
-                /* the table streams from memory: ask for rows a little ahead (a hint, which
-                 * never faults, past the block's end included) */
-                __builtin_prefetch(x + (a + SCAN_AHEAD) * d);
-                load_row(x + a * d, d, chunks, &row);
-                const int32_t best = products(wr, &row, n_exp, d, chunks, ints);
-                const float xs = x_scale[a];
-                float m = (float)best * vs;
-                m = m * xs;
-                m = m + offset[a];
-                if (!(m >= t)) continue;
-                out_req[s] = r;
-                out_ad[s] = a;
-                for (int64_t e = 0; e < n_exp; e++)
-                    out_aff[e * cap + s] = ((float)ints[e] * vs) * xs;
-                s++;
-            }
+            for (; todo; todo &= todo - 1)
+                s += scan_pair(x, x_scale, offset, d, chunks, wr, vs, t, n_exp, r,
+                               a0 + __builtin_ctzll(todo), s, &row, ints, out_req, out_ad,
+                               out_aff, cap);
         }
     }
     return s;
@@ -458,25 +466,13 @@ INLINE int64_t scan_tiled(const int8_t *x, const float *x_scale, const float *of
         if (!m) continue;
         if ((double)wanted < TILED_FILL * (double)(n_req * m)) {
             /* requests that share few of these ads: their pairs one by one, as `scan` */
-            for (int64_t r = 0; r < n_req; r++) {
-                const float vs = v_scale[r], t = tau[r];
+            for (int64_t r = 0; r < n_req; r++)
                 for (uint64_t todo = words[r]; todo; todo &= todo - 1) {
-                    const int64_t a = a0 + __builtin_ctzll(todo);
-                    __builtin_prefetch(x + (a + SCAN_AHEAD) * d);
-                    load_row(x + a * d, d, chunks, &row);
-                    const int32_t best = products(w + r * n_exp * d, &row, n_exp, d, chunks, ints);
-                    const float scale = x_scale[a];
-                    float bound = (float)best * vs;
-                    bound = bound * scale;
-                    bound = bound + offset[a];
-                    if (!(bound >= t)) continue;
-                    const int64_t s = r * n + kept[r]++;
-                    out_req[s] = r;
-                    out_ad[s] = a;
-                    for (int64_t e = 0; e < n_exp; e++)
-                        out_aff[e * cap + s] = ((float)ints[e] * vs) * scale;
+                    const int64_t at = r * n + kept[r]; /* the next place in r's region */
+                    kept[r] += scan_pair(x, x_scale, offset, d, chunks, w + r * n_exp * d,
+                                         v_scale[r], tau[r], n_exp, r, a0 + __builtin_ctzll(todo),
+                                         at, &row, ints, out_req, out_ad, out_aff, cap);
                 }
-            }
             continue;
         }
         int64_t slot = 0;
