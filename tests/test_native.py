@@ -1,9 +1,11 @@
 """m31.ops.native: the cpu kernel's compiled helpers (cpu_int8.c), built with the real compiler.
 
-The helpers must return the torch path's values bit for bit (the bounds of cpu_score_topk are
-proved for those): step 1's survivors and affinities, step 2's kept pairs and bounds, compared
-here block by block on odd sizes and every mask kind, for this CPU's build (AVX-512 or AVX2 loops)
-and the plain one.
+Step 1 must return the torch path's survivors and affinities bit for bit, step 2 the same kept
+pairs with bounds within fp32 rounding of the torch ops' (the bounds of cpu_score_topk are
+proved for any such evaluation, and for the compiled exponentials' stated error, checked here):
+compared block by block on odd sizes and every mask kind, for this CPU's build (AVX-512 or AVX2
+loops) and the plain one. The whole compiled pass (`m31_pass`) is checked end to end against the
+definition in test_cpu_score_topk_int8, and here for the threshold it shares between threads.
 Then the loader: the cache, the switch, and what happens without a compiler or with a broken one.
 """
 
@@ -19,6 +21,8 @@ from test_score_topk import make_mask
 from m31.ops import PackedMask, native, rounded_score, score
 from m31.ops import cpu_score_topk as cpu_module
 from m31.ops.cpu_score_topk import (
+    _affinity_offset,
+    _mask_args,
     _plan_int8,
     _table_stats,
     _Threshold,
@@ -26,6 +30,7 @@ from m31.ops.cpu_score_topk import (
     cpu_score_topk_int8,
 )
 from m31.ops.masks import pack
+from m31.ops.native import ptr
 
 pytestmark = [
     needs_exact_int8,
@@ -33,9 +38,10 @@ pytestmark = [
 ]
 
 
-def setup_block(n_req, n_ads, n_exp, gdim, ddim, mask_kind, way, seed):
-    """(worker, plan) over one block of all n_ads, τ of each request at a random level near the
-    scores' middle (they are of unit size), so that some pairs pass step 1 and some do not."""
+def setup_block(n_req, n_ads, n_exp, gdim, ddim, mask_kind, seed):
+    """(worker, plan) over one block of all n_ads, in torch ops (the definition the compiled
+    helpers are held to), τ of each request at a random level near the scores' middle (they are
+    of unit size), so that some pairs pass step 1 and some do not."""
     query, table, _ = int8_problem(n_req, n_ads, n_exp, gdim, ddim, seed=seed)
     if mask_kind.startswith("mostly-shared"):  # each request drops a tenth of a shared set
         gen = torch.Generator().manual_seed(seed)
@@ -53,10 +59,42 @@ def setup_block(n_req, n_ads, n_exp, gdim, ddim, mask_kind, way, seed):
     shared = _Threshold(n_req, 1, plan.u_scan)
     level = torch.randn(n_req, generator=torch.Generator().manual_seed(seed)) * 0.1
     shared.offer(torch.arange(n_req), level)
-    with native.use(way):
-        worker = _Worker(plan, table, stats, mask, shared, block=n_ads)
+    worker = _Worker(plan, table, stats, mask, shared, block=n_ads)
     worker.refine_pairs = math.inf  # keep step 1's survivors pending
     return worker, plan
+
+
+def compiled_scan(lib, worker, n_ads):
+    """`m31_scan_int8` on the worker's block of all n_ads: (req, row, Â [E, S])."""
+    plan, stats, table = worker.plan, worker.stats, worker.table
+    offset = _affinity_offset(plan, stats.x_norm, stats.scan_bias)
+    tau = worker.shared.for_scan.contiguous()
+    mode, data, stride, index = _mask_args(worker.mask)
+    cap = plan.n_req * n_ads + 3  # a stride that is not the count
+    req, ad = torch.empty(cap, dtype=torch.long), torch.empty(cap, dtype=torch.long)
+    aff = torch.empty(plan.n_exp, cap)
+    count = lib.m31_scan_int8(
+        ptr(table.x), ptr(table.x_scale), ptr(offset), n_ads, table.x.shape[1], ptr(plan.v_int),
+        ptr(plan.v_scale), ptr(tau), plan.n_req, plan.n_exp, mode, ptr(data), stride, ptr(index),
+        0, ptr(req), ptr(ad), ptr(aff), cap,
+    )  # fmt: skip
+    return req[:count], ad[:count], aff[:, :count]
+
+
+def compiled_step2(lib, worker, req, row, aff, tau):
+    """`m31_step2` on pairs (req, row) with step 1's Â [E, S]: (req, row, ℓ, h) kept."""
+    plan, stats, table = worker.plan, worker.stats, worker.table
+    n_pairs = len(req)
+    out = [torch.empty(n_pairs, dtype=torch.long) for _ in range(2)]
+    out += [torch.empty(n_pairs) for _ in range(2)]
+    count = lib.m31_step2(
+        ptr(table.g), ptr(table.g_scale), table.g.shape[1], ptr(plan.q_int), ptr(plan.q_scale),
+        ptr(plan.p_t), plan.n_req, plan.n_exp, ptr(plan.coef), ptr(stats.per_ad),
+        len(stats.scan_bias), plan.p_abs_max + math.log(plan.n_exp), plan.eta_l, plan.kappa,
+        1 + plan.u_a, plan.u_a + 2 * plan.kappa, ptr(req), ptr(row), ptr(aff.contiguous()),
+        n_pairs, n_pairs, ptr(tau.contiguous()), *map(ptr, out),
+    )  # fmt: skip
+    return tuple(t[:count] for t in out)
 
 
 def by_pair(req, row, *values, n_ads):
@@ -91,17 +129,15 @@ CASES = [  # n_req, n_ads, n_exp, gdim, ddim, mask
 @pytest.mark.parametrize("way", ["on", "plain"])
 @pytest.mark.parametrize(("n_req", "n_ads", "n_exp", "gdim", "ddim", "mask_kind"), CASES)
 def test_step_1_is_the_torch_ops_bit_for_bit(n_req, n_ads, n_exp, gdim, ddim, mask_kind, way):
-    compiled, _ = setup_block(n_req, n_ads, n_exp, gdim, ddim, mask_kind, way, seed=n_ads)
-    plain, _ = setup_block(n_req, n_ads, n_exp, gdim, ddim, mask_kind, "off", seed=n_ads)
-    assert compiled.lib is not None and plain.lib is None
-    for worker in (compiled, plain):
-        worker.scan(0, n_ads)
-    assert len(plain.pending) == len(compiled.pending) == 1
-    want_req, want_row, _, want_aff, _ = plain.pending[0]
-    got_req, got_row, _, got_aff, _ = compiled.pending[0]
+    worker, _ = setup_block(n_req, n_ads, n_exp, gdim, ddim, mask_kind, seed=n_ads)
+    with native.use(way):
+        got = compiled_scan(native.library(), worker, n_ads)
+    worker.scan(0, n_ads)
+    assert len(worker.pending) == 1
+    want_req, want_row, _, want_aff, _ = worker.pending[0]
     assert 0 < len(want_req) < n_req * n_ads  # τ filters some pairs, not all
     # the same pairs in the same order (by request, then ad), with the same affinities
-    for w, g in zip((want_req, want_row, want_aff), (got_req, got_row, got_aff), strict=True):
+    for w, g in zip((want_req, want_row, want_aff), got, strict=True):
         assert torch.equal(w, g)
 
 
@@ -110,30 +146,57 @@ def test_step_1_is_the_torch_ops_bit_for_bit(n_req, n_ads, n_exp, gdim, ddim, ma
 def test_step_2_keeps_the_pairs_of_the_torch_ops_and_bounds_every_score(
     n_req, n_ads, n_exp, gdim, ddim, mask_kind, way
 ):
-    """Step 2's s̃ ± ε is an fp32 evaluation of its own (sums over E in expert order), which the
-    proof of the bounds allows for: the same pairs kept, ℓ and h within fp32 rounding of the
-    torch ops', and with τ = -inf every pair's exact and fp32 score inside [ℓ, h]."""
-    compiled, _ = setup_block(n_req, n_ads, n_exp, gdim, ddim, mask_kind, way, seed=n_ads + 1)
-    plain, _ = setup_block(n_req, n_ads, n_exp, gdim, ddim, mask_kind, "off", seed=n_ads + 1)
-    plain.scan(0, n_ads)
-    pending = plain.pending  # the same survivors for both (step 1 is tested above)
-    req, row, gate, aff, _ = pending[0]
-    compiled.pending = [(req, row, gate, aff, None)]
-    want = by_pair(*plain.bounds(), n_ads=n_ads)
-    got = by_pair(*compiled.bounds_native(), n_ads=n_ads)
+    """Step 2's s̃ ± ε is an fp32 evaluation of its own (sums over E in expert order, its own
+    exponentials), which the proof of the bounds allows for: the same pairs kept, ℓ and h
+    within fp32 rounding of the torch ops', and with τ = -inf every pair's exact and fp32 score
+    inside [ℓ, h]."""
+    worker, _ = setup_block(n_req, n_ads, n_exp, gdim, ddim, mask_kind, seed=n_ads + 1)
+    worker.scan(0, n_ads)
+    req, row, _, aff, _ = worker.pending[0]  # the same survivors for both (step 1 is tested above)
+    n_pairs = len(req)
+    with native.use(way):
+        lib = native.library()
+        got = by_pair(*compiled_step2(lib, worker, req, row, aff, worker.shared.for_refine),
+                      n_ads=n_ads)  # fmt: skip
+        everything = compiled_step2(lib, worker, req, row, aff, torch.full((n_req,), -math.inf))
+    want = by_pair(*worker.bounds(), n_ads=n_ads)
     assert 0 < len(want[0]) < len(req) or n_exp == 1  # τ drops some (E = 1: step 1 is as tight)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     for w, g in zip(want[2:], got[2:], strict=True):
         torch.testing.assert_close(g, w, rtol=2**-20, atol=2**-20 * float(w.abs().max()))
     # every pair, no threshold: [ℓ, h] holds the fp32 score and the exact one
-    compiled.shared.for_refine = torch.full((n_req,), -math.inf)
-    compiled.pending = [(req, row, gate, aff, None)]
-    req, row, lower, upper = compiled.bounds_native()
-    assert len(req) == len(pending[0][0])
+    req, row, lower, upper = everything
+    assert len(req) == n_pairs
     query, _, dequantized = int8_problem(n_req, n_ads, n_exp, gdim, ddim, seed=n_ads + 1)
     for scores in (score(*query, *dequantized), rounded_score(*query, *dequantized)):
         s = scores[req, row]
         assert ((lower <= s) & (s <= upper)).all()
+
+
+@pytest.mark.parametrize("way", ["on", "plain"])
+def test_the_compiled_exponentials_are_within_their_stated_error(way):
+    """exp_f: within a relative 2⁻¹⁹ of e^l on [-86, 88] (the proof in cpu_int8.c; `_EXP_ETA`),
+    below 2⁻¹²⁴ under -86, 1 at 0; expm1_f: within 2⁻¹⁵ of e^y - 1 for y ≥ 0, 0 at 0. Checked
+    against fp64 on a dense grid."""
+    with native.use(way):
+        lib = native.library()
+
+    def run(values, which):
+        values = values.float().contiguous()
+        out = torch.empty_like(values)
+        lib.m31_exp(ptr(values), ptr(out), len(values), which)
+        return values.double(), out.double()
+
+    grid = torch.cat([torch.linspace(-86, 88, 2_000_001), torch.tensor([0.0, -1e-30, 1e-30])])
+    logit, got = run(grid, 0)
+    assert float(((got - logit.exp()) / logit.exp()).abs().max()) <= 2**-19
+    assert float(got[-3]) == 1.0
+    _, got = run(torch.linspace(-120, -86.0001, 10_001), 0)
+    assert ((got >= 0) & (got < 2**-124)).all()
+    y = torch.cat([torch.linspace(0, 1 / 16, 100_001), torch.linspace(1 / 16, 88, 1_000_001)])
+    y, got = run(torch.cat([y, torch.tensor([1e-30, 1e-8])]), 1)
+    want = torch.expm1(y)
+    assert got[0] == 0 and float(((got - want) / want)[1:].abs().max()) <= 2**-15
 
 
 def test_every_way_gives_the_definition_on_large_logits():
@@ -220,9 +283,38 @@ def test_the_helpers_refuse_strided_tensors():
 
 def test_more_experts_than_the_stack_scratch_take_the_torch_ops(monkeypatch):
     monkeypatch.setattr(cpu_module, "_NATIVE_MAX_EXPERTS", 4)
-    worker, _ = setup_block(2, 300, 5, 8, 8, "shared", "on", seed=1)
-    assert worker.lib is None
+
+    def refuse(*args):
+        raise AssertionError("the compiled pass ran")
+
+    monkeypatch.setattr(cpu_module, "_compiled_pass", refuse)
     query, table, dequantized = int8_problem(2, 300, 5, 8, 8, seed=1)
     mask = make_mask("shared", 2, 300, seed=1)
     got = cpu_score_topk_int8(*query, table, mask, 7, block=64)
     assert_same(got, full_sort(query, dequantized, mask, 7))
+
+
+@pytest.mark.parametrize(("n_req", "k", "threads", "block"), [(1, 50, 2, 256), (7, 13, 2, 128),
+                                                              (3, 1, 1, 512), (2, 400, 2, 64)])  # fmt: skip
+def test_the_compiled_pass_shares_a_threshold_that_is_valid_and_tight(n_req, k, threads, block):
+    """τ that the workers of `m31_pass` share (the K largest lower bounds, per request): never
+    above the K-th best score (every ad that reaches it is kept), and close below it (it
+    prunes); the candidates hold every ad that scores at least the K-th best."""
+    n_ads = 3000
+    query, table, dequantized = int8_problem(n_req, n_ads, 4, 8, 16, seed=k)
+    mask = make_mask("per-request", n_req, n_ads, seed=k)
+    plan = _plan_int8(*query, k)
+    stats = _table_stats(table.g, table.x, table.b, table.g_scale, table.x_scale)
+    spans = cpu_module._spans(n_ads, block)
+    lib = native.library()
+    req, row, _, tau = cpu_module._compiled_pass(
+        lib, plan, table, stats, mask, spans, block, threads
+    )
+    scores = rounded_score(*query, *dequantized).masked_fill(~mask, -math.inf)  # [B, N]
+    kth = scores.topk(k, dim=1).values[:, -1]  # [B]
+    assert (tau <= kth).all()
+    assert (kth - tau <= 1e-3 * (1 + kth.abs())).all()
+    for r in range(n_req):
+        want = set((scores[r] >= kth[r]).nonzero()[:, 0].tolist())
+        assert want <= set(row[req == r].tolist())
+    assert len(req) < n_req * n_ads / 4  # the filters dropped most pairs

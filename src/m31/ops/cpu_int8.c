@@ -5,10 +5,12 @@
  * Step 1 (`m31_scan_int8`) computes exactly what the torch operations it replaces in
  * m31/ops/cpu_score_topk.py compute: the same exact integer products, converted to fp32 and
  * multiplied by the same scales in the same order, so its survivors and their values are the
- * torch path's bit for bit. Step 2 (`m31_logits_int8`, torch's exp and expm1, `m31_bounds`) is
- * another fp32 evaluation of the same formulas, which the bounds proved there allow for. Both
+ * torch path's bit for bit. Step 2 (`m31_step2`) is another fp32 evaluation of the same
+ * formulas, with exponentials of its own whose error the bounds proved there allow for. Both
  * need IEEE fp32 arithmetic without contraction or reassociation: the loader compiles with
- * -ffp-contract=off and never with -ffast-math.
+ * -ffp-contract=off and never with -ffast-math. `m31_pass` runs steps 1-3 over the table for
+ * one worker thread, the threads sharing τ and the blocks still to scan, so that a call takes
+ * the GIL only to start and to collect its candidates.
  *
  * Integer products: a query value w is an int16 (|w| <= 32,512, `_split_query`: 255·hi + lo),
  * an ad value an int8, and rows are short enough (D, G <= 516, `_WIDE_DIM`) that every sum fits
@@ -18,8 +20,12 @@
  * compiler vectorizes less well (on Zen 3, 1.3-1.4x slower than the AVX2 path). On AVX2, step 1
  * of two or more requests runs with the ads in the lanes instead (`scan_tiled`): no lane sums.
  */
+#define _POSIX_C_SOURCE 200809L /* pthread under -std=c11 */
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -597,26 +603,103 @@ int64_t m31_scan_int8(const int8_t *x, const float *x_scale, const float *offset
 #define PREFETCH 16 /* pairs */
 #define BOUNDS_CHUNK 256 /* pairs */
 
-/* Step 2 on S pairs of an 8-bit table, before the exponentials (`_Worker.bounds`: the logits of
- * `logits_int8` and the first lines of `_gate_bounds`). Pair s = (req[s], row[s]):
+/* e^l of a finite l within a relative 2^-19 for l in [-86, 88]; below -86, a value in
+ * [0, 2^-124); above 88, one within 2^-19 or +inf (the caller's logits are finite and below 81:
+ * `step2`). Loops of it vectorize
+ * (no library call, no branch). The proof, with u = 2^-24 the unit roundoff of fp32:
+ * - k = round(t), t = fl(l·log2 e): |t - l·log2 e| <= 128u, so r = l - k·ln 2 has
+ *   |r| <= (1/2 + 128u)·ln 2 < 0.3466.
+ * - r' = (l - k·LN2_HI) - k·LN2_LO: k·LN2_HI is exact (8 + 15 significant bits), the two
+ *   subtractions and k·LN2_LO round by at most u·0.36, u·0.36 and u·2^-12, and
+ *   |LN2_HI + LN2_LO - ln 2| < 2^-43: |r' - r| < 0.75u, a relative 0.75u of e^r.
+ * - e^r' by its Taylor polynomial of degree 7 (coefficients rounded to fp32, each within u of
+ *   1/j!): the tail is below r^8/8!·e^|r| < 2^-26.4·e^r; the coefficients' rounding adds at most
+ *   u·(e^|r| - 1)/e^-|r| < 0.6u relative; Horner's 14 roundings at most γ_14·e^|r|/e^r' < 29u.
+ * - the scaling by 2^k (k >= -124, a normal result) is exact. Below -86, k <= -124 and the
+ *   result is at most e^l·(1 + 2^-19) or 0 (k = -127).
+ * In all below 31u < 2^-19. A weight off by a relative ρ is a logit off by -ln(1 - ρ) < 2^-18,
+ * which `_EXP_ETA` adds to η. */
+INLINE float exp_f(float l) {
+    const float t = l * 0x1.715476p+0f;             /* log2 e */
+    const float kf = (t + 0x1.8p+23f) - 0x1.8p+23f; /* t rounded to an integer (|t| < 2^22) */
+    float r = l - kf * 0x1.62e4p-1f;                /* LN2_HI */
+    r = r - kf * 0x1.7f7d1cp-20f;                   /* LN2_LO */
+    float p = 0x1.a01a02p-13f;                      /* 1/7! */
+    p = p * r + 0x1.6c16c2p-10f;                    /* 1/6! */
+    p = p * r + 0x1.111112p-7f;                     /* 1/5! */
+    p = p * r + 0x1.555556p-5f;                     /* 1/4! */
+    p = p * r + 0x1.555556p-3f;                     /* 1/3! */
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    /* 2^k from its exponent bits: k = -127 gives 0 and k = 128 +inf (k clamped to them, NaN
+     * to -127); no branch, so that loops of it vectorize */
+    const int32_t k = (int32_t)min_f(max_f(kf, -127.0f), 128.0f);
+    union {
+        uint32_t bits;
+        float f;
+    } two_k = {.bits = (uint32_t)(k + 127) << 23};
+    return p * two_k.f;
+}
+
+/* e^y - 1 for y >= 0 within a relative 2^-15: its Taylor polynomial of degree 5 below 1/16
+ * (tail < 2^-28, roundings < 10u), exp_f(y) - 1 above (exp_f's 2^-19 of e^y is at most
+ * 2^-19·e^y/(e^y - 1) < 2^-15 of e^y - 1 for y >= 1/16). Step 2's bound multiplies it by
+ * (1 + 2^-10), which covers this with the bound's own roundings (`_gate_bounds`). */
+INLINE float expm1_f(float y) {
+    float s = y * 0x1.111112p-7f + 0x1.555556p-5f;
+    s = s * y + 0x1.555556p-3f;
+    s = s * y + 0.5f;
+    s = s * y + 1.0f;
+    union {
+        float f;
+        uint32_t bits;
+    } small = {.f = s * y}, big = {.f = exp_f(y) - 1.0f};
+    const uint32_t pick = -(uint32_t)(y < 0x1p-4f); /* a blend by bits: the loops vectorize */
+    small.bits = (small.bits & pick) | (big.bits & ~pick);
+    return small.f;
+}
+
+/* exp_f (which 0) or expm1_f (which 1) of n values, for the tests of their error. */
+void m31_exp(const float *in, float *out, int64_t n, int64_t which) {
+    if (which)
+        for (int64_t i = 0; i < n; i++) out[i] = expm1_f(in[i]);
+    else
+        for (int64_t i = 0; i < n; i++) out[i] = exp_f(in[i]);
+}
+
+/* Step 2 on S pairs of an 8-bit table (`_Worker.bounds`: the logits of its `logits_int8`, then
+ * `_gate_bounds` and the filter h >= tau), BOUNDS_CHUNK pairs at a time. Pair s = (req[s], row[s]):
  *   L_e = ((float)(wq[req, e]·g[row]) · q_scale[req]) · g_scale[row]   (none when gdim = 0)
- *   logit[e·S + s] = L_e + p_t[e, req], less the pair's largest such logit when
- *                    max_e |L_e| + shift_base >= 80 (shift_base = max |p| + ln E), where exp
- *                    or its sum could overflow
- *   eta2[s] = 2·((coef[req, 1] + coef[req, 0]·‖g‖) + max_e |L_e|·eta_l)   (2η, `_gate_bounds`)
+ *   l_e = L_e + p_t[e, req], less the pair's largest l when max_e |L_e| + shift_base >= 80
+ *         (shift_base = max |p| + ln E), where e^l or its sum could overflow; so l < 81
+ *   2η = 2·((coef[req, 1] + coef[req, 0]·‖g‖) + max_e |L_e|·eta_l)
+ *   weights exp_f(l_e), e^(2η) - 1 as expm1_f, then s~ and ε as `_gate_bounds` computes them,
+ *   each sum over E in expert order.
  * g [N, gdim] int8, g_scale [N], wq [B, E, gdim] int16, q_scale [B], p_t [E, B], coef [B, 3]
- * (`_Plan.coef`), g_norm [N] (the table's ‖g‖ bounds). The torch path then takes exp(logit)
- * and expm1(eta2), so the exponentials are torch's own. */
-INLINE void logits(const int8_t *g, const float *g_scale, int64_t gdim, int64_t chunks,
-                   const int16_t *wq, const float *q_scale, const float *p_t, int64_t n_req,
-                   int64_t n_exp, const float *coef, const float *g_norm, double shift_base,
-                   float eta_l, const int64_t *req, const int64_t *row, int64_t n_pairs,
-                   float *logit, float *eta2) {
-    /* BOUNDS_CHUNK pairs at a time: their products pair by pair, then the rest in loops over
-     * the pairs that the compiler vectorizes */
-    int32_t ints[n_exp + 7], chunk_ints[n_exp * BOUNDS_CHUNK];
+ * (`_Plan.coef`, its η constant including `_EXP_ETA`), per_ad [3, N] the table's ‖g‖ and ‖x‖
+ * bounds and b; aff[e·stride + s] step 1's affinities; kappa, one_u = 1 + u',
+ * u_2kappa = u' + 2κ (`_Plan`). Keeps the pairs with h = s~ + ε >= tau[req]: writes them
+ * (req, row, ℓ = s~ - ε, h) in order and returns how many. */
+INLINE int64_t step2(const int8_t *g, const float *g_scale, int64_t gdim, int64_t chunks,
+                     const int16_t *wq, const float *q_scale, const float *p_t, int64_t n_req,
+                     int64_t n_exp, const float *coef, const float *per_ad, int64_t n_ads,
+                     double shift_base, float eta_l, float kappa, float one_u, float u_2kappa,
+                     const int64_t *req, const int64_t *row, const float *aff, int64_t stride,
+                     int64_t n_pairs, const float *tau, int64_t *out_req, int64_t *out_row,
+                     float *out_lower, float *out_upper) {
+    const float *g_norm = per_ad, *x_norm = per_ad + n_ads, *bias_of = per_ad + 2 * n_ads;
+    /* per chunk: the products pair by pair, then the rest in loops over the pairs that the
+     * compiler vectorizes; weight [E, BOUNDS_CHUNK] holds the integer products as fp32 (the
+     * same conversion the formula makes), then the logits, then their exponentials */
+    int32_t ints[n_exp + 7];
+    float weight[n_exp * BOUNDS_CHUNK];
     float qs[BOUNDS_CHUNK], gs[BOUNDS_CHUNK], lam[BOUNDS_CHUNK], most[BOUNDS_CHUNK];
+    float em[BOUNDS_CHUNK], top[BOUNDS_CHUNK], bottom[BOUNDS_CHUNK], den[BOUNDS_CHUNK];
+    float num[BOUNDS_CHUNK], mag[BOUNDS_CHUNK], x_part[BOUNDS_CHUNK], bias[BOUNDS_CHUNK];
+    float lower[BOUNDS_CHUNK], upper[BOUNDS_CHUNK];
     row_t ad;
+    int64_t kept = 0;
     for (int64_t s0 = 0; s0 < n_pairs; s0 += BOUNDS_CHUNK) {
         const int64_t count = n_pairs - s0 < BOUNDS_CHUNK ? n_pairs - s0 : BOUNDS_CHUNK;
         const int64_t *r = req + s0, *a = row + s0;
@@ -627,85 +710,48 @@ INLINE void logits(const int8_t *g, const float *g_scale, int64_t gdim, int64_t 
                 __builtin_prefetch(g + next * gdim);
                 __builtin_prefetch(g_scale + next);
                 __builtin_prefetch(g_norm + next);
+                __builtin_prefetch(x_norm + next);
+                __builtin_prefetch(bias_of + next);
             }
             qs[i] = q_scale[r[i]], gs[i] = g_scale[a[i]];
             lam[i] = 0.0f, most[i] = -INFINITY;
             if (gdim) {
                 load_row(g + a[i] * gdim, gdim, chunks, &ad);
                 products(wq + r[i] * n_exp * gdim, &ad, n_exp, gdim, chunks, ints);
-                for (int64_t e = 0; e < n_exp; e++) chunk_ints[e * BOUNDS_CHUNK + i] = ints[e];
+                for (int64_t e = 0; e < n_exp; e++) weight[e * BOUNDS_CHUNK + i] = (float)ints[e];
             }
         }
-        for (int64_t e = 0; e < n_exp; e++) {
-            const int32_t *in = chunk_ints + e * BOUNDS_CHUNK;
+        for (int64_t e = 0; e < n_exp; e++) { /* the logits */
             const float *prior = p_t + e * n_req;
-            float *out = logit + e * n_pairs + s0;
+            float *l = weight + e * BOUNDS_CHUNK;
             for (int64_t i = 0; i < count; i++) {
-                float l = prior[r[i]];
+                float li = prior[r[i]];
                 if (gdim) {
-                    const float gate = ((float)in[i] * qs[i]) * gs[i];
+                    const float gate = (l[i] * qs[i]) * gs[i];
                     lam[i] = max_f(lam[i], fabsf(gate));
-                    l = gate + l;
+                    li = gate + li;
                 }
-                out[i] = l;
-                most[i] = max_f(most[i], l);
+                l[i] = li;
+                most[i] = max_f(most[i], li);
             }
         }
         for (int64_t i = 0; i < count; i++) {
             if ((double)lam[i] + shift_base >= 80.0)
-                for (int64_t e = 0; e < n_exp; e++) logit[e * n_pairs + s0 + i] -= most[i];
+                for (int64_t e = 0; e < n_exp; e++) weight[e * BOUNDS_CHUNK + i] -= most[i];
             const float *c = coef + 3 * r[i];
             float eta = c[1] + c[0] * g_norm[a[i]];
             eta = eta + lam[i] * eta_l;
-            eta2[s0 + i] = eta * 2.0f;
-        }
-    }
-}
-
-void m31_logits_int8(const int8_t *g, const float *g_scale, int64_t gdim, const int16_t *wq,
-                     const float *q_scale, const float *p_t, int64_t n_req, int64_t n_exp,
-                     const float *coef, const float *g_norm, double shift_base, float eta_l,
-                     const int64_t *req, const int64_t *row, int64_t n_pairs, float *logit,
-                     float *eta2) {
-    if (gdim == 64 && n_exp == 8) /* the common shape, its loops unrolled */
-        logits(g, g_scale, 64, 64 / CHUNK, wq, q_scale, p_t, n_req, 8, coef, g_norm, shift_base,
-               eta_l, req, row, n_pairs, logit, eta2);
-    else if (gdim == 64)
-        logits(g, g_scale, 64, 64 / CHUNK, wq, q_scale, p_t, n_req, n_exp, coef, g_norm,
-               shift_base, eta_l, req, row, n_pairs, logit, eta2);
-    else
-        logits(g, g_scale, gdim, (gdim + CHUNK - 1) / CHUNK, wq, q_scale, p_t, n_req, n_exp,
-               coef, g_norm, shift_base, eta_l, req, row, n_pairs, logit, eta2);
-}
-
-/* Step 2 after the exponentials (`_gate_bounds` from the softmax on, then the filter h >= tau):
- * weight [E, S] = exp(logit), em [S] = expm1(eta2) from `m31_logits_int8` and torch, aff [E, S]
- * step 1's affinities, x_norm [N] and bias [N] the table's; coef [B, 3]; kappa, one_u = 1 + u',
- * u_2kappa = u' + 2κ (`_Plan`). s~ and ε as `_gate_bounds` computes them, each sum over E in
- * expert order. Keeps the pairs with s~ + ε >= tau[req]: writes them (req, row, ℓ = s~ - ε,
- * h = s~ + ε) in order and returns how many. */
-int64_t m31_bounds(const float *weight, const float *em, const float *aff, const float *x_norm,
-                   const float *bias_of, const float *coef, int64_t n_exp, float kappa,
-                   float one_u, float u_2kappa, const int64_t *req, const int64_t *row,
-                   int64_t n_pairs, const float *tau, int64_t *out_req, int64_t *out_row,
-                   float *out_lower, float *out_upper) {
-    /* BOUNDS_CHUNK pairs at a time, each pass a loop over the pairs that the compiler vectorizes;
-     * then the pairs that pass the filter are written out */
-    float top[BOUNDS_CHUNK], bottom[BOUNDS_CHUNK], den[BOUNDS_CHUNK], num[BOUNDS_CHUNK];
-    float mag[BOUNDS_CHUNK], x_part[BOUNDS_CHUNK], bias[BOUNDS_CHUNK], lower[BOUNDS_CHUNK];
-    float upper[BOUNDS_CHUNK];
-    int64_t kept = 0;
-    for (int64_t s0 = 0; s0 < n_pairs; s0 += BOUNDS_CHUNK) {
-        const int64_t count = n_pairs - s0 < BOUNDS_CHUNK ? n_pairs - s0 : BOUNDS_CHUNK;
-        for (int64_t i = 0; i < count; i++) {
-            const int64_t a = row[s0 + i];
+            em[i] = eta * 2.0f;
             top[i] = -INFINITY, bottom[i] = INFINITY, den[i] = num[i] = mag[i] = 0.0f;
-            bias[i] = bias_of[a];
-            x_part[i] = x_norm[a] * coef[3 * req[s0 + i] + 2];
+            bias[i] = bias_of[a[i]];
+            x_part[i] = x_norm[a[i]] * c[2];
         }
+        for (int64_t i = 0; i < count; i++) em[i] = expm1_f(em[i]);
         for (int64_t e = 0; e < n_exp; e++) { /* the sums over E in expert order */
-            const float *v = aff + e * n_pairs + s0, *w = weight + e * n_pairs + s0;
+            const float *v = aff + e * stride + s0;
+            float *w = weight + e * BOUNDS_CHUNK;
             for (int64_t i = 0; i < count; i++) {
+                w[i] = exp_f(w[i]);
                 top[i] = max_f(top[i], v[i]);
                 bottom[i] = min_f(bottom[i], v[i]);
                 den[i] += w[i];
@@ -718,7 +764,7 @@ int64_t m31_bounds(const float *weight, const float *em, const float *aff, const
             const float m = mag[i] / den[i];
             const float reach = max_f(fabsf(top[i]), fabsf(bottom[i]));
             const float rounding = (fabsf(bias[i]) + fabsf(approx)) * kappa;
-            float gated = (x_part[i] + m * one_u) * em[s0 + i] + x_part[i];
+            float gated = (x_part[i] + m * one_u) * em[i] + x_part[i];
             gated = gated + m * u_2kappa;
             gated = gated + rounding;
             float spread = (top[i] - bottom[i]) * (1.0f + 0x1p-23f) + x_part[i] + rounding;
@@ -731,14 +777,271 @@ int64_t m31_bounds(const float *weight, const float *em, const float *aff, const
             upper[i] = approx + eps;
         }
         for (int64_t i = 0; i < count; i++) {
-            const int64_t r = req[s0 + i];
-            if (!(upper[i] >= tau[r])) continue;
-            out_req[kept] = r;
-            out_row[kept] = row[s0 + i];
+            if (!(upper[i] >= tau[r[i]])) continue;
+            out_req[kept] = r[i];
+            out_row[kept] = a[i];
             out_lower[kept] = lower[i];
             out_upper[kept] = upper[i];
             kept++;
         }
     }
     return kept;
+}
+
+/* `step2` with its loops unrolled for the common shape (G = 64, E = 8); aff [E, S]. */
+static int64_t step2_any(const int8_t *g, const float *g_scale, int64_t gdim, const int16_t *wq,
+                         const float *q_scale, const float *p_t, int64_t n_req, int64_t n_exp,
+                         const float *coef, const float *per_ad, int64_t n_ads, double shift_base,
+                         float eta_l, float kappa, float one_u, float u_2kappa, const int64_t *req,
+                         const int64_t *row, const float *aff, int64_t stride, int64_t n_pairs,
+                         const float *tau, int64_t *out_req, int64_t *out_row, float *out_lower,
+                         float *out_upper) {
+#define STEP2(G, CHUNKS, E)                                                                        \
+    step2(g, g_scale, G, CHUNKS, wq, q_scale, p_t, n_req, E, coef, per_ad, n_ads, shift_base,     \
+          eta_l, kappa, one_u, u_2kappa, req, row, aff, stride, n_pairs, tau, out_req, out_row,   \
+          out_lower, out_upper)
+    if (gdim == 64 && n_exp == 8) return STEP2(64, 64 / CHUNK, 8);
+    if (gdim == 64) return STEP2(64, 64 / CHUNK, n_exp);
+    return STEP2(gdim, (gdim + CHUNK - 1) / CHUNK, n_exp);
+#undef STEP2
+}
+
+int64_t m31_step2(const int8_t *g, const float *g_scale, int64_t gdim, const int16_t *wq,
+                  const float *q_scale, const float *p_t, int64_t n_req, int64_t n_exp,
+                  const float *coef, const float *per_ad, int64_t n_ads, double shift_base,
+                  float eta_l, float kappa, float one_u, float u_2kappa, const int64_t *req,
+                  const int64_t *row, const float *aff, int64_t stride, int64_t n_pairs,
+                  const float *tau, int64_t *out_req, int64_t *out_row, float *out_lower,
+                  float *out_upper) {
+    return step2_any(g, g_scale, gdim, wq, q_scale, p_t, n_req, n_exp, coef, per_ad, n_ads,
+                     shift_base, eta_l, kappa, one_u, u_2kappa, req, row, aff, stride, n_pairs, tau,
+                     out_req, out_row, out_lower, out_upper);
+}
+
+/* ---- The pass: steps 1-3 over the whole table in compiled code, one call per worker thread,
+ * the threads sharing τ (`_Threshold`'s counterpart) and the blocks still to scan. ---- */
+
+/* fp32 values written under the lock and read without it */
+INLINE float load_f(const float *p) {
+    float v;
+    __atomic_load(p, &v, __ATOMIC_RELAXED);
+    return v;
+}
+INLINE void store_f(float *p, float v) { __atomic_store(p, &v, __ATOMIC_RELAXED); }
+
+/* τ [B]: per request the K largest lower bounds ℓ offered so far (a min-heap), τ the K-th of
+ * them (-inf until there are K); tau_refine and tau_scan lowered by the slack of the two
+ * filters as `_Threshold` lowers them. */
+typedef struct {
+    pthread_mutex_t lock;
+    int64_t n_req, k, next_span;
+    float c_refine, c_scan;
+    int64_t *filled; /* [B] */
+    float *heap;     /* [B, K] */
+    float *tau, *tau_refine, *tau_scan; /* [B] each */
+} m31_shared;
+
+void m31_shared_free(m31_shared *sh) {
+    if (!sh) return;
+    pthread_mutex_destroy(&sh->lock);
+    free(sh->filled), free(sh->heap), free(sh->tau);
+    free(sh);
+}
+
+/* c_refine = slack, c_scan = u'' + slack (`_Threshold`). NULL when out of memory. */
+m31_shared *m31_shared_new(int64_t n_req, int64_t k, float c_refine, float c_scan) {
+    m31_shared *sh = calloc(1, sizeof *sh);
+    if (!sh) return NULL;
+    if (pthread_mutex_init(&sh->lock, NULL)) {
+        free(sh);
+        return NULL;
+    }
+    sh->n_req = n_req, sh->k = k, sh->c_refine = c_refine, sh->c_scan = c_scan;
+    sh->filled = calloc((size_t)n_req, sizeof *sh->filled);
+    sh->heap = malloc((size_t)(n_req * k) * sizeof *sh->heap);
+    sh->tau = malloc((size_t)(3 * n_req) * sizeof *sh->tau);
+    if (!sh->filled || !sh->heap || !sh->tau) {
+        m31_shared_free(sh);
+        return NULL;
+    }
+    sh->tau_refine = sh->tau + n_req, sh->tau_scan = sh->tau + 2 * n_req;
+    for (int64_t r = 0; r < 3 * n_req; r++) sh->tau[r] = -INFINITY;
+    return sh;
+}
+
+/* tau_refine [B] as it stands (after the workers: the final filter's threshold). */
+void m31_shared_tau(m31_shared *sh, float *out) {
+    for (int64_t r = 0; r < sh->n_req; r++) out[r] = load_f(sh->tau_refine + r);
+}
+
+/* Merge the lower bounds ℓ [n] of pairs of requests req [n], each pair offered once. */
+static void offer(m31_shared *sh, const int64_t *req, const float *lower, int64_t n) {
+    const int64_t k = sh->k;
+    pthread_mutex_lock(&sh->lock);
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t r = req[i];
+        float *h = sh->heap + r * k, v = lower[i];
+        int64_t at;
+        if (sh->filled[r] < k) { /* sift up from the end */
+            at = sh->filled[r]++;
+            while (at > 0 && h[(at - 1) / 2] > v) h[at] = h[(at - 1) / 2], at = (at - 1) / 2;
+            h[at] = v;
+        } else if (v > h[0]) { /* replace the smallest, sift down */
+            at = 0;
+            for (;;) {
+                int64_t child = 2 * at + 1;
+                if (child >= k) break;
+                if (child + 1 < k && h[child + 1] < h[child]) child++;
+                if (!(h[child] < v)) break;
+                h[at] = h[child], at = child;
+            }
+            h[at] = v;
+        } else {
+            continue;
+        }
+        if (sh->filled[r] == k) {
+            const float t = h[0];
+            store_f(sh->tau + r, t);
+            store_f(sh->tau_refine + r, t - sh->c_refine * fabsf(t));
+            store_f(sh->tau_scan + r, t - sh->c_scan * fabsf(t));
+        }
+    }
+    pthread_mutex_unlock(&sh->lock);
+}
+
+/* A worker's candidates (req, row, h), left by `m31_pass` for `m31_cands_take`. */
+typedef struct {
+    int64_t count, room;
+    int64_t *req, *row;
+    float *upper;
+} m31_cands;
+
+static int cands_room(m31_cands *c, int64_t want) {
+    if (want <= c->room) return 0;
+    int64_t room = c->room ? c->room : 1024;
+    while (room < want) room *= 2;
+    int64_t *req = realloc(c->req, (size_t)room * sizeof *req);
+    if (req) c->req = req;
+    int64_t *row = realloc(c->row, (size_t)room * sizeof *row);
+    if (row) c->row = row;
+    float *upper = realloc(c->upper, (size_t)room * sizeof *upper);
+    if (upper) c->upper = upper;
+    if (!req || !row || !upper) return -1;
+    c->room = room;
+    return 0;
+}
+
+static void cands_free(m31_cands *c) {
+    if (!c) return;
+    free(c->req), free(c->row), free(c->upper);
+    free(c);
+}
+
+/* Copy the candidates out (req, row [count] int64, upper [count] fp32) and free them. */
+void m31_cands_take(m31_cands *c, int64_t *req, int64_t *row, float *upper) {
+    memcpy(req, c->req, (size_t)c->count * sizeof *req);
+    memcpy(row, c->row, (size_t)c->count * sizeof *row);
+    memcpy(upper, c->upper, (size_t)c->count * sizeof *upper);
+    cands_free(c);
+}
+
+/* Step 3's pruning: drop the candidates whose h fell below tau_refine. */
+static void prune(m31_shared *sh, m31_cands *c) {
+    int64_t kept = 0;
+    for (int64_t i = 0; i < c->count; i++) {
+        if (!(c->upper[i] >= load_f(sh->tau_refine + c->req[i]))) continue;
+        c->req[kept] = c->req[i], c->row[kept] = c->row[i], c->upper[kept] = c->upper[i];
+        kept++;
+    }
+    c->count = kept;
+}
+
+/* `_Worker.scan` .. `finish` for one thread on an 8-bit table (cpu_score_topk's steps 1-3):
+ * takes the spans [lo, hi) of spans [n_spans, 2] in turn with the other workers of sh; per
+ * span, step 1 (`m31_scan_int8`, with offset[a] = scan_bias[a] + x_norm[a]·alpha, as
+ * `_affinity_offset`); step 2 (`step2`) on the pending survivors once there are refine_pairs of
+ * them or after a span shorter than block; the pairs with ℓ above τ offered to sh; those with
+ * h >= tau_refine kept as candidates, which are pruned whenever they pass room (then doubled).
+ * Arguments as `m31_scan_int8` and `m31_step2` take them (x, x_scale, g, g_scale of the whole
+ * table; w = v_int, wq = q_int). Returns the candidates in *out, and their count, or -1 when
+ * out of memory. */
+int64_t m31_pass(m31_shared *sh, const int64_t *spans, int64_t n_spans, int64_t block,
+                 const int8_t *x, const float *x_scale, int64_t d, const int8_t *g,
+                 const float *g_scale, int64_t gdim, const float *per_ad, const float *scan_bias,
+                 int64_t n_ads, const int16_t *w, const float *v_scale, const int16_t *wq,
+                 const float *q_scale, const float *p_t, const float *coef, int64_t n_req,
+                 int64_t n_exp, float alpha, double shift_base, float eta_l, float kappa,
+                 float one_u, float u_2kappa, int64_t mask_mode, const uint8_t *mask,
+                 int64_t mask_stride, const int64_t *mask_index, int64_t refine_pairs,
+                 int64_t room, m31_cands **out) {
+    const float *x_norm = per_ad + n_ads;
+    const int64_t cap = refine_pairs + n_req * block; /* pending pairs: a block's on top */
+    /* Â [E, stride]: rows 64 bytes apart modulo 4 KiB, not in the same cache sets */
+    const int64_t stride = (cap + 15) / 16 * 16 + 16;
+    int64_t *p_req = malloc((size_t)cap * sizeof *p_req);
+    int64_t *p_row = malloc((size_t)cap * sizeof *p_row);
+    float *p_aff = malloc((size_t)(n_exp * stride) * sizeof *p_aff);
+    int64_t *k_req = malloc((size_t)cap * sizeof *k_req);
+    int64_t *k_row = malloc((size_t)cap * sizeof *k_row);
+    float *lower = malloc((size_t)cap * sizeof *lower);
+    float *upper = malloc((size_t)cap * sizeof *upper);
+    float *offset = malloc((size_t)block * sizeof *offset);
+    float *tau = malloc((size_t)(2 * n_req) * sizeof *tau);
+    m31_cands *cands = calloc(1, sizeof *cands);
+    int64_t result = -1, pending = 0;
+    if (!p_req || !p_row || !p_aff || !k_req || !k_row || !lower || !upper || !offset || !tau ||
+        !cands)
+        goto done;
+    for (;;) {
+        const int64_t span = __atomic_fetch_add(&sh->next_span, 1, __ATOMIC_RELAXED);
+        int64_t lo = 0, n = 0;
+        if (span < n_spans) lo = spans[2 * span], n = spans[2 * span + 1] - lo;
+        if (n > 0) { /* step 1 */
+            for (int64_t a = 0; a < n; a++) offset[a] = scan_bias[lo + a] + x_norm[lo + a] * alpha;
+            for (int64_t r = 0; r < n_req; r++) tau[r] = load_f(sh->tau_scan + r);
+            const uint8_t *mask_at = mask_mode == 1 ? mask + lo : mask; /* packed: lo as offset */
+            const int64_t found = m31_scan_int8(
+                x + lo * d, x_scale + lo, offset, n, d, w, v_scale, tau, n_req, n_exp, mask_mode,
+                mask_at, mask_stride, mask_index, lo, p_req + pending, p_row + pending,
+                p_aff + pending, stride);
+            for (int64_t s = pending; s < pending + found; s++) p_row[s] += lo;
+            pending += found;
+        }
+        const int last = span >= n_spans;
+        if (pending && (pending >= refine_pairs || n < block || last)) { /* step 2 */
+            for (int64_t r = 0; r < n_req; r++) tau[r] = load_f(sh->tau_refine + r);
+            const int64_t kept = step2_any(
+                g, g_scale, gdim, wq, q_scale, p_t, n_req, n_exp, coef, per_ad, n_ads,
+                shift_base, eta_l, kappa, one_u, u_2kappa, p_req, p_row, p_aff, stride, pending,
+                tau, k_req, k_row, lower, upper);
+            pending = 0;
+            /* the pairs whose ℓ passes τ raise it (p_req, lower reused for them) */
+            int64_t promoted = 0;
+            for (int64_t s = 0; s < kept; s++) {
+                if (!(lower[s] > load_f(sh->tau + k_req[s]))) continue;
+                p_req[promoted] = k_req[s], lower[promoted] = lower[s];
+                promoted++;
+            }
+            if (promoted) offer(sh, p_req, lower, promoted);
+            if (cands_room(cands, cands->count + kept)) goto done;
+            memcpy(cands->req + cands->count, k_req, (size_t)kept * sizeof *k_req);
+            memcpy(cands->row + cands->count, k_row, (size_t)kept * sizeof *k_row);
+            memcpy(cands->upper + cands->count, upper, (size_t)kept * sizeof *upper);
+            cands->count += kept;
+            if (cands->count > room) {
+                prune(sh, cands);
+                room = room > 2 * cands->count ? room : 2 * cands->count;
+            }
+        }
+        if (last) break;
+    }
+    prune(sh, cands);
+    result = cands->count;
+    *out = cands;
+    cands = NULL;
+done:
+    free(p_req), free(p_row), free(p_aff), free(k_req), free(k_row), free(lower), free(upper);
+    free(offset), free(tau);
+    cands_free(cands);
+    return result;
 }

@@ -61,9 +61,13 @@ the rounding of the query, measured exactly once per call; C-S is Cauchy–Schwa
   below max_e A_e + b up to a further c·V̂‖x‖ + 2⁻²³|b| with c = 2γ_D + 4κ (κ below).
 * Gate: if every logit is off by at most η, the softmax weights' ratios to the exact ones lie in
   [e^(-2η), e^(2η)], so |Σ_e (w̃_e - w_e) A_e| ≤ (e^(2η) - 1) Σ_e w̃_e |A_e|. Here
-  η = ‖δq‖‖g‖ + (2γ_G + 2⁻²³) Q̂ ‖g‖ + u'Λ̂ + 2⁻²¹(Λ̂ + P), with Q̂ = max_e ‖q̂_e‖, Λ̂ = max_e |L̂_e|,
-  P = max_e |p_e|: rounding of q (C-S), accumulation and the division by √G on both sides, output
-  rounding, and the fp32 additions of p on both sides.
+  η = ‖δq‖‖g‖ + (2γ_G + 2⁻²³) Q̂ ‖g‖ + u'Λ̂ + 2⁻²¹(Λ̂ + P) + 2⁻¹⁸, with Q̂ = max_e ‖q̂_e‖,
+  Λ̂ = max_e |L̂_e|, P = max_e |p_e|: rounding of q (C-S), accumulation and the division by √G on
+  both sides, output rounding, the fp32 additions of p on both sides, and the exponential's own
+  error (a weight within a relative 2⁻¹⁹ of e^l, as the compiled step 2's are, is e^(l + δ)
+  with |δ| < 2⁻¹⁸). Weights of logits below -86 may come out as anything in [0, 2⁻¹²⁴); that
+  happens only after the shift that makes a pair's largest logit 0 (weight 1), so it moves s̃ by
+  less than E·2⁻¹²⁴ max_e |A_e|, far inside the (1 + 2⁻¹⁰) below (a ≥ 2⁻²³ V̂‖x‖).
 * Total, with m = Σ_e w̃_e |Â_e| and a = (δV + 2γ_D V̂)‖x‖:
   |s̃ - s| ≤ ε_gate = (1 + 2⁻¹⁰)·[(e^(2η) - 1)(m(1 + u') + a) + a + u'm + κ(2m + |s̃| + |b|)],
   κ = (2E + 64)·2⁻²⁴ covering the fp32 softmax, products, sums, division and bias on both sides
@@ -84,16 +88,19 @@ with u' = 2⁻²¹ (the fp32 scaling of an exact integer product, `_plan_int8`) 
 rounding of the query in δq, δv. The logits are computed per request over its survivors' rows of
 g at the gate step (`_Worker.logits_int8`), not for every pair of a block. Where int8 products
 are not exact on the CPU (`int8_products_exact`), the dequantized table takes the path above.
-Where a C compiler is at hand, steps 1 and 2 of an 8-bit table run as compiled loops
+Where a C compiler is at hand, steps 1-3 of an 8-bit table run as compiled loops
 (`m31.ops.native`, `cpu_int8.c`; 2.2x the torch ops at B = 1, 3.1x at B = 64, N = 1 M, on an
-Ice Lake Xeon with VNNI; far more where torch's int8 products have no VNNI, see bench/RESULTS.md):
-step 1 in one pass per block over the eligible pairs only (with AVX-512, four experts' int16
-multiply-adds at a time; with AVX2, eight, and from two requests on the ads in the lanes with no
-lane sums; elsewhere loops that the compiler vectorizes), step 2 in two passes around torch's
-exp and expm1. Step 1 computes the same integer products and the same fp32 operations in the
-same order, so its survivors and their values are the torch ops' own; step 2 is another fp32
-evaluation of the same formulas (its sums over E in expert order), which the bounds above allow
-for.
+Ice Lake Xeon with VNNI; far more where torch's int8 products have no VNNI, see bench/RESULTS.md),
+one call per worker thread over all the blocks it takes (`_compiled_pass`), so that the threads
+take the GIL only to start and to hand back their candidates: step 1 in one pass per block over
+the eligible pairs only (with AVX-512, four experts' int16 multiply-adds at a time; with AVX2,
+eight, and from two requests on the ads in the lanes with no lane sums; elsewhere loops that the
+compiler vectorizes), step 2 in one pass over the survivors, 256 pairs at a time, with
+exponentials of its own (`exp_f`: within a relative 2⁻¹⁹, which η above covers), step 3 with τ
+shared by the threads under a lock. Step 1 computes the same integer products and the same fp32
+operations in the same order, so its survivors and their values are the torch ops' own; step 2
+is another fp32 evaluation of the same formulas (its sums over E in expert order), which the
+bounds above allow for.
 
 The bounds are worst cases (typically 5-20× the actual error), which only costs extra survivors.
 fp32 (or fp16) tables take the same path with fp32 products (u = 0): a quarter of the product
@@ -116,6 +123,7 @@ not far in the tail): below roughly 100-200 K ads a compiled dense scorer wins.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 import queue
@@ -160,6 +168,9 @@ _CHUNK = 1 << 16  # rows of an 8-bit table dequantized at a time (for its norms)
 _NATIVE_MAX_EXPERTS = 512
 _RESCORE_PAIRS = 1 << 15  # (request, candidate) pairs per chunk of the exact rescoring
 _SLACK = 2.0**-20  # relative slack for the fp32 arithmetic of the filters themselves
+# step 2's exponentials may be off by a relative 2^-19 (the compiled ones, `exp_f` in
+# cpu_int8.c; torch's are within an ulp): as a logit error, < 2^-18, added to η
+_EXP_ETA = 2.0**-18
 # The filters run on inputs whose logits and scores stay below 2^100 in magnitude: their bound
 # arithmetic (squared norms, e^(2η)·m, ...) then never meets inf·0 (see `_in_range`).
 _RANGE = 2.0**100
@@ -270,7 +281,12 @@ def _bounds_plan(k, qh, vh, p, eta_g, dv, v_norm, ddim: int, u_l: float, u_a: fl
         p_t=p32.T.contiguous(),
         p_abs_max=float(p32.abs().max()),
         coef=torch.stack(
-            [eta_g, 2.0**-21 * p32.double().abs().amax(1), dv + 2 * _gamma(ddim) * v_norm], dim=1
+            [
+                eta_g,
+                2.0**-21 * p32.double().abs().amax(1) + _EXP_ETA,
+                dv + 2 * _gamma(ddim) * v_norm,
+            ],
+            dim=1,
         ).float(),
         eta_l=u_l + 2.0**-21,
         u_a=u_a,
@@ -504,7 +520,12 @@ def _affinity_offset(plan: _Plan, x_norm: torch.Tensor, scan_bias: torch.Tensor)
     rounding of this arithmetic; fp32 rounding is monotone, so the rounded sum M̂ + offset'' is
     ≥ τ'' whenever the exact one is.
     """
-    return torch.add(scan_bias, x_norm, alpha=plan.u_x * (1 + plan.u_scan + _SLACK))
+    return torch.mul(x_norm, _offset_alpha(plan)).add_(scan_bias)  # as `m31_pass` (no fma)
+
+
+def _offset_alpha(plan: _Plan) -> float:
+    """The coefficient of ‖x‖ in step 1's offset'' (`_affinity_offset`)."""
+    return plan.u_x * (1 + plan.u_scan + _SLACK)
 
 
 def _gate_bounds(plan: _Plan, req, gate, aff, g_norm, x_norm, bias):
@@ -541,36 +562,19 @@ def _gate_bounds(plan: _Plan, req, gate, aff, g_norm, x_norm, bias):
 
 
 class _Worker:
-    """Scans blocks of ads for one thread and keeps that thread's candidates.
-
-    mask_args: the mask as the compiled scan reads it (`_mask_args`), shared by the workers of a
-    call (default: made here)."""
+    """Scans blocks of ads for one thread and keeps that thread's candidates, in torch ops (an
+    8-bit table takes `_compiled_pass` where the compiled helpers are built)."""
 
     def __init__(
-        self,
-        plan: _Plan,
-        table,
-        stats: _TableStats,
-        mask,
-        shared: _Threshold,
-        block: int,
-        mask_args: tuple | None = None,
+        self, plan: _Plan, table, stats: _TableStats, mask, shared: _Threshold, block: int
     ):
         self.plan, self.shared, self.stats = plan, shared, stats
         self.table = table  # (g, x, b) or an Int8Table
         self.g, self.x = (table.g, table.x) if plan.quantized else table[:2]
         self.mask = mask
-        compiled = plan.quantized and plan.n_exp <= _NATIVE_MAX_EXPERTS
-        self.lib = native.library() if compiled else None
-        if self.lib is not None:  # the compiled scan's survivors: req, ad [B·n], Â [E, B·n]
-            self.s_req = torch.empty(plan.n_req * block, dtype=torch.long)
-            self.s_ad = torch.empty(plan.n_req * block, dtype=torch.long)
-            self.s_aff = torch.empty(plan.n_exp, plan.n_req * block)
-            self.mask_args = _mask_args(mask) if mask_args is None else mask_args
-            self._fixed_args(table, stats)
-        else:  # products' scratch: [B·E, n] in the product dtype, or [P·B·E, n] int32 (8-bit)
-            out = torch.int32 if plan.quantized else plan.vh.dtype
-            self.a_buf = torch.empty(len(plan.vh) * block, dtype=out)
+        # products' scratch: [B·E, n] in the product dtype, or [P·B·E, n] int32 (8-bit)
+        out = torch.int32 if plan.quantized else plan.vh.dtype
+        self.a_buf = torch.empty(len(plan.vh) * block, dtype=out)
         self.l_buf = None  # (8-bit tables compute logits per request, `logits_int8`)
         if plan.qh is not None and not plan.quantized:
             self.l_buf = torch.empty(len(plan.qh) * block, dtype=plan.qh.dtype)
@@ -606,8 +610,7 @@ class _Worker:
 
     def add_pending(self, req, row, gate, aff, n: int) -> None:
         """Queue survivors (req [S], row [S], L̂ [S, E] or None, Â [E, S]) of a block of n ads."""
-        # the compiled step 2 reads the table's constants by row itself
-        per_ad = None if self.lib is not None else self.stats.per_ad.index_select(1, row)
+        per_ad = self.stats.per_ad.index_select(1, row)  # [3, S]
         self.pending.append((req, row, gate, aff, per_ad))
         self.n_pending += len(req)
         if self.n_pending >= self.refine_pairs or n < self.block:
@@ -631,8 +634,6 @@ class _Worker:
 
         Â_e = (I_e·v_scale)·x_scale in fp32 with both scales positive, so max_e Â_e is the same
         expression of max_e I_e (fp32 rounding is monotone): one [B, n] scaling, not [B·E, n]."""
-        if self.lib is not None:
-            return self.scan_native(lo, hi)
         plan, stats, table, n = self.plan, self.stats, self.table, hi - lo
         n_req, n_exp = plan.n_req, plan.n_exp
         ints = _int_products(plan.vh, table.x[lo:hi], n_req * n_exp, self.a_buf)  # [B·E, n] I
@@ -649,49 +650,6 @@ class _Worker:
         aff = ints.take(_expert_index(req, ad, n_exp, n)).float()  # [E, S]
         aff.mul_(plan.v_scale.index_select(0, req)).mul_(x_scale.index_select(0, ad))  # Â
         self.add_pending(req, ad + lo, None, aff, n)  # the logits follow in `refine`
-
-    def _fixed_args(self, table: Int8Table, stats: _TableStats) -> None:
-        """The compiled helpers' arguments that stay for the call: the addresses of the table's,
-        the plan's and the outputs' arrays, checked once here (`native.ptr`). A block's rows
-        are then base + offset: each array is contiguous, and at a few per block the checks of
-        Python-side pointers measured 13% of a B = 1 call with two threads (the GIL)."""
-        plan, ptr = self.plan, native.ptr
-        mode, mask, stride, index = self.mask_args
-        g_norm, x_norm, bias = stats.per_ad.unbind(0)  # rows of a contiguous [3, N]
-        self._per_ad = (g_norm, x_norm, bias)  # alive with the worker
-        self._x_at = (ptr(table.x), table.x.shape[1], ptr(table.x_scale))  # int8, fp32 rows
-        self._mask_at = None if mask is None else ptr(mask)  # bool or packed bits
-        self._scan_args = (
-            ptr(plan.v_int), ptr(plan.v_scale), plan.n_req, plan.n_exp, mode, stride, ptr(index),
-            ptr(self.s_req), ptr(self.s_ad), ptr(self.s_aff), self.s_aff.shape[1],
-        )  # fmt: skip
-        self._logits_args = (
-            ptr(table.g), ptr(table.g_scale), table.g.shape[1], ptr(plan.q_int),
-            ptr(plan.q_scale), ptr(plan.p_t), plan.n_req, plan.n_exp, ptr(plan.coef),
-            ptr(g_norm), plan.p_abs_max + math.log(plan.n_exp), plan.eta_l,
-        )  # fmt: skip
-        self._bounds_args = (
-            ptr(x_norm), ptr(bias), ptr(plan.coef), plan.n_exp, plan.kappa, 1 + plan.u_a,
-            plan.u_a + 2 * plan.kappa,
-        )  # fmt: skip
-
-    def scan_native(self, lo: int, hi: int) -> None:
-        """`scan_int8` in one compiled pass over the block (`cpu_int8.c`: the same values)."""
-        plan, stats, n = self.plan, self.stats, hi - lo
-        offset = _affinity_offset(plan, stats.x_norm[lo:hi], stats.scan_bias[lo:hi])  # [n]
-        tau = self.shared.for_scan.contiguous()  # [B], alive through the call
-        x_at, d, x_scale_at = self._x_at
-        w_at, v_scale_at, n_req, n_exp, mode, stride, index_at, *out = self._scan_args
-        mask_at = self._mask_at
-        if mode == 1:  # bool rows: the block's first byte (packed bits take lo as an offset)
-            mask_at += lo
-        count = self.lib.m31_scan_int8(
-            x_at + lo * d, x_scale_at + 4 * lo, offset.data_ptr(), n, d, w_at, v_scale_at,
-            tau.data_ptr(), n_req, n_exp, mode, mask_at, stride, index_at, lo, *out,
-        )  # fmt: skip
-        if count:
-            req, ad = self.s_req[:count].clone(), self.s_ad[:count] + lo
-            self.add_pending(req, ad, None, self.s_aff[:, :count].clone(), n)
 
     def logits_int8(self, req, row, aff, per_ad):
         """L̂ [E, S] of the pending pairs of an 8-bit table, the pairs reordered by request.
@@ -719,7 +677,7 @@ class _Worker:
         """Step 2 on the gathered survivors: s̃ ± ε in fp32; keep the pairs with h ≥ τ."""
         if not self.pending:
             return
-        req, row, lower, upper = self.bounds() if self.lib is None else self.bounds_native()
+        req, row, lower, upper = self.bounds()
         promote = torch.nonzero(lower > self.shared.tau.index_select(0, req)).squeeze(1)
         if len(promote):
             self.shared.offer(req.index_select(0, promote), lower.index_select(0, promote))
@@ -747,28 +705,6 @@ class _Worker:
         keep = torch.nonzero(upper >= self.shared.for_refine.index_select(0, req)).squeeze(1)
         req, row = req.index_select(0, keep), row.index_select(0, keep)
         return req, row, lower.index_select(0, keep), upper.index_select(0, keep)
-
-    def bounds_native(self):
-        """`bounds` of an 8-bit table in two compiled passes around torch's exp and expm1
-        (`cpu_int8.c`), so the exponentials, and with them the bounds' proof, stay torch's."""
-        plan, ptr = self.plan, native.ptr
-        req, row, _, affs, _ = zip(*self.pending, strict=True)
-        self.pending, self.n_pending = [], 0
-        req, row, aff = torch.cat(req), torch.cat(row), torch.cat(affs, dim=1)  # aff [E, S]
-        n_pairs = len(req)
-        logits, eta2 = torch.empty(plan.n_exp, n_pairs), torch.empty(n_pairs)  # [E, S], [S]
-        self.lib.m31_logits_int8(
-            *self._logits_args, ptr(req), ptr(row), n_pairs, ptr(logits), ptr(eta2)
-        )
-        weights, em = logits.exp_(), eta2.expm1_()
-        tau = self.shared.for_refine.contiguous()  # [B], alive through the call
-        out_req, out_row = torch.empty_like(req), torch.empty_like(row)
-        lower, upper = torch.empty(n_pairs), torch.empty(n_pairs)
-        count = self.lib.m31_bounds(
-            ptr(weights), ptr(em), ptr(aff), *self._bounds_args, ptr(req), ptr(row), n_pairs,
-            ptr(tau), ptr(out_req), ptr(out_row), ptr(lower), ptr(upper),
-        )  # fmt: skip
-        return out_req[:count], out_row[:count], lower[:count], upper[:count]
 
     def prune(self) -> None:
         """Step 3: drop the candidates whose upper bound fell below τ."""
@@ -812,28 +748,64 @@ def _spans(n_ads: int, block: int) -> list[tuple[int, int]]:
     return spans
 
 
-def _in_threads(n_threads: int, spans, work, last=None) -> None:
-    """work(i, lo, hi) for every span (lo, hi), then last(i), in threads i < n_threads (the
-    caller's is 0) that take the spans in turn, each running torch on one core. Products and
-    most other ops release the GIL; many small OpenMP regions instead stall on a busy machine,
-    each waiting for its slowest thread. The first error is re-raised here."""
-    todo: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
-    for span in spans:
-        todo.put(span)
+def _compiled_pass(
+    lib, plan: _Plan, table: Int8Table, stats: _TableStats, mask, spans, block: int, n_workers: int
+):
+    """Steps 1-3 on an 8-bit table in compiled code (`m31_pass` in `cpu_int8.c`): each worker
+    thread one call that takes the spans in turn with the others and shares τ with them, so
+    that the GIL is taken only to start the calls and to collect their candidates. The same
+    steps as `_Worker`'s, with step 2's exponentials compiled too (see the module docstring).
+    -> (req, row, h) of the candidates, and τ for the final filter ([B] `for_refine`)."""
+    ptr, n_req = native.ptr, plan.n_req
+    mode, mask_data, mask_stride, mask_index = _mask_args(mask)
+    span_at = torch.tensor(spans, dtype=torch.long)  # [n_spans, 2]
+    args = (
+        ptr(span_at), len(spans), block, ptr(table.x), ptr(table.x_scale), table.x.shape[1],
+        ptr(table.g), ptr(table.g_scale), table.g.shape[1], ptr(stats.per_ad),
+        ptr(stats.scan_bias), len(stats.scan_bias), ptr(plan.v_int), ptr(plan.v_scale),
+        ptr(plan.q_int), ptr(plan.q_scale), ptr(plan.p_t), ptr(plan.coef), n_req, plan.n_exp,
+        _offset_alpha(plan), plan.p_abs_max + math.log(plan.n_exp), plan.eta_l, plan.kappa,
+        1 + plan.u_a, plan.u_a + 2 * plan.kappa, mode, ptr(mask_data), mask_stride,
+        ptr(mask_index), _REFINE_PAIRS_ONE if n_req == 1 else _REFINE_PAIRS,
+        max(8 * n_req * plan.k, 1 << 15),
+    )  # fmt: skip
+    shared = lib.m31_shared_new(n_req, plan.k, _SLACK, plan.u_scan + _SLACK)
+    if not shared:
+        raise MemoryError("the cpu kernel's threshold: out of memory")
+    found: list[tuple[torch.Tensor, ...]] = []
+
+    def work(_: int) -> None:
+        cands = ctypes.c_void_p()
+        count = lib.m31_pass(shared, *args, ctypes.byref(cands))
+        if count < 0:
+            raise MemoryError("the cpu kernel's compiled pass: out of memory")
+        req, row = torch.empty(count, dtype=torch.long), torch.empty(count, dtype=torch.long)
+        upper = torch.empty(count)
+        lib.m31_cands_take(cands, ptr(req), ptr(row), ptr(upper))
+        found.append((req, row, upper))
+
+    try:
+        _in_threads(n_workers, work)
+        tau = torch.empty(n_req)
+        lib.m31_shared_tau(shared, ptr(tau))
+    finally:
+        lib.m31_shared_free(shared)
+    req, row, upper = (torch.cat(t) for t in zip(*found, strict=True))
+    return req, row, upper, tau
+
+
+def _in_threads(n_threads: int, work) -> None:
+    """work(i) in threads i < n_threads (the caller's is 0), each running torch on one core.
+    Products and most other ops release the GIL, and so do the compiled helpers; many small
+    OpenMP regions instead stall on a busy machine, each waiting for its slowest thread. The
+    first error is re-raised here."""
     caller_threads = torch.get_num_threads()
     errors: list[BaseException] = []
 
     def run(i: int) -> None:
         try:
             with single_threaded(caller_threads):
-                while True:
-                    try:
-                        lo, hi = todo.get_nowait()
-                    except queue.Empty:
-                        break
-                    work(i, lo, hi)
-                if last is not None:
-                    last(i)
+                work(i)
         except BaseException as err:  # re-raised in the caller below
             errors.append(err)
 
@@ -845,6 +817,26 @@ def _in_threads(n_threads: int, spans, work, last=None) -> None:
         t.join()
     if errors:
         raise errors[0]
+
+
+def _spans_in_threads(n_threads: int, spans, work, last=None) -> None:
+    """work(i, lo, hi) for every span (lo, hi), then last(i), in threads i < n_threads
+    (`_in_threads`) that take the spans in turn."""
+    todo: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
+    for span in spans:
+        todo.put(span)
+
+    def run(i: int) -> None:
+        while True:
+            try:
+                lo, hi = todo.get_nowait()
+            except queue.Empty:
+                break
+            work(i, lo, hi)
+        if last is not None:
+            last(i)
+
+    _in_threads(n_threads, run)
 
 
 def _by_request(req: torch.Tensor, row: torch.Tensor, n_req: int):
@@ -868,7 +860,7 @@ def _exact_topk(q, v, p, take, rows, valid, k_out: int, threads: int = 1):
     candidates (None: all are). The scores come from the same `rounded_score` as the reference's,
     so they depend on an ad's row alone, not on where it sits among the candidates; the stable
     sort then puts tied ads in row order.
-    `threads`: threads that score chunks of candidates (`_in_threads`).
+    `threads`: threads that score chunks of candidates (`_spans_in_threads`).
     """
     n_req, width = q.shape[0], rows.shape[1]
     scores = torch.empty(n_req, width)  # [B, C]
@@ -879,7 +871,7 @@ def _exact_topk(q, v, p, take, rows, valid, k_out: int, threads: int = 1):
         r = rows[:, lo:hi]  # [B or 1, c]
         scores[:, lo:hi] = rounded_score(q, v, p, *take(r[0] if len(r) == 1 else r))  # [B, c]
 
-    _in_threads(min(threads, len(spans)), spans, rescore)
+    _spans_in_threads(min(threads, len(spans)), spans, rescore)
     if valid is not None:
         scores.masked_fill_(~valid, -math.inf)
     scores, pick = torch.sort(scores, dim=1, descending=True, stable=True)
@@ -1096,19 +1088,28 @@ def _filtered_topk(q, v, p, table, take, stats, mask, k_out: int, block, threads
     block = min(block, n_ads)
     spans = _spans(n_ads, block)
     n_workers = min(threads or torch.get_num_threads(), len(spans))
-    shared = _Threshold(n_req, k_out, plan.u_scan)
-    mask_args = _mask_args(mask) if plan.quantized else None  # once: a copy if not contiguous
-    workers = [
-        _Worker(plan, table, stats, mask, shared, block, mask_args) for _ in range(n_workers)
-    ]
-    _in_threads(
-        n_workers, spans, lambda i, lo, hi: workers[i].scan(lo, hi), lambda i: workers[i].finish()
-    )
-    parts = [w.cands[0] for w in workers if w.cands]
-    if not parts:
+    lib = native.library() if plan.quantized and plan.n_exp <= _NATIVE_MAX_EXPERTS else None
+    if lib is not None:
+        req, row, upper, tau = _compiled_pass(
+            lib, plan, table, stats, mask, spans, block, n_workers
+        )
+    else:
+        shared = _Threshold(n_req, k_out, plan.u_scan)
+        workers = [_Worker(plan, table, stats, mask, shared, block) for _ in range(n_workers)]
+        _spans_in_threads(
+            n_workers,
+            spans,
+            lambda i, lo, hi: workers[i].scan(lo, hi),
+            lambda i: workers[i].finish(),
+        )
+        parts = [w.cands[0] for w in workers if w.cands]
+        if not parts:
+            return torch.full((n_req, k_out), -math.inf), torch.full((n_req, k_out), NO_ROW)
+        req, row, upper = (torch.cat(t) for t in zip(*parts, strict=True))
+        tau = shared.for_refine
+    if not len(req):
         return torch.full((n_req, k_out), -math.inf), torch.full((n_req, k_out), NO_ROW)
-    req, row, upper = (torch.cat(t) for t in zip(*parts, strict=True))
-    keep = upper >= shared.for_refine[req]
+    keep = upper >= tau[req]
     req, row = req[keep], row[keep]
     order = torch.argsort(req * n_ads + row)  # by request, then row
     rows, valid = _by_request(req[order], row[order], n_req)

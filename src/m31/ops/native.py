@@ -2,9 +2,10 @@
 
 In torch, the cpu kernel's steps 1 and 2 on an 8-bit table (`cpu_score_topk_int8`) are a dozen
 small operations per block, each a pass over [B·E, n] products, and the per-op cost dominated.
-`cpu_int8.c` does step 1 in one pass per block that touches only the eligible pairs, and step 2
-in two passes around torch's exponentials, with the same values (step 1 bit for bit; step 2 up
-to the order of fp32 sums, which its bounds allow for).
+`cpu_int8.c` does step 1 in one pass per block that touches only the eligible pairs, with the
+torch ops' values bit for bit, and step 2 in one pass over the survivors (another fp32
+evaluation, with exponentials of its own, which its bounds allow for); `m31_pass` runs the
+steps over the whole table for one worker thread.
 
 It needs a C compiler (`$CC`, else `cc`) when first used: the library is built for this
 machine's CPU (-march=native: AVX-512 or AVX2 loops where it has them, else plain loops that
@@ -15,7 +16,7 @@ with `M31_NATIVE=0`, `library()` is None and the kernel keeps its torch path (th
 slower); the reason is logged once.
 
 The functions release the GIL (ctypes does for every call), so the kernel's worker threads run
-them in parallel.
+them in parallel; the threads of one call share their threshold through a mutex in the library.
 """
 
 from __future__ import annotations
@@ -40,17 +41,23 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_int8.c")
 # IEEE fp32 as written: the values must be the torch path's bit for bit (see the source)
-_FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math")
+_FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-fast-math")
 _ARCH = ("-march=native",)
 
-_p, _i64, _f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_p, _i64, _f, _d = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_double
 _SIGNATURES = {
     "m31_scan_int8": (_i64, [_p, _p, _p, _i64, _i64, _p, _p, _p, _i64, _i64, _i64, _p, _i64, _p,
                              _i64, _p, _p, _p, _i64]),
-    "m31_logits_int8": (None, [_p, _p, _i64, _p, _p, _p, _i64, _i64, _p, _p, ctypes.c_double, _f,
-                               _p, _p, _i64, _p, _p]),
-    "m31_bounds": (_i64, [_p, _p, _p, _p, _p, _p, _i64, _f, _f, _f, _p, _p, _i64, _p, _p, _p, _p,
-                          _p]),
+    "m31_step2": (_i64, [_p, _p, _i64, _p, _p, _p, _i64, _i64, _p, _p, _i64, _d, _f, _f, _f, _f,
+                         _p, _p, _p, _i64, _i64, _p, _p, _p, _p, _p]),
+    "m31_exp": (None, [_p, _p, _i64, _i64]),
+    "m31_shared_new": (_p, [_i64, _i64, _f, _f]),
+    "m31_shared_free": (None, [_p]),
+    "m31_shared_tau": (None, [_p, _p]),
+    "m31_pass": (_i64, [_p, _p, _i64, _i64, _p, _p, _i64, _p, _p, _i64, _p, _p, _i64, _p, _p, _p,
+                        _p, _p, _p, _i64, _i64, _f, _d, _f, _f, _f, _f, _i64, _p, _i64, _p, _i64,
+                        _i64, ctypes.POINTER(_p)]),
+    "m31_cands_take": (None, [_p, _p, _p, _p]),
     "m31_simd": (ctypes.c_char_p, []),
 }  # fmt: skip
 
