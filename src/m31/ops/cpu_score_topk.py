@@ -118,7 +118,11 @@ pairs that survive it most of the rest; at B = 1 the affinity product streams x 
 memory latency) and step 2 take most of the rest. The survival rate falls slowly over the pass as
 τ rises (at B = 1 from ~9% of the pairs a quarter of the way in to ~4% at the end; with τ known in
 advance the pass would take 20-30% less), and is higher on small tables (where the K-th score is
-not far in the tail): below roughly 100-200 K ads a compiled dense scorer wins.
+not far in the tail): below roughly 100-200 K ads a compiled dense scorer wins. An 8-bit table
+through the compiled pass, the same shape, one core of a Zen 3 EPYC (AVX2): at B = 1 step 1 takes
+about 60% (26 ns per eligible ad), step 2 20% (76 K pairs, 56 ns each), the plan and the exact
+finish most of the rest; at B = 64 step 1 about 65% (15 ns per eligible pair), step 2 30% (17% of
+the eligible pairs, 39 ns each).
 """
 
 from __future__ import annotations
