@@ -931,18 +931,19 @@ static int cands_room(m31_cands *c, int64_t want) {
     return 0;
 }
 
-static void cands_free(m31_cands *c) {
+void m31_cands_free(m31_cands *c) {
     if (!c) return;
     free(c->req), free(c->row), free(c->upper);
     free(c);
 }
 
-/* Copy the candidates out (req, row [count] int64, upper [count] fp32) and free them. */
+/* Copy the candidates out (req, row [count] int64, upper [count] fp32) and free them (or free
+ * them alone: `m31_cands_free`). */
 void m31_cands_take(m31_cands *c, int64_t *req, int64_t *row, float *upper) {
     memcpy(req, c->req, (size_t)c->count * sizeof *req);
     memcpy(row, c->row, (size_t)c->count * sizeof *row);
     memcpy(upper, c->upper, (size_t)c->count * sizeof *upper);
-    cands_free(c);
+    m31_cands_free(c);
 }
 
 /* Step 3's pruning: drop the candidates whose h fell below tau_refine. */
@@ -1042,6 +1043,6 @@ int64_t m31_pass(m31_shared *sh, const int64_t *spans, int64_t n_spans, int64_t 
 done:
     free(p_req), free(p_row), free(p_aff), free(k_req), free(k_row), free(lower), free(upper);
     free(offset), free(tau);
-    cands_free(cands);
+    m31_cands_free(cands);
     return result;
 }

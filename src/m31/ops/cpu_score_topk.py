@@ -783,8 +783,12 @@ def _compiled_pass(
         count = lib.m31_pass(shared, *args, ctypes.byref(cands))
         if count < 0:
             raise MemoryError("the cpu kernel's compiled pass: out of memory")
-        req, row = torch.empty(count, dtype=torch.long), torch.empty(count, dtype=torch.long)
-        upper = torch.empty(count)
+        try:
+            req, row = torch.empty(count, dtype=torch.long), torch.empty(count, dtype=torch.long)
+            upper = torch.empty(count)
+        except BaseException:
+            lib.m31_cands_free(cands)
+            raise
         lib.m31_cands_take(cands, ptr(req), ptr(row), ptr(upper))
         found.append((req, row, upper))
 

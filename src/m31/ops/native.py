@@ -58,6 +58,7 @@ _SIGNATURES = {
                         _p, _p, _p, _i64, _i64, _f, _d, _f, _f, _f, _f, _i64, _p, _i64, _p, _i64,
                         _i64, ctypes.POINTER(_p)]),
     "m31_cands_take": (None, [_p, _p, _p, _p]),
+    "m31_cands_free": (None, [_p]),
     "m31_simd": (ctypes.c_char_p, []),
 }  # fmt: skip
 
