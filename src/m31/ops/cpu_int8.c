@@ -977,17 +977,15 @@ int64_t m31_pass(m31_shared *sh, const int64_t *spans, int64_t n_spans, int64_t 
                  int64_t room, m31_cands **out) {
     const float *x_norm = per_ad + n_ads;
     const int64_t cap = refine_pairs + n_req * block; /* pending pairs: a block's on top */
-    /* Â [E, stride]: rows 64 bytes apart modulo 4 KiB, not in the same cache sets */
-    const int64_t stride = (cap + 15) / 16 * 16 + 16;
     int64_t *p_req = malloc((size_t)cap * sizeof *p_req);
     int64_t *p_row = malloc((size_t)cap * sizeof *p_row);
-    float *p_aff = malloc((size_t)(n_exp * stride) * sizeof *p_aff);
+    float *p_aff = malloc((size_t)(n_exp * cap) * sizeof *p_aff); /* Â [E, cap] */
     int64_t *k_req = malloc((size_t)cap * sizeof *k_req);
     int64_t *k_row = malloc((size_t)cap * sizeof *k_row);
     float *lower = malloc((size_t)cap * sizeof *lower);
     float *upper = malloc((size_t)cap * sizeof *upper);
     float *offset = malloc((size_t)block * sizeof *offset);
-    float *tau = malloc((size_t)(2 * n_req) * sizeof *tau);
+    float *tau = malloc((size_t)n_req * sizeof *tau); /* a snapshot of one of sh's */
     m31_cands *cands = calloc(1, sizeof *cands);
     int64_t result = -1, pending = 0;
     if (!p_req || !p_row || !p_aff || !k_req || !k_row || !lower || !upper || !offset || !tau ||
@@ -1004,7 +1002,7 @@ int64_t m31_pass(m31_shared *sh, const int64_t *spans, int64_t n_spans, int64_t 
             const int64_t found = m31_scan_int8(
                 x + lo * d, x_scale + lo, offset, n, d, w, v_scale, tau, n_req, n_exp, mask_mode,
                 mask_at, mask_stride, mask_index, lo, p_req + pending, p_row + pending,
-                p_aff + pending, stride);
+                p_aff + pending, cap);
             for (int64_t s = pending; s < pending + found; s++) p_row[s] += lo;
             pending += found;
         }
@@ -1013,7 +1011,7 @@ int64_t m31_pass(m31_shared *sh, const int64_t *spans, int64_t n_spans, int64_t 
             for (int64_t r = 0; r < n_req; r++) tau[r] = load_f(sh->tau_refine + r);
             const int64_t kept = step2_any(
                 g, g_scale, gdim, wq, q_scale, p_t, n_req, n_exp, coef, per_ad, n_ads,
-                shift_base, eta_l, kappa, one_u, u_2kappa, p_req, p_row, p_aff, stride, pending,
+                shift_base, eta_l, kappa, one_u, u_2kappa, p_req, p_row, p_aff, cap, pending,
                 tau, k_req, k_row, lower, upper);
             pending = 0;
             /* the pairs whose ℓ passes τ raise it (p_req, lower reused for them) */

@@ -71,7 +71,8 @@ the rounding of the query, measured exactly once per call; C-S is Cauchy–Schwa
 * Total, with m = Σ_e w̃_e |Â_e| and a = (δV + 2γ_D V̂)‖x‖:
   |s̃ - s| ≤ ε_gate = (1 + 2⁻¹⁰)·[(e^(2η) - 1)(m(1 + u') + a) + a + u'm + κ(2m + |s̃| + |b|)],
   κ = (2E + 64)·2⁻²⁴ covering the fp32 softmax, products, sums, division and bias on both sides
-  and the rounding of the bound arithmetic itself.
+  and the rounding of the bound arithmetic itself. The factor (1 + 2⁻¹⁰) also covers e^(2η) - 1
+  evaluated within a relative 2⁻¹⁵ (the compiled step 2's `expm1_f`; torch's within an ulp).
 * Without the gate: s and s̃ are both convex combinations of the affinities plus b (up to the
   rounding κ covers), and every A_e lies within u'|Â_e| + a of Â_e, so with M̂ = max_e |Â_e|
   |s̃ - s| ≤ ε_free = (1 + 2⁻¹⁰)·[(max_e Â_e - min_e Â_e)(1 + 2⁻²³) + a + u'M̂
