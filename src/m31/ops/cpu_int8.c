@@ -788,14 +788,14 @@ INLINE int64_t step2(const int8_t *g, const float *g_scale, int64_t gdim, int64_
     return kept;
 }
 
-/* `step2` with its loops unrolled for the common shape (G = 64, E = 8); aff [E, S]. */
-static int64_t step2_any(const int8_t *g, const float *g_scale, int64_t gdim, const int16_t *wq,
-                         const float *q_scale, const float *p_t, int64_t n_req, int64_t n_exp,
-                         const float *coef, const float *per_ad, int64_t n_ads, double shift_base,
-                         float eta_l, float kappa, float one_u, float u_2kappa, const int64_t *req,
-                         const int64_t *row, const float *aff, int64_t stride, int64_t n_pairs,
-                         const float *tau, int64_t *out_req, int64_t *out_row, float *out_lower,
-                         float *out_upper) {
+/* `step2`, its loops unrolled for the common shape (G = 64, E = 8). */
+int64_t m31_step2(const int8_t *g, const float *g_scale, int64_t gdim, const int16_t *wq,
+                  const float *q_scale, const float *p_t, int64_t n_req, int64_t n_exp,
+                  const float *coef, const float *per_ad, int64_t n_ads, double shift_base,
+                  float eta_l, float kappa, float one_u, float u_2kappa, const int64_t *req,
+                  const int64_t *row, const float *aff, int64_t stride, int64_t n_pairs,
+                  const float *tau, int64_t *out_req, int64_t *out_row, float *out_lower,
+                  float *out_upper) {
 #define STEP2(G, CHUNKS, E)                                                                        \
     step2(g, g_scale, G, CHUNKS, wq, q_scale, p_t, n_req, E, coef, per_ad, n_ads, shift_base,     \
           eta_l, kappa, one_u, u_2kappa, req, row, aff, stride, n_pairs, tau, out_req, out_row,   \
@@ -804,18 +804,6 @@ static int64_t step2_any(const int8_t *g, const float *g_scale, int64_t gdim, co
     if (gdim == 64) return STEP2(64, 64 / CHUNK, n_exp);
     return STEP2(gdim, (gdim + CHUNK - 1) / CHUNK, n_exp);
 #undef STEP2
-}
-
-int64_t m31_step2(const int8_t *g, const float *g_scale, int64_t gdim, const int16_t *wq,
-                  const float *q_scale, const float *p_t, int64_t n_req, int64_t n_exp,
-                  const float *coef, const float *per_ad, int64_t n_ads, double shift_base,
-                  float eta_l, float kappa, float one_u, float u_2kappa, const int64_t *req,
-                  const int64_t *row, const float *aff, int64_t stride, int64_t n_pairs,
-                  const float *tau, int64_t *out_req, int64_t *out_row, float *out_lower,
-                  float *out_upper) {
-    return step2_any(g, g_scale, gdim, wq, q_scale, p_t, n_req, n_exp, coef, per_ad, n_ads,
-                     shift_base, eta_l, kappa, one_u, u_2kappa, req, row, aff, stride, n_pairs, tau,
-                     out_req, out_row, out_lower, out_upper);
 }
 
 /* ---- The pass: steps 1-3 over the whole table in compiled code, one call per worker thread,
@@ -960,9 +948,10 @@ static void prune(m31_shared *sh, m31_cands *c) {
 /* `_Worker.scan` .. `finish` for one thread on an 8-bit table (cpu_score_topk's steps 1-3):
  * takes the spans [lo, hi) of spans [n_spans, 2] in turn with the other workers of sh; per
  * span, step 1 (`m31_scan_int8`, with offset[a] = scan_bias[a] + x_norm[a]·alpha, as
- * `_affinity_offset`); step 2 (`step2`) on the pending survivors once there are refine_pairs of
- * them or after a span shorter than block; the pairs with ℓ above τ offered to sh; those with
- * h >= tau_refine kept as candidates, which are pruned whenever they pass room (then doubled).
+ * `_affinity_offset`); step 2 (`m31_step2`) on the pending survivors once there are
+ * refine_pairs of them or after a span shorter than block; the pairs with ℓ above τ offered to
+ * sh; those with h >= tau_refine kept as candidates, which are pruned whenever they pass room
+ * (then doubled).
  * Arguments as `m31_scan_int8` and `m31_step2` take them (x, x_scale, g, g_scale of the whole
  * table; w = v_int, wq = q_int). Returns the candidates in *out, and their count, or -1 when
  * out of memory. */
@@ -1009,7 +998,7 @@ int64_t m31_pass(m31_shared *sh, const int64_t *spans, int64_t n_spans, int64_t 
         const int last = span >= n_spans;
         if (pending && (pending >= refine_pairs || n < block || last)) { /* step 2 */
             for (int64_t r = 0; r < n_req; r++) tau[r] = load_f(sh->tau_refine + r);
-            const int64_t kept = step2_any(
+            const int64_t kept = m31_step2(
                 g, g_scale, gdim, wq, q_scale, p_t, n_req, n_exp, coef, per_ad, n_ads,
                 shift_base, eta_l, kappa, one_u, u_2kappa, p_req, p_row, p_aff, cap, pending,
                 tau, k_req, k_row, lower, upper);
