@@ -605,8 +605,8 @@ int64_t m31_scan_int8(const int8_t *x, const float *x_scale, const float *offset
 
 /* e^l of a finite l within a relative 2^-19 for l in [-86, 88]; below -86, a value in
  * [0, 2^-124); above 88, one within 2^-19 or +inf (the caller's logits are finite and below 81:
- * `step2`). Loops of it vectorize
- * (no library call, no branch). The proof, with u = 2^-24 the unit roundoff of fp32:
+ * `step2`). Loops of it vectorize (no library call, no branch). The proof, with u = 2^-24 the
+ * unit roundoff of fp32:
  * - k = round(t), t = fl(l·log2 e): |t - l·log2 e| <= 128u, so r = l - k·ln 2 has
  *   |r| <= (1/2 + 128u)·ln 2 < 0.3466.
  * - r' = (l - k·LN2_HI) - k·LN2_LO: k·LN2_HI is exact (8 + 15 significant bits), the two

@@ -247,6 +247,16 @@ class _Plan:
     def quantized(self) -> bool:
         return self.v_scale is not None
 
+    @property
+    def refine_pairs(self) -> int:
+        """Survivors of step 1 a worker gathers before it runs step 2 on them."""
+        return _REFINE_PAIRS_ONE if self.n_req == 1 else _REFINE_PAIRS
+
+    @property
+    def candidate_room(self) -> int:
+        """Candidates a worker keeps before it first prunes them (then twice what is left)."""
+        return max(8 * self.n_req * self.k, 1 << 15)
+
 
 def _plan(q, v, p, g, x, k) -> _Plan:
     n_req, n_exp, gdim = q.shape
@@ -585,10 +595,10 @@ class _Worker:
             self.l_buf = torch.empty(len(plan.qh) * block, dtype=plan.qh.dtype)
         self.pending: list[tuple[torch.Tensor, ...]] = []
         self.n_pending = 0
-        self.refine_pairs = _REFINE_PAIRS_ONE if plan.n_req == 1 else _REFINE_PAIRS
+        self.refine_pairs = plan.refine_pairs
         self.cands: list[tuple[torch.Tensor, ...]] = []  # (req, row, upper bound h)
         self.n_cands = 0
-        self.cap = max(8 * plan.n_req * plan.k, 1 << 15)
+        self.cap = plan.candidate_room
         self.block = block
 
     def scan(self, lo: int, hi: int) -> None:
@@ -771,8 +781,7 @@ def _compiled_pass(
         ptr(plan.q_int), ptr(plan.q_scale), ptr(plan.p_t), ptr(plan.coef), n_req, plan.n_exp,
         _offset_alpha(plan), plan.p_abs_max + math.log(plan.n_exp), plan.eta_l, plan.kappa,
         1 + plan.u_a, plan.u_a + 2 * plan.kappa, mode, ptr(mask_data), mask_stride,
-        ptr(mask_index), _REFINE_PAIRS_ONE if n_req == 1 else _REFINE_PAIRS,
-        max(8 * n_req * plan.k, 1 << 15),
+        ptr(mask_index), plan.refine_pairs, plan.candidate_room,
     )  # fmt: skip
     shared = lib.m31_shared_new(n_req, plan.k, _SLACK, plan.u_scan + _SLACK)
     if not shared:
