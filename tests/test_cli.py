@@ -343,6 +343,14 @@ def test_train_eval_simulate_end_to_end(tmp_path):
     assert code == 0, out
     blob = torch.load(tmp_path / "g0.pt", map_location="cpu", weights_only=False)
     assert blob["config"]["gate_dim"] == 0
+    # And a stronger specialisation term on the gate.
+    code, out = run(
+        "train", "--model", "moe", "--data", str(data), "--out", str(tmp_path / "bal.pt"),
+        "--preset", "tiny", "--epochs", "1", "--balance-weight", "0.25",
+    )  # fmt: skip
+    assert code == 0, out
+    blob = torch.load(tmp_path / "bal.pt", map_location="cpu", weights_only=False)
+    assert blob["config"]["balance_weight"] == 0.25
     code, out = run(
         "index", "build", "--data", str(data), "--model", str(tmp_path / "g0.pt"),
         "--out", str(tmp_path / "index-g0"),
@@ -377,6 +385,7 @@ def test_train_eval_simulate_end_to_end(tmp_path):
     for args, message in (
         (["--model", "moe", "--base", str(tmp_path / "moe.pt")], "takes a base"),
         (["--model", "two-tower", "--gate-dim", "0"], "the moe has a gate"),
+        (["--model", "two-tower", "--balance-weight", "0.1"], "the moe's gate has the term"),
         (["--model", "ranking", "--base", str(tmp_path / "ranking.pt")], "--base: "),
         (["--model", "ranking", "--base", str(tmp_path / "nope.pt")], "no such"),
         (["--model", "moe", "--hard-negatives", str(tmp_path / "moe.pt")], "trains the ranking"),
@@ -417,6 +426,9 @@ def test_train_eval_simulate_end_to_end(tmp_path):
         ("--lr", "fast", "--lr"),
         ("--gate-dim", "-1", "--gate-dim must be >= 0"),
         ("--gate-dim", "wide", "--gate-dim"),
+        ("--balance-weight", "-0.1", "balance_weight must be a finite number >= 0"),
+        ("--balance-weight", "inf", "balance_weight must be a finite number >= 0"),
+        ("--balance-weight", "much", "--balance-weight"),
     ):
         code, out = run(
             "train", "--model", "moe", "--data", str(data), "--out", str(tmp_path / "bad.pt"),

@@ -424,6 +424,9 @@ def test_bad_model_config():
         ModelConfig(experts={"sequence": 2, "vibes": 1})
     with pytest.raises(ValueError, match="gate_dim must be >= 0"):
         ModelConfig(gate_dim=-1)
+    for bad in (-0.01, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="balance_weight must be a finite number >= 0"):
+            ModelConfig(balance_weight=bad)
     with pytest.raises(ValueError, match="unknown model preset"):
         model_preset("huge", "moe")
     with pytest.raises(ValueError, match="RetrievalModel is moe or two-tower"):

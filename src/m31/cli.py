@@ -249,6 +249,14 @@ def train_cmd(
             "the same expert weights (no per-ad routing)."
         ),
     ] = None,
+    balance_weight: Annotated[
+        float | None,
+        typer.Option(
+            help="moe only: override the weight of the gate's mutual-information term (preset "
+            "0.02); higher spreads the ads over the experts more evenly and routes each one more "
+            "decisively."
+        ),
+    ] = None,
     hard_negatives: Annotated[
         Path | None,
         typer.Option(
@@ -301,6 +309,10 @@ def train_cmd(
         if gate_dim < 0:
             _fail(f"--gate-dim must be >= 0, got {gate_dim}")
         cfg = cfg.with_overrides(gate_dim=gate_dim)
+    if balance_weight is not None:
+        if model != "moe":
+            _fail(f"--balance-weight: the moe's gate has the term, not {model!r}")
+        cfg = cfg.with_overrides(balance_weight=balance_weight)
     if base is not None and model != "ranking":
         _fail(f"--base: the ranking model takes a base, not {model!r}")
     bar, callback = progress_bar()

@@ -63,6 +63,10 @@ class ModelConfig:
             raise ValueError(f"gate_dim must be >= 0 (0: no per-ad routing), got {self.gate_dim}")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"lr must be a positive finite number, got {self.lr}")
+        if not (math.isfinite(self.balance_weight) and self.balance_weight >= 0):
+            raise ValueError(
+                f"balance_weight must be a finite number >= 0, got {self.balance_weight}"
+            )
         if self.ranking_hard < 0 or self.ranking_hard_pool < 1:
             raise ValueError(
                 f"ranking_hard must be >= 0 and ranking_hard_pool >= 1, got "
