@@ -27,7 +27,38 @@ def test_generate_prints_summary_and_writes_a_dataset(tmp_path):
     ds = dataset.load(tmp_path / "w")
     assert ds.users.num_rows == 60 and ds.ads.num_rows == 200
     code, out = run("world", "summary", str(tmp_path / "w"), "--json")
-    assert code == 0 and json.loads(out)["counts"]["ads"] == 200
+    assert code == 0, out
+    summary = json.loads(out)
+    assert summary["counts"]["ads"] == 200
+    mix = summary["interests"]  # a synthetic world's ground truth: how its best ads mix interests
+    assert mix["users"] == 60 and 2 <= mix["facets_per_user"] <= 4
+    assert set(mix["other_facet_share"]) == {"10", "100"}
+    assert all(0 <= v <= 1 for v in mix["other_facet_share"].values())
+    code, out = run("world", "summary", str(tmp_path / "w"))
+    assert code == 0 and "a facet other than the heaviest wins" in out
+
+
+def test_facet_weight_scale_is_recorded_and_checked(tmp_path):
+    out_dir = tmp_path / "w"
+    code, out = run("world", "generate", "--out", str(out_dir), *SMALL, "--facet-weight-scale", "0")
+    assert code == 0, out
+    assert dataset.load(out_dir).meta["config"]["facet_weight_scale"] == 0.0
+    code, out = run("world", "generate", "--out", str(out_dir), "--reuse", *SMALL)
+    assert code == 2 and "exists with other settings" in out
+    # a world written before the setting existed is the default scale's, and is reused as such
+    meta = json.loads((out_dir / "meta.json").read_text())
+    del meta["config"]["facet_weight_scale"]
+    (out_dir / "meta.json").write_text(json.dumps(meta))
+    code, out = run("world", "generate", "--out", str(out_dir), "--reuse", *SMALL)
+    assert code == 0 and "reusing" in out
+    for bad in ("-1", "nan", "flat"):
+        code, out = run(
+            "world", "generate", "--out", str(tmp_path / "bad"), *SMALL, "--facet-weight-scale", bad
+        )  # fmt: skip
+        assert code == 2 and "facet" in out, (bad, out)
+        if bad != "flat":  # not a number at all: the usage error of the option parser
+            assert out.startswith("error: facet_weight_scale must be") and out.count("\n") == 1
+    assert not (tmp_path / "bad").exists()
 
 
 def test_reuse_keeps_and_refuses(tmp_path):

@@ -122,6 +122,70 @@ def test_ground_truth_is_not_a_dot_product(world):
     assert lowrank_residual(p, 8) > 0.5
 
 
+def test_facet_share_on_hand_made_interests():
+    """Two facets along two axes, three ads near each; a match gain high enough that the soft max
+    over facets is a max. The ads, in the order of their best match: 1.0 (facet 0), 0.95 (facet
+    1), 0.9 (0), 0.85 (1), 0.8 (0), 0.75 (1)."""
+    angle = np.arccos([1.0, 0.9, 0.8])
+    angle = np.concatenate([angle, np.arcsin([0.95, 0.85, 0.75])])
+    ad_vec = np.stack([np.cos(angle), np.sin(angle)], 1).astype(np.float32)
+    truth = GroundTruth(
+        facet_vec=np.float32([[[1, 0], [0, 1], [0, 0]]] * 3),
+        facet_w0=np.float32([[3.0, -3.0, -1e4], [0.01, 0.0, -1e4], [0.0, -10.0, -1e4]]),
+        facet_drift=np.float32([[0, 0, 0], [0, 0, 0], [0, 20.0, 0]]),
+        facet_topic=np.int32([[0, 1, -1], [0, 1, -1], [0, 1, -1]]),
+        ad_vec=ad_vec, ad_quality=np.zeros(6, np.float32), ad_format=np.zeros(6, np.int64),
+        ad_category=np.zeros(6, np.int64), ad_objective=np.zeros(6, np.int64),
+        surface_format=np.zeros((1, 3), np.float32), hour_category=np.zeros((24, 1), np.float32),
+        platform_objective=np.zeros((1, 3), np.float32), topic_vec=np.eye(2, dtype=np.float32),
+        t0=0, span=100, beta=4.0, kappa=20.0,
+    )  # fmt: skip
+    users, start = np.array([0, 1]), np.array([0, 0])
+    # user 0: facet 0 outweighs every match, its three ads come first; user 1: both weigh alike,
+    # the top 3 alternate (1.0, 0.95, 0.9)
+    np.testing.assert_allclose(truth.facet_share(users, start, 3), [0.0, 1 / 3])
+    # all six: for user 0, facet 0 (+3) also wins the last ad (cos 0.66: 16.2 against 12)
+    np.testing.assert_allclose(truth.facet_share(users, start, 6), [1 / 3, 0.5])
+    # user 2's facet 1 drifts from -10 to +10: the heaviest facet, and its top 3, change sides
+    # (the padded third facet, weight -1e4, never wins)
+    for t in (0, 100):
+        np.testing.assert_allclose(truth.facet_share(np.array([2]), np.array([t]), 3), [0.0])
+    with pytest.raises(ValueError, match="k must be in"):
+        truth.facet_share(users, start, 7)
+    with pytest.raises(ValueError, match="2 users but 1 times"):
+        truth.facet_share(users, np.array([100]), 3)
+
+
+def test_facet_weight_scale(world):
+    """Scale 1 is the default world draw for draw; scale 0 weighs every facet alike, and then
+    the best ads of a user mix facets far more."""
+    ds, truth = world
+    same, same_truth = generate(CFG.with_overrides(facet_weight_scale=1.0), seed=7)
+    np.testing.assert_array_equal(same_truth.facet_w0, truth.facet_w0)
+    assert same.events.equals(ds.events)
+    flat_ds, flat = generate(CFG.with_overrides(facet_weight_scale=0.0), seed=7)
+    valid = truth.facet_topic >= 0
+    np.testing.assert_array_equal(flat.facet_vec, truth.facet_vec)
+    assert (flat.facet_w0[valid] == 0).all() and (flat.facet_drift == 0).all()
+    assert (flat.facet_w0[~valid] == truth.facet_w0[~valid]).all()  # padding stays padding
+    assert flat_ds.ads.equals(ds.ads)
+    users = np.arange(200)
+    ts = np.full(200, truth.t0 + truth.span)
+    assert flat.facet_share(users, ts, 20).mean() > 2 * truth.facet_share(users, ts, 20).mean()
+    for bad in (-0.5, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="facet_weight_scale"):
+            CFG.with_overrides(facet_weight_scale=bad)
+
+
+def test_world_config_from_a_meta_file():
+    d = CFG.to_dict()
+    assert type(CFG).from_dict(d) == CFG
+    del d["facet_weight_scale"]  # written before the setting existed
+    assert type(CFG).from_dict(d) == CFG
+    with pytest.raises(ValueError, match="unknown world settings"):
+        type(CFG).from_dict({**d, "gravity": 9.8})
+
+
 def test_truth_round_trips_through_arrays(world):
     _, truth = world
     again = GroundTruth.from_arrays(truth.to_arrays())

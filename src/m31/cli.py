@@ -74,6 +74,13 @@ def world_generate(
     users: Annotated[int | None, typer.Option(help="Override the preset's user count.")] = None,
     ads: Annotated[int | None, typer.Option(help="Override the preset's ad count.")] = None,
     impressions: Annotated[int | None, typer.Option(help="Override the impression count.")] = None,
+    facet_weight_scale: Annotated[
+        float | None,
+        typer.Option(
+            help="Scale of the spread of each user's interest weights (preset 1): 0 weighs a "
+            "user's interests alike, so the best ads of a request mix them."
+        ),
+    ] = None,
     reuse: Annotated[
         bool, typer.Option(help="Keep an existing folder made with the same settings.")
     ] = False,
@@ -82,20 +89,20 @@ def world_generate(
     """Generate a synthetic ads marketplace into OUT (atomically)."""
     from m31.data import dataset
     from m31.data.summary import print_summary
+    from m31.world.config import WorldConfig
     from m31.world.config import preset as get_preset
     from m31.world.generate import generate
 
-    cfg = get_preset(preset).with_overrides(n_users=users, n_ads=ads, n_impressions=impressions)
+    cfg = get_preset(preset).with_overrides(
+        n_users=users, n_ads=ads, n_impressions=impressions, facet_weight_scale=facet_weight_scale
+    )
     if out.exists() and reuse:
         try:
             existing = dataset.load(out)
-        except dataset.DatasetError:
-            existing = None
-        if (
-            existing
-            and existing.meta.get("config") == cfg.to_dict()
-            and existing.meta.get("seed") == seed
-        ):
+            same = WorldConfig.from_dict(existing.meta.get("config") or {}) == cfg
+        except (dataset.DatasetError, TypeError, ValueError):
+            existing, same = None, False
+        if same and existing.meta.get("seed") == seed:
             typer.echo(f"reusing {out} (same preset and seed)")
             print_summary(existing)
             return
@@ -133,10 +140,41 @@ def summary(
     from m31.data.summary import print_summary, summarize
 
     ds = load(folder)
+    s = summarize(ds)
+    if (folder / "truth.npz").is_file():
+        s["interests"] = _interest_mix(folder)
     if as_json:
-        typer.echo(json.dumps(summarize(ds), indent=2, default=str))
-    else:
-        print_summary(ds)
+        typer.echo(json.dumps(s, indent=2, default=str))
+        return
+    print_summary(ds)
+    if "interests" in s:
+        m = s["interests"]
+        typer.echo(
+            f"interests: {m['facets_per_user']:.2f} per user; of a user's true top-K ads at the "
+            f"log's end ({m['users']:,} users), a facet other than the heaviest wins "
+            + ", ".join(f"{v:.1%} at K = {k}" for k, v in m["other_facet_share"].items())
+        )
+
+
+def _interest_mix(folder: Path, ks: tuple[int, ...] = (10, 100)) -> dict:
+    """How much a synthetic world's best ads mix each user's interests (`facet_share`), over up
+    to 2,000 users (fewer on a large catalogue: each costs a pass over every ad)."""
+    import numpy as np
+
+    from m31.data.dataset import load_truth
+    from m31.world.truth import GroundTruth
+
+    truth = GroundTruth.from_arrays(load_truth(folder))
+    users = max(100, min(2000, 10**8 // truth.n_ads))
+    rows = np.random.default_rng(0).permutation(truth.n_users)[:users]
+    ts = np.full(len(rows), truth.t0 + truth.span)
+    return {
+        "users": len(rows),
+        "facets_per_user": float((truth.facet_topic >= 0).sum(1).mean()),
+        "other_facet_share": {
+            k: float(truth.facet_share(rows, ts, k).mean()) for k in ks if k <= truth.n_ads
+        },
+    }
 
 
 @data_app.command("movielens")

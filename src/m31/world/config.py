@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+import math
+from dataclasses import asdict, dataclass, fields, replace
 
 # 2026-01-01T00:00:00Z: the start of the event log; ads may have been created before it.
 EPOCH = 1_767_225_600
@@ -26,6 +27,9 @@ class WorldConfig:
     match_gain: float = 5.0  # kappa: logit gain of a perfect facet-ad match
     ad_noise: float = 0.45  # spread of ad vectors around their topic's vector
     facet_noise: float = 0.35  # spread of user facets around their topic's vector
+    # Scale of the spread of a user's facet log-weights (std 0.7) and of their drift over the
+    # log (std 1.0): 1 lets one facet dominate most users' best ads, 0 weighs them all alike.
+    facet_weight_scale: float = 1.0
     # The ads table publishes an estimate of each ad's quality, never the truth the ground
     # truth scores with: corr(estimate, truth) = 1 / sqrt(1 + quality_noise²), 0.71 at 1.0.
     quality_noise: float = 1.0
@@ -38,11 +42,24 @@ class WorldConfig:
             raise ValueError(f"quality_noise must be >= 0, got {self.quality_noise}")
         if self.max_facets < 2:
             raise ValueError(f"max_facets must be at least 2, got {self.max_facets}")
+        if not (math.isfinite(self.facet_weight_scale) and self.facet_weight_scale >= 0):
+            raise ValueError(
+                f"facet_weight_scale must be a finite number >= 0, got {self.facet_weight_scale}"
+            )
         if not 0.0 <= self.explore <= 1.0:
             raise ValueError(f"explore must be in [0, 1], got {self.explore}")
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> WorldConfig:
+        """The config a world's meta.json records; fields added since take their defaults."""
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown world settings {sorted(unknown)}")
+        return cls(**d)
 
     def with_overrides(self, **kw) -> WorldConfig:
         return replace(self, **{k: v for k, v in kw.items() if v is not None})

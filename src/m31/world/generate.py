@@ -172,8 +172,10 @@ def generate(
     noise = rng.standard_normal((n_u, n_f, dim)) / np.sqrt(dim)
     facet_vec = _unit(topic_vec[facet_topic] + cfg.facet_noise * noise).astype(np.float32)
     facet_vec[~valid] = 0.0
-    facet_w0 = np.where(valid, rng.normal(0.0, 0.7, (n_u, n_f)), -1e4).astype(np.float32)
-    facet_drift = np.where(valid, rng.normal(0.0, 1.0, (n_u, n_f)), 0.0).astype(np.float32)
+    spread = cfg.facet_weight_scale  # the same draws at any scale: only their size changes
+    facet_w0 = np.where(valid, spread * rng.normal(0.0, 0.7, (n_u, n_f)), -1e4).astype(np.float32)
+    facet_drift = np.where(valid, spread * rng.normal(0.0, 1.0, (n_u, n_f)), 0.0)
+    facet_drift = facet_drift.astype(np.float32)
     facet_topic = np.where(valid, facet_topic, -1)
     activity = rng.lognormal(0.0, 1.0, n_u)
     user_created = EPOCH - rng.integers(0, 365 * DAY, n_u)

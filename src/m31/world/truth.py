@@ -92,6 +92,35 @@ class GroundTruth:
         z = self.kappa * cos + w[:, :, None]  # [n, F, c]
         return torch.logsumexp(self.beta * z, dim=1) / self.beta  # [n, c]
 
+    def facet_share(self, users: np.ndarray, ts: np.ndarray, k: int) -> np.ndarray:
+        """[n]: the share of each user's true top-k ads by affinity at time ts that a facet other
+        than the user's heaviest at that time wins (has the largest match z_f).
+
+        0 when one vector per user, aimed at the heaviest facet, could find them all; where it is
+        large, the best ads of one request answer several interests, which several user vectors
+        routed per ad can serve and one dot product cannot."""
+        users, ts = np.asarray(users, dtype=np.int64), np.asarray(ts)
+        if not 1 <= k <= self.n_ads:
+            raise ValueError(f"k must be in [1, {self.n_ads}], got {k}")
+        if len(users) != len(ts):
+            raise ValueError(f"{len(users)} users but {len(ts)} times")
+        out = np.empty(len(users), dtype=np.float64)
+        chunk = max(1, (1 << 24) // (self.n_ads * self.facet_vec.shape[1]))
+        every = np.arange(self.n_ads)[None, :]
+        for lo in range(0, len(users), chunk):
+            u, t = users[lo : lo + chunk], ts[lo : lo + chunk]
+            top = self.affinity(u, every, t).topk(k, dim=1).indices  # [n, k]
+            fv = torch.from_numpy(self.facet_vec[u])  # [n, F, L]
+            frac = torch.from_numpy(((t - self.t0) / self.span).astype(np.float32))
+            w = torch.from_numpy(self.facet_w0[u]) + frac[:, None] * torch.from_numpy(
+                self.facet_drift[u]
+            )  # [n, F]
+            ads = torch.from_numpy(self.ad_vec)[top]  # [n, k, L]
+            z = self.kappa * torch.einsum("nfl,nkl->nfk", fv, ads) + w[:, :, None]
+            other = z.argmax(1) != w.argmax(1)[:, None]  # [n, k]
+            out[lo : lo + chunk] = other.double().mean(1).numpy()
+        return out
+
     def logits(
         self,
         users: np.ndarray,
