@@ -208,6 +208,12 @@ def test_train_eval_simulate_end_to_end(tmp_path):
     )
     assert doc["std"]["moe"]["hr@10"] is None, "one seed: no standard deviation"
     assert doc["paired"]["a"] == "moe" and doc["paired"]["hr@10"]["requests"] == 60
+    # on a synthetic world the truth recall is compared request by request too
+    truth_pair = doc["paired"]["truth_recall@50"]
+    assert truth_pair["mean_a"] == pytest.approx(metrics["moe"]["truth_recall@50"])
+    assert truth_pair["mean_b"] == pytest.approx(metrics["two-tower"]["truth_recall@50"])
+    assert truth_pair["diff_lo"] <= truth_pair["diff"] <= truth_pair["diff_hi"]
+    assert "| truth_recall@10 |" in out
     assert (tmp_path / "recall.png").read_bytes()[:4] == b"\x89PNG"
 
     # Two seeds of the two-tower (a glob), baselines, a chosen pair.
@@ -236,6 +242,8 @@ def test_train_eval_simulate_end_to_end(tmp_path):
     assert doc["means"]["two-tower"]["hr@10"] == pytest.approx(sum(hr) / 2)
     assert doc["paired"]["b"] == "popularity" and "two-tower vs popularity" in out
     assert doc["paired"]["hr@10"]["mean_a"] == pytest.approx(sum(hr) / 2)
+    tr = [r["truth_recall@10"] for r in doc["runs"]["two-tower"]]
+    assert doc["paired"]["truth_recall@10"]["mean_a"] == pytest.approx(sum(tr) / 2)
     # Two-stage, with a reference (the ranking model, one seed) beside two seeds of another.
     code, out = run(
         "eval", "--data", str(data), *models, f"--model=tt={tmp_path / 'two-tower*.pt'}",

@@ -324,6 +324,30 @@ def test_evaluate_returns_each_requests_target_rank(world):
     )
 
 
+def test_evaluate_returns_each_requests_truth_recall(world):
+    feats, truth = world
+    fns = {"oracle": true_conversion(truth), "random": random_scores(feats.n_ads, 3)}
+    metrics, ranks, rows = evaluate(
+        fns, feats, ks=(10, 100), truth=truth, return_ranks=True, return_truth_recall=True, batch=64
+    )
+    n = len(feats.splits["test"]["user"])
+    for name in fns:
+        assert ranks[name].shape == (n,) and set(rows[name]) == {
+            "truth_recall@10",
+            "truth_recall@100",
+        }
+        for key, values in rows[name].items():
+            assert values.shape == (n,) and ((values >= 0) & (values <= 1)).all()
+            assert metrics[name][key] == pytest.approx(values.mean())
+    assert (rows["oracle"]["truth_recall@100"] == 1.0).all()
+    tenths = rows["random"]["truth_recall@10"] * 10  # a count out of 10 per request
+    np.testing.assert_allclose(tenths, np.round(tenths))
+    with pytest.raises(ValueError, match="return_truth_recall needs"):
+        evaluate(fns, feats, ks=(10,), return_ranks=True, return_truth_recall=True)
+    with pytest.raises(ValueError, match="return_truth_recall needs"):
+        evaluate(fns, feats, ks=(10,), truth=truth, return_truth_recall=True)
+
+
 def test_rerank_orders_the_first_stages_top_k(world):
     """A two-stage model: the first stage's top k (after the exclusions), ordered by the second.
     An oracle second stage over random candidates hits exactly when the target is a candidate,

@@ -554,6 +554,7 @@ def eval_cmd(
     catalog = Catalog.from_features(feats).to(device)
     per_seed: dict[str, list[dict]] = {}
     ranks: dict[str, list[np.ndarray]] = {}
+    recalls: dict[str, list[dict[str, np.ndarray]]] = {}  # per-request truth recall, per seed
     latest: dict[str, ScoreFunction] = {}  # each model's last loaded checkpoint
     for s in range(max((len(p) for p in groups.values()), default=1)):
         fns = dict(base_fns) if s == 0 else {}
@@ -583,7 +584,7 @@ def eval_cmd(
             reused = reference
         bar, callback = progress_bar()
         with bar:
-            metrics, r = evaluate(
+            metrics, r, *rows = evaluate(
                 fns,
                 feats,
                 split="test",
@@ -595,11 +596,14 @@ def eval_cmd(
                 progress=callback,
                 return_ranks=True,
                 rerank=stages,
+                return_truth_recall=truth is not None,
             )
         for name in [*fns, *stages]:
             if name != reused:
                 per_seed.setdefault(name, []).append(metrics[name])
                 ranks.setdefault(name, []).append(r[name])
+                if rows:
+                    recalls.setdefault(name, []).append(rows[0][name])
         del fns
 
     n = len(next(iter(ranks.values()))[0])
@@ -622,6 +626,11 @@ def eval_cmd(
             )
             for metric in [f"{kind}@{k}" for kind in ("hr", "ndcg") for k in cutoffs]
         }
+        for metric in [f"truth_recall@{k}" for k in cutoffs] if recalls else []:
+            paired[metric] = paired_comparison(
+                np.stack([seed[metric] for seed in recalls[a]]),
+                np.stack([seed[metric] for seed in recalls[b]]),
+            )
         typer.echo(
             f"\n{a} vs {b}, paired on the same {n:,} requests (per-request metric averaged over "
             f"seeds; 95% percentile bootstrap over requests):"

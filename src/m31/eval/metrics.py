@@ -105,6 +105,11 @@ def _matches(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def recall_at_k(retrieved: np.ndarray, relevant: np.ndarray, k: int) -> float:
     """|top k of retrieved ∩ relevant| / |relevant|: retrieved [n, >=k] ranked, relevant [n, m]."""
+    return _mean(recall_rows(retrieved, relevant, k))
+
+
+def recall_rows(retrieved: np.ndarray, relevant: np.ndarray, k: int) -> np.ndarray:
+    """`recall_at_k` of each request: [n]."""
     _check_k(k)
     retrieved, relevant = np.asarray(retrieved), np.asarray(relevant)
     if retrieved.ndim != 2 or relevant.ndim != 2 or relevant.shape[1] == 0:
@@ -112,7 +117,7 @@ def recall_at_k(retrieved: np.ndarray, relevant: np.ndarray, k: int) -> float:
             f"need retrieved [n, k] and non-empty relevant [n, m], got shapes "
             f"{retrieved.shape} and {relevant.shape}"
         )
-    return _mean(_matches(retrieved[:, :k], relevant) / relevant.shape[1])
+    return _matches(retrieved[:, :k], relevant) / relevant.shape[1]
 
 
 def overlap_at_k(a: np.ndarray, b: np.ndarray, k: int) -> float:

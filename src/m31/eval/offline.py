@@ -23,7 +23,7 @@ from m31.eval.metrics import (
     hit_rate_at_k,
     ndcg_at_k,
     overlap_at_k,
-    recall_at_k,
+    recall_rows,
     target_rank,
     topk_rows,
 )
@@ -131,6 +131,7 @@ def evaluate(
     progress: Progress | None = None,
     return_ranks: bool = False,
     rerank: dict[str, tuple[str, RankFn, int]] | None = None,
+    return_truth_recall: bool = False,
 ):
     """Full-corpus metrics of each model on the same requests: model -> metric -> mean.
 
@@ -142,7 +143,9 @@ def evaluate(
 
     With `return_ranks`, (metrics, ranks): ranks maps each model to the 0-based rank of every
     request's target [n] (`target_rank`, after the exclusions), from which any request's HR@K and
-    NDCG@K follow, for paired comparisons (`m31.eval.stats`).
+    NDCG@K follow, for paired comparisons (`m31.eval.stats`). With `return_truth_recall` as well
+    (and `truth`), (metrics, ranks, truth_recall): model -> `truth_recall@K` -> each request's
+    value [n], for the same comparisons.
 
     Metrics for every K: `hr@K`, `ndcg@K`; with `truth`, `truth_recall@K` (share of the K ads
     with the highest true conversion probability for the request's user, context and time that
@@ -168,6 +171,8 @@ def evaluate(
         raise ValueError(f"ks must be positive cut-offs, got {ks}")
     if batch <= 0:
         raise ValueError(f"batch must be positive, got {batch}")
+    if return_truth_recall and (truth is None or not return_ranks):
+        raise ValueError("return_truth_recall needs a truth and return_ranks")
     req, target = _examples(feats, split, max_users, seed=0)
     n, n_ads = len(req), feats.n_ads
     if n == 0:
@@ -176,6 +181,7 @@ def evaluate(
     all_ads = np.arange(n_ads)[None, :]  # [1, A] one candidate list shared by the whole batch
     sums = {name: defaultdict(float) for name in names}
     all_ranks = {name: np.empty(n, dtype=np.int64) for name in names}
+    truth_rows = {name: {f"truth_recall@{k}": np.empty(n) for k in ks} for name in names}
 
     for lo in range(0, n, batch):
         r, t = req.take(slice(lo, lo + batch)), target[lo : lo + batch]
@@ -207,7 +213,9 @@ def evaluate(
                 tops[name] = topk_rows(s, k_top)  # [b, K]
             if truth is not None:
                 for k in ks:
-                    m[f"truth_recall@{k}"] += recall_at_k(tops[name], truth_top[:, :k], k) * b
+                    rows = recall_rows(tops[name], truth_top[:, :k], k)
+                    truth_rows[name][f"truth_recall@{k}"][lo : lo + b] = rows
+                    m[f"truth_recall@{k}"] += float(rows.sum())
         if reference is not None:
             for name, top in tops.items():
                 for k in ks:
@@ -215,6 +223,8 @@ def evaluate(
         if progress is not None:
             progress("evaluate", lo + b, n)
     metrics = {name: {key: v / n for key, v in m.items()} for name, m in sums.items()}
+    if return_truth_recall:
+        return metrics, all_ranks, truth_rows
     return (metrics, all_ranks) if return_ranks else metrics
 
 
