@@ -181,7 +181,9 @@ def evaluate(
     all_ads = np.arange(n_ads)[None, :]  # [1, A] one candidate list shared by the whole batch
     sums = {name: defaultdict(float) for name in names}
     all_ranks = {name: np.empty(n, dtype=np.int64) for name in names}
-    truth_rows = {name: {f"truth_recall@{k}": np.empty(n) for k in ks} for name in names}
+    truth_rows = {  # [n] per model and K: each request's truth recall
+        name: {f"truth_recall@{k}": np.empty(n) for k in ks} for name in names if truth is not None
+    }
 
     for lo in range(0, n, batch):
         r, t = req.take(slice(lo, lo + batch)), target[lo : lo + batch]
