@@ -207,9 +207,10 @@ def test_train_eval_simulate_end_to_end(tmp_path):
         metrics["ranking"]["ref_overlap@10"] == 1.0 and 0 <= metrics["moe"]["truth_recall@50"] <= 1
     )
     assert doc["std"]["moe"]["hr@10"] is None, "one seed: no standard deviation"
-    assert doc["paired"]["a"] == "moe" and doc["paired"]["hr@10"]["requests"] == 60
+    assert [(p["a"], p["b"]) for p in doc["paired"]] == [("moe", "two-tower")]
+    assert doc["paired"][0]["hr@10"]["requests"] == 60
     # on a synthetic world the truth recall is compared request by request too
-    truth_pair = doc["paired"]["truth_recall@50"]
+    truth_pair = doc["paired"][0]["truth_recall@50"]
     assert truth_pair["mean_a"] == pytest.approx(metrics["moe"]["truth_recall@50"])
     assert truth_pair["mean_b"] == pytest.approx(metrics["two-tower"]["truth_recall@50"])
     assert truth_pair["diff_lo"] <= truth_pair["diff"] <= truth_pair["diff_hi"]
@@ -227,6 +228,8 @@ def test_train_eval_simulate_end_to_end(tmp_path):
         "popularity,item-knn",
         "--compare",
         "two-tower,popularity",
+        "--compare",
+        "moe,two-tower",
         "--ks",
         "10,50",
         "--max-users",
@@ -240,10 +243,20 @@ def test_train_eval_simulate_end_to_end(tmp_path):
     assert len(doc["runs"]["two-tower"]) == 2 and doc["std"]["two-tower"]["hr@10"] is not None
     hr = [r["hr@10"] for r in doc["runs"]["two-tower"]]
     assert doc["means"]["two-tower"]["hr@10"] == pytest.approx(sum(hr) / 2)
-    assert doc["paired"]["b"] == "popularity" and "two-tower vs popularity" in out
-    assert doc["paired"]["hr@10"]["mean_a"] == pytest.approx(sum(hr) / 2)
+    assert [(p["a"], p["b"]) for p in doc["paired"]] == [
+        ("two-tower", "popularity"),
+        ("moe", "two-tower"),
+    ]
+    assert "two-tower vs popularity" in out and "moe vs two-tower" in out
+    assert doc["paired"][0]["hr@10"]["mean_a"] == pytest.approx(sum(hr) / 2)
+    assert doc["paired"][1]["hr@10"]["mean_b"] == pytest.approx(sum(hr) / 2)
     tr = [r["truth_recall@10"] for r in doc["runs"]["two-tower"]]
-    assert doc["paired"]["truth_recall@10"]["mean_a"] == pytest.approx(sum(tr) / 2)
+    assert doc["paired"][0]["truth_recall@10"]["mean_a"] == pytest.approx(sum(tr) / 2)
+    code, out = run(
+        "eval", "--data", str(data), f"--model=moe={tmp_path / 'moe.pt'}", "--compare",
+        "moe,nope", "--ks", "10", "--max-users", "20",
+    )  # fmt: skip
+    assert code == 2 and "--compare: need two evaluated models A,B, got 'moe,nope'" in out
     # Two-stage, with a reference (the ranking model, one seed) beside two seeds of another.
     code, out = run(
         "eval", "--data", str(data), *models, f"--model=tt={tmp_path / 'two-tower*.pt'}",

@@ -462,8 +462,10 @@ def eval_cmd(
         ),
     ] = None,
     compare: Annotated[
-        str | None,
-        typer.Option(help="A,B: paired comparison of two models (default: moe,two-tower)."),
+        list[str] | None,
+        typer.Option(
+            help="A,B: paired comparison of two models, repeatable (default: moe,two-tower)."
+        ),
     ] = None,
     rerank: Annotated[
         str | None,
@@ -613,13 +615,13 @@ def eval_cmd(
     )
     summaries = {name: aggregate_seeds(seeds) for name, seeds in per_seed.items()}
     typer.echo(format_seed_table(summaries))
-    if compare is None and {"moe", "two-tower"} <= set(ranks):
-        compare = "moe,two-tower"
-    paired = None
-    if compare is not None:
-        a, _, b = compare.partition(",")
+    if not compare and {"moe", "two-tower"} <= set(ranks):
+        compare = ["moe,two-tower"]
+    pairs = []
+    for spec in compare or []:
+        a, _, b = spec.partition(",")
         if a not in ranks or b not in ranks:
-            _fail(f"--compare: need two evaluated models A,B, got {compare!r}")
+            _fail(f"--compare: need two evaluated models A,B, got {spec!r}")
         paired = {
             metric: paired_comparison(
                 per_request(np.stack(ranks[a]), metric), per_request(np.stack(ranks[b]), metric)
@@ -636,6 +638,7 @@ def eval_cmd(
             f"seeds; 95% percentile bootstrap over requests):"
         )
         typer.echo(format_paired(a, b, paired))
+        pairs.append({"a": a, "b": b, **{k: c.as_dict() for k, c in paired.items()}})
     means = {name: {k: v.mean for k, v in m.items()} for name, m in summaries.items()}
     if json_out:
         doc = {
@@ -646,9 +649,7 @@ def eval_cmd(
                 for name, m in summaries.items()
             },
             "runs": per_seed,
-            "paired": None
-            if paired is None
-            else {"a": a, "b": b, **{k: c.as_dict() for k, c in paired.items()}},
+            "paired": pairs,  # one entry per --compare
         }
         json_out.write_text(json.dumps(doc, indent=2) + "\n")
     if plot:
