@@ -158,14 +158,14 @@ def summary(
 
 def _interest_mix(folder: Path, ks: tuple[int, ...] = (10, 100)) -> dict:
     """How much a synthetic world's best ads mix each user's interests (`facet_share`), over up
-    to 2,000 users (fewer on a large catalogue: each costs a pass over every ad)."""
+    to 500 users (fewer on a large catalogue: each costs a pass over every ad)."""
     import numpy as np
 
     from m31.data.dataset import load_truth
     from m31.world.truth import GroundTruth
 
     truth = GroundTruth.from_arrays(load_truth(folder))
-    users = max(100, min(2000, 10**8 // truth.n_ads))
+    users = max(100, min(500, 25_000_000 // truth.n_ads))
     rows = np.random.default_rng(0).permutation(truth.n_users)[:users]
     ts = np.full(len(rows), truth.t0 + truth.span)
     return {
