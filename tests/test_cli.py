@@ -375,34 +375,26 @@ def test_train_eval_simulate_end_to_end(tmp_path):
     )  # fmt: skip
     assert code == 2 and "exists" in out
 
+    def train_moe(name, *options):
+        """Train a one-epoch moe with `options`; its checkpoint's config."""
+        code, out = run(
+            "train", "--model", "moe", "--data", str(data), "--out", str(tmp_path / name),
+            "--preset", "tiny", "--epochs", "1", *options,
+        )  # fmt: skip
+        assert code == 0, out
+        return torch.load(tmp_path / name, map_location="cpu", weights_only=False)["config"]
+
     # A retrained ablation: the sequence family alone, two slots, a longer sequence.
-    code, out = run(
-        "train", "--model", "moe", "--data", str(data), "--out", str(tmp_path / "seq.pt"),
-        "--preset", "tiny", "--epochs", "1", "--max-len", "13", "--lr", "0.004", "--experts",
+    config = train_moe(
+        "seq.pt", "--max-len", "13", "--lr", "0.004", "--experts",
         "sequence=2,cohort=0,semantic=0,coengagement=0",
     )  # fmt: skip
-    assert code == 0, out
-    blob = torch.load(tmp_path / "seq.pt", map_location="cpu", weights_only=False)
-    assert blob["config"]["experts"] == {
-        "sequence": 2, "cohort": 0, "semantic": 0, "coengagement": 0,
-    }  # fmt: skip
-    assert (blob["config"]["max_len"], blob["config"]["lr"]) == (13, 0.004)
-    # Another: no per-ad routing (G = 0); such a moe indexes like any other.
-    code, out = run(
-        "train", "--model", "moe", "--data", str(data), "--out", str(tmp_path / "g0.pt"),
-        "--preset", "tiny", "--epochs", "1", "--gate-dim", "0",
-    )  # fmt: skip
-    assert code == 0, out
-    blob = torch.load(tmp_path / "g0.pt", map_location="cpu", weights_only=False)
-    assert blob["config"]["gate_dim"] == 0
-    # And a stronger specialisation term on the gate.
-    code, out = run(
-        "train", "--model", "moe", "--data", str(data), "--out", str(tmp_path / "bal.pt"),
-        "--preset", "tiny", "--epochs", "1", "--balance-weight", "0.25",
-    )  # fmt: skip
-    assert code == 0, out
-    blob = torch.load(tmp_path / "bal.pt", map_location="cpu", weights_only=False)
-    assert blob["config"]["balance_weight"] == 0.25
+    assert config["experts"] == {"sequence": 2, "cohort": 0, "semantic": 0, "coengagement": 0}
+    assert (config["max_len"], config["lr"]) == (13, 0.004)
+    # A stronger specialisation term on the gate.
+    assert train_moe("bal.pt", "--balance-weight", "0.25")["balance_weight"] == 0.25
+    # No per-ad routing (G = 0); such a moe indexes like any other.
+    assert train_moe("g0.pt", "--gate-dim", "0")["gate_dim"] == 0
     code, out = run(
         "index", "build", "--data", str(data), "--model", str(tmp_path / "g0.pt"),
         "--out", str(tmp_path / "index-g0"),
