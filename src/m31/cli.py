@@ -135,24 +135,25 @@ def summary(
     folder: Annotated[Path, typer.Argument(help="Dataset folder.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print as JSON.")] = False,
 ) -> None:
-    """Print a dataset's counts, CTR and CVR, by surface and format."""
+    """Print a dataset's counts, CTR and CVR, by surface and format; for a synthetic world, how
+    much its users' best ads mix interests."""
     from m31.data.dataset import load
     from m31.data.summary import print_summary, summarize
 
     ds = load(folder)
-    s = summarize(ds)
-    if (folder / "truth.npz").is_file():
-        s["interests"] = _interest_mix(folder)
+    mix = _interest_mix(folder) if (folder / "truth.npz").is_file() else None
     if as_json:
+        s = summarize(ds)
+        if mix is not None:
+            s["interests"] = mix
         typer.echo(json.dumps(s, indent=2, default=str))
         return
     print_summary(ds)
-    if "interests" in s:
-        m = s["interests"]
+    if mix is not None:
         typer.echo(
-            f"interests: {m['facets_per_user']:.2f} per user; of a user's true top-K ads at the "
-            f"log's end ({m['users']:,} users), a facet other than the heaviest wins "
-            + ", ".join(f"{v:.1%} at K = {k}" for k, v in m["other_facet_share"].items())
+            f"interests: {mix['facets_per_user']:.2f} per user; of a user's true top-K ads at the "
+            f"log's end ({mix['users']:,} users), a facet other than the heaviest wins "
+            + ", ".join(f"{v:.1%} at K = {k}" for k, v in mix["other_facet_share"].items())
         )
 
 
