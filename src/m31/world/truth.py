@@ -85,12 +85,14 @@ class GroundTruth:
         u = torch.from_numpy(np.asarray(users, dtype=np.int64))
         fv = torch.from_numpy(self.facet_vec).index_select(0, u).view(m, g * n_f, dim)
         cos = torch.bmm(fv, av.transpose(1, 2)).view(n, n_f, c)  # [n, F, c]
-        frac = torch.from_numpy(((ts - self.t0) / self.span).astype(np.float32))  # [n]
-        w = torch.from_numpy(self.facet_w0).index_select(0, u) + frac[:, None] * torch.from_numpy(
-            self.facet_drift
-        ).index_select(0, u)  # [n, F]
-        z = self.kappa * cos + w[:, :, None]  # [n, F, c]
+        z = self.kappa * cos + self._facet_weights(u, ts)[:, :, None]  # [n, F, c]
         return torch.logsumexp(self.beta * z, dim=1) / self.beta  # [n, c]
+
+    def _facet_weights(self, u: torch.Tensor, ts: np.ndarray) -> torch.Tensor:
+        """Users' facet log-weights at times ts, drifted linearly over the log: [n], [n] -> [n, F]."""
+        frac = torch.from_numpy(((ts - self.t0) / self.span).astype(np.float32))  # [n]
+        w0 = torch.from_numpy(self.facet_w0).index_select(0, u)
+        return w0 + frac[:, None] * torch.from_numpy(self.facet_drift).index_select(0, u)
 
     def facet_share(self, users: np.ndarray, ts: np.ndarray, k: int) -> np.ndarray:
         """[n]: the share of each user's true top-k ads by affinity at time ts that a facet other
@@ -111,10 +113,7 @@ class GroundTruth:
             u, t = users[lo : lo + chunk], ts[lo : lo + chunk]
             top = self.affinity(u, every, t).topk(k, dim=1).indices  # [n, k]
             fv = torch.from_numpy(self.facet_vec[u])  # [n, F, L]
-            frac = torch.from_numpy(((t - self.t0) / self.span).astype(np.float32))
-            w = torch.from_numpy(self.facet_w0[u]) + frac[:, None] * torch.from_numpy(
-                self.facet_drift[u]
-            )  # [n, F]
+            w = self._facet_weights(torch.from_numpy(u), t)  # [n, F]
             ads = torch.from_numpy(self.ad_vec)[top]  # [n, k, L]
             z = self.kappa * torch.einsum("nfl,nkl->nfk", fv, ads) + w[:, :, None]
             other = z.argmax(1) != w.argmax(1)[:, None]  # [n, k]
