@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from m31.index import AttributeTable, FilterError, compile_filter, evaluate_row
 from m31.index.attributes import columns_from_rows
+from m31.index.filters import MAX_NODES, MAX_PREDICATES, MAX_VALUES, Predicate
 
 SCHEMA = {"n": "int", "m": "int", "f": "float", "s": "str", "u": "str", "t": "str_list"}
 I64 = (-(2**63), 2**63 - 1)
@@ -48,7 +49,10 @@ def predicates(draw):
         return {"eq": [name, draw(value)]}
     if op == "in":
         return {"in": [name, draw(st.lists(value, max_size=3))]}
-    return {"range": [name, draw(st.none() | value), draw(st.none() | value)]}
+    lo, hi = draw(st.none() | value), draw(st.none() | value)
+    if lo is not None and hi is not None and lo > hi:  # an empty range is refused
+        lo, hi = hi, lo
+    return {"range": [name, lo, hi]}
 
 
 filters = st.recursive(
@@ -158,6 +162,7 @@ def test_empty_combinators_and_empty_table():
         ({"in": ["s", ["a", 1]]}, "filter.in: value 1 is not a string"),
         ({"range": ["f", "a", None]}, "filter.range: lo 'a' is not a number"),
         ({"range": ["f", None, math.nan]}, "filter.range: hi is NaN"),
+        ({"range": ["n", 2, 1]}, "filter.range: lo 2 is above hi 1, so nothing would match"),
         ({"eq": ["f", 2**60 + 1]}, "not exactly representable as float64"),
         ({"contains": ["n", 1]}, "filter.contains: 'contains' needs a list field, 'n' is int"),
         ({"contains": ["t", 1]}, "filter.contains: value 1 is not a string"),
@@ -169,6 +174,48 @@ def test_empty_combinators_and_empty_table():
 def test_invalid_filters_name_the_path(expr, message):
     with pytest.raises(FilterError, match=re.escape(message)):
         compile_filter(expr, SCHEMA)
+
+
+def test_a_filter_beyond_its_bounds_is_refused_naming_the_bound():
+    at_bound = {"any": [{"eq": ["n", i]} for i in range(MAX_NODES - 1)]}  # MAX_NODES objects
+    assert isinstance(compile_filter(at_bound, SCHEMA).node[1][0], Predicate)
+    cases = [
+        ({"any": [*at_bound["any"], {"eq": ["n", -1]}]}, f"more than {MAX_NODES} objects"),
+        (
+            {"all": [{"in": ["n", list(range(MAX_VALUES))]}, {"in": ["f", [0.5]]}]},
+            f"more than {MAX_VALUES} values",
+        ),
+        (
+            {"all": [{"range": ["n", i, None]} for i in range(MAX_PREDICATES + 1)]},
+            f"{MAX_PREDICATES + 1} distinct predicates, more than {MAX_PREDICATES}",
+        ),
+    ]
+    for expr, message in cases:
+        with pytest.raises(FilterError, match=re.escape(message)):
+            compile_filter(expr, SCHEMA)
+    # Distinct leaves, not objects: the same range twice is one predicate.
+    same = {"all": [{"range": ["n", 1, None]}] * (MAX_PREDICATES + 1)}
+    compile_filter(same, SCHEMA)
+
+
+def test_eq_and_in_of_one_field_under_any_are_one_predicate():
+    expr = {
+        "any": [
+            {"eq": ["n", 3]},
+            {"range": ["f", 0, 1]},
+            {"in": ["n", [2, 1]]},
+            {"eq": ["s", "a"]},
+            {"all": [{"eq": ["n", 7]}]},
+        ]
+    }
+    op, parts = compile_filter(expr, SCHEMA).node
+    assert op == "any"
+    assert [p.key if isinstance(p, Predicate) else p[0] for p in parts] == [
+        compile_filter({"in": ["n", [1, 2, 3]]}, SCHEMA).key,
+        ("range", "f", 0.0, 1.0),
+        ("in", "s", ("a",)),
+        "all",  # under another operator: not merged
+    ]
 
 
 def test_filter_error_is_a_value_error():

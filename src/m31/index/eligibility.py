@@ -329,12 +329,12 @@ class Eligibility:
         return bits
 
     def blocked(self, advertisers: Sequence[int], attrs: AttributeTable, n: int) -> Bitmap:
-        """[W] the rows of the given advertisers."""
-        bits = torch.zeros(self.width, dtype=torch.uint8, device=self.device)  # [W]
-        for a in advertisers:
-            leaf = compile_filter({"eq": ["advertiser_id", int(a)]}, attrs.schema).node
-            bits |= self._cached(leaf.key, leaf.run, attrs, n)
-        return bits
+        """[W] the rows of the given advertisers: one predicate for them all, so that a long
+        list costs one pass over the column and one cache slot, not one of each per advertiser."""
+        leaf = compile_filter(
+            {"in": ["advertiser_id", [int(a) for a in advertisers]]}, attrs.schema
+        ).node
+        return self._cached(leaf.key, leaf.run, attrs, n)
 
     def masks(
         self,

@@ -6,8 +6,16 @@ A filter is a JSON boolean tree::
 
     {"all": [f, ...]}   {"any": [f, ...]}   {"not": f}
     {"eq": [field, value]}   {"in": [field, [value, ...]]}
-    {"range": [field, lo, hi]}      inclusive; lo or hi null = open on that side
+    {"range": [field, lo, hi]}      inclusive; lo or hi null = open on that side; lo <= hi
     {"contains": [field, value]}    list fields only
+
+A filter's size is bounded, so that no request can make compiling it or building its mask
+expensive (each bound is refused with a `FilterError` naming it): `MAX_NODES` objects in the
+tree, `MAX_VALUES` values in its `in` lists together, `MAX_DEPTH` levels of nesting, and
+`MAX_PREDICATES` distinct leaves once the `eq` and `in` leaves of one field under one `any` are
+merged into a single `in` (each distinct leaf is one pass over an attribute column the first
+time it is asked; so `{"any": [{"eq": ["advertiser_id", 1]}, {"eq": ["advertiser_id", 2]}]}`
+costs what `{"in": ["advertiser_id", [1, 2]]}` costs).
 
 `compile_filter` validates a tree once against a schema (field name -> kind) and returns a
 `CompiledFilter`: a function from an `AttributeTable` (`m31.index.attributes`, where the
@@ -47,6 +55,11 @@ class FilterError(ValueError):
 
 
 MAX_DEPTH = 32  # nesting of all/any/not: deeper trees are refused, not recursed into
+MAX_NODES = 1_000  # objects in one filter tree (operators and leaves)
+MAX_VALUES = 100_000  # values of one filter's `in` lists together
+# Distinct leaves of one compiled filter: half the eligibility cache (`MAX_CACHED_BITMAPS`), so
+# that one request cannot evict every bitmap the others share.
+MAX_PREDICATES = 64
 
 
 @dataclass(frozen=True, eq=False)
@@ -100,7 +113,51 @@ def _run(node: Node, table: AttributeTable) -> torch.Tensor:
 
 def compile_filter(expr: Any, schema: Mapping[str, str]) -> CompiledFilter:
     """Validate `expr` once against `schema`; return table -> bool mask [N] on its device."""
-    return CompiledFilter(_compile(expr, check_schema(schema), "filter", 0))
+    check_size(expr)
+    node = _compile(expr, check_schema(schema), "filter", 0)
+    leaves = _leaves(node)
+    if len(leaves) > MAX_PREDICATES:
+        raise FilterError(
+            f"filter: {len(leaves)} distinct predicates, more than {MAX_PREDICATES} (eq and in "
+            "on one field under one any count once: give the values as one in list)"
+        )
+    return CompiledFilter(node)
+
+
+def check_size(expr: Any) -> None:
+    """FilterError if `expr` has more than `MAX_NODES` objects or `MAX_VALUES` values in its
+    `in` lists; what is malformed (or too deep) is left to `compile_filter` to name. Stops at
+    the first bound exceeded, so a huge tree costs no more than a small one to refuse."""
+    nodes = values = 0
+    stack = [expr]
+    while stack:
+        node = stack.pop()
+        nodes += 1
+        if nodes > MAX_NODES:
+            raise FilterError(f"filter: more than {MAX_NODES} objects (operators and leaves)")
+        if not isinstance(node, Mapping) or len(node) != 1:
+            continue
+        ((op, arg),) = node.items()
+        if op in ("all", "any") and isinstance(arg, list | tuple):
+            stack.extend(arg)
+        elif op == "not":
+            stack.append(arg)
+        elif op == "in" and isinstance(arg, list | tuple) and len(arg) == 2:
+            if isinstance(arg[1], list | tuple):
+                values += len(arg[1])
+                if values > MAX_VALUES:
+                    raise FilterError(
+                        f"filter: more than {MAX_VALUES} values in its in lists together"
+                    )
+
+
+def _leaves(node: Node) -> set:
+    if isinstance(node, Predicate):
+        return {node.key}
+    op, arg = node
+    if op == "not":
+        return _leaves(arg)
+    return set().union(*(_leaves(child) for child in arg))
 
 
 def _short(value: Any, limit: int = 120) -> str:
@@ -121,7 +178,7 @@ def _compile(node: Any, schema: dict[str, str], path: str, depth: int) -> Node:
         if not isinstance(arg, list | tuple):
             raise FilterError(f"{where}: expected a list of filters, got {_short(arg)}")
         parts = [_compile(child, schema, f"{where}[{i}]", depth + 1) for i, child in enumerate(arg)]
-        return (op, tuple(parts))
+        return (op, tuple(_merge_in(parts, schema) if op == "any" else parts))
     if op == "not":
         return ("not", _compile(arg, schema, where, depth + 1))
     if op in _ARITY:
@@ -129,6 +186,22 @@ def _compile(node: Any, schema: dict[str, str], path: str, depth: int) -> Node:
     raise FilterError(
         f"{path}: unknown operator {op!r} (one of all, any, not, {', '.join(_ARITY)})"
     )
+
+
+def _merge_in(parts: list[Node], schema: dict[str, str]) -> list[Node]:
+    """The children of an `any` with its `in` leaves (`eq` is one) merged into one per field,
+    in the place of the field's first: a row is in one of the sets iff it is in their union."""
+    values: dict[str, list] = {}
+    for part in parts:
+        if isinstance(part, Predicate) and part.key[0] == "in":
+            values.setdefault(part.key[1], []).extend(part.key[2])
+    merged: list[Node] = []
+    for part in parts:
+        if not (isinstance(part, Predicate) and part.key[0] == "in"):
+            merged.append(part)
+        elif (field := part.key[1]) in values:
+            merged.append(_in(field, schema[field], values.pop(field)))
+    return merged
 
 
 def _check_value(kind: str, v: Any, where: str, what: str = "value") -> Any:
@@ -178,6 +251,8 @@ def _predicate(op: str, arg: Any, schema: dict[str, str], where: str) -> Predica
             raise FilterError(f"{where}: 'range' needs a numeric field, {field!r} is {kind}")
         lo = None if arg[1] is None else _check_value(kind, arg[1], where, "lo")
         hi = None if arg[2] is None else _check_value(kind, arg[2], where, "hi")
+        if lo is not None and hi is not None and lo > hi:
+            raise FilterError(f"{where}: lo {lo!r} is above hi {hi!r}, so nothing would match")
         return _range(field, lo, hi)
     if op == "eq":
         return _in(field, kind, [_check_value(kind, arg[1], where)])
