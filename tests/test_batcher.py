@@ -1,6 +1,8 @@
 """The dynamic batcher on its own, with a real run function and a clock the tests advance: the
 estimate recovers without traffic, overload is shed with 429 before any 503, large calls are cut
-into chunks that other calls interleave with, and one bad call fails alone.
+into slices that other calls interleave with, a small call is neither refused nor kept waiting
+behind a large one, a large call is admitted after steady small traffic, and one bad call fails
+alone.
 
 Time is driven by the test, never read from the wall: each device call advances the clock by
 its cost, and a device call can be held at a gate until the test releases it. The real-time
@@ -37,14 +39,15 @@ class Clock:
 
 
 class Device:
-    """The run function: answers `10 * x` per request, costs `per_request` seconds of the clock
-    per request (`next_cost` instead, once), fails a batch holding "bad", and, when `hold` is
-    set, stops at the gate until `release` is set."""
+    """The run function: answers `10 * x` per request, costs `fixed + per_request * n` seconds
+    of the clock for n requests (`next_cost` instead, once), fails a batch holding "bad", and,
+    when `hold` is set, stops at the gate until `release` is set."""
 
-    def __init__(self, clock: Clock, per_request: float) -> None:
-        self.clock, self.per_request = clock, per_request
+    def __init__(self, clock: Clock, per_request: float, fixed: float = 0.0) -> None:
+        self.clock, self.per_request, self.fixed = clock, per_request, fixed
         self.next_cost: float | None = None
         self.batches: list[list[list]] = []  # the chunks of each device call
+        self.ends: list[float] = []  # the clock at the end of each device call
         self.hold = False
         self.entered, self.release = threading.Event(), threading.Event()
 
@@ -56,7 +59,8 @@ class Device:
             assert self.release.wait(HANG)
         n = sum(len(c) for c in chunks)
         cost, self.next_cost = self.next_cost, None
-        self.clock.advance(self.per_request * n if cost is None else cost)
+        self.clock.advance(self.fixed + self.per_request * n if cost is None else cost)
+        self.ends.append(self.clock())
         if any(x == "bad" for c in chunks for x in c):
             raise ValueError("bad request")
         return [[10 * x for x in c] for c in chunks]
@@ -66,12 +70,12 @@ class Device:
         assert await asyncio.to_thread(self.entered.wait, HANG)
 
 
-def run(test, per_request: float = 1.0, **kw):
+def run(test, per_request: float = 1.0, fixed: float = 0.0, **kw):
     """Run `test(batcher, device, clock)` on a started batcher, then stop it."""
 
     async def main():
         clock = Clock()
-        device = Device(clock, per_request)
+        device = Device(clock, per_request, fixed)
         batcher = DynamicBatcher(device, **{"max_queue_delay_ms": 0, "clock": clock, **kw})
         batcher.start()
         try:
@@ -108,21 +112,25 @@ def test_estimate_recovers_after_a_slow_call_without_traffic():
 
 def test_a_large_call_does_not_refuse_the_calls_after_it():
     async def test(b, device, clock):
-        # 1,024 requests at 1 s each: 16 device calls of 64, 1,024 s in all.
+        # 1,024 requests at 1 s each; with a slice longer than any batch, the batch size doubles
+        # from 1 as each size is measured, up to full batches of 64.
         parts = await b.submit(list(range(1024)), 10_000)
         assert [x for p in parts for x in p] == [10 * x for x in range(1024)]
-        assert [sum(map(len, batch)) for batch in device.batches] == [64] * 16
-        # At once, no idle time: one request is estimated at about 1 s, not 1,024 s or 64 s.
+        sizes = [sum(map(len, batch)) for batch in device.batches]
+        assert sizes == [1, 2, 4, 8, 16, 32, *[64] * 15, 1]
+        # At once, no idle time: one request is estimated at 1 s, not 1,024 s or 64 s.
         alone, done = b.expected_seconds(1)
         assert alone == done == pytest.approx(1.0)
         assert await b.submit([7], 30) == [[70]]
 
-    run(test, per_request=1.0, max_batch_size=64, max_queue=1024)
+    run(test, per_request=1.0, max_batch_size=64, max_queue=1024, max_slice_ms=1e9)
 
 
 def test_overload_is_shed_with_429_before_any_503():
     async def test(b, device, clock):
-        assert await b.submit([0], HANG) == [[0]]  # the device's cost: 10 s per request
+        # The device's cost, 10 s per request, measured at two sizes.
+        assert await b.submit([0], HANG) == [[0]]
+        assert await b.submit([0, 0], HANG) == [[0, 0]]
         device.hold = True
         first = asyncio.create_task(b.submit([1], HANG))
         await device.held()
@@ -140,7 +148,8 @@ def test_overload_is_shed_with_429_before_any_503():
         assert isinstance(refused, Overloaded) and not isinstance(refused, QueueFull), refused
         # 10 s under way, then 10 s per queued request: room for 8 before the 95 s deadline.
         assert len(admitted) == 8 and admitted[-1][1] == pytest.approx(90.0)
-        # A call that cannot make its deadline even on an idle device is a 503, busy or not.
+        # A call that cannot make its deadline even on an idle device is a 503, busy or not:
+        # in slices of 2 (twice one request's time), 10 requests take 100 s.
         with pytest.raises(WouldMissDeadline):
             await b.submit(list(range(10)), 95)
         device.release.set()
@@ -151,8 +160,16 @@ def test_overload_is_shed_with_429_before_any_503():
     run(test, per_request=10.0, max_batch_size=64)
 
 
+async def measured(b, sizes) -> None:
+    """Let the batcher measure the device at each size (one call each)."""
+    for n in sizes:
+        assert await b.submit([0] * n, HANG) == [[0] * n]
+
+
 def test_a_large_call_is_cut_and_other_calls_interleave():
     async def test(b, device, clock):
+        await measured(b, [1, 2])  # 1 s per request: a 4 s slice holds 4
+        device.batches.clear()
         device.hold = True
         big = asyncio.create_task(b.submit(list(range(10)), HANG))
         await device.held()  # the first 4 of the large call are on the device
@@ -161,14 +178,54 @@ def test_a_large_call_is_cut_and_other_calls_interleave():
         device.release.set()
         assert await small == [[1000]]
         assert await big == [[0, 10, 20, 30], [40, 50, 60], [70, 80, 90]]
-        # The small call came during the first chunk and ran right after it.
+        # The small call came during the first slice and ran right after it, in a batch the
+        # large call filled only up to one slice.
         assert device.batches == [
             [[0, 1, 2, 3]],
             [[100], [4, 5, 6]],
             [[7, 8, 9]],
         ]
 
-    run(test, max_batch_size=4)
+    run(test, max_batch_size=8, max_slice_ms=4000)
+
+
+def test_small_calls_wait_for_slices_not_for_a_large_call():
+    async def test(b, device, clock):
+        # 20 ms + 10 ms per request (a batch of 64: 660 ms); the slice, 70 ms, holds 5.
+        await measured(b, [1, 2, 4])
+        assert b.slice_size() == 5
+        big = asyncio.create_task(b.submit(list(range(1024)), 600))
+        answered = []
+        for i in range(30):
+            await until(lambda: device.batches and b.depth < 1024)
+            start = clock()
+            # Refused before slices (a batch of the large call took 660 ms), answered now.
+            assert await b.submit([-1 - i], 0.2) == [[-10 - 10 * i]]
+            # (When its device call ended: the device may have run the next one meanwhile.)
+            ran = next(j for j, batch in enumerate(device.batches) if [-1 - i] in batch)
+            answered.append(device.ends[ran] - start)
+        assert max(answered) <= 2 * 0.07 + 1e-9, answered
+        assert [x for p in await big for x in p] == [10 * x for x in range(1024)]
+
+    run(test, per_request=0.01, fixed=0.02, max_batch_size=64, max_queue=2048, max_slice_ms=70)
+
+
+def test_a_large_call_is_admitted_after_steady_small_traffic():
+    async def test(b, device, clock):
+        # Only single requests, 60 ms each, for a long while: charged per request, the old
+        # estimate of 1,024 was 61 s, past a 60 s deadline, though batches make it far less.
+        for i in range(200):
+            assert await b.submit([i], 1) == [[10 * i]]
+        start = clock()
+        parts = await b.submit(list(range(1024)), 60)
+        assert [x for p in parts for x in p] == [10 * x for x in range(1024)]
+        assert clock() - start < 60
+        # The sizes its slices measured stay known after more single requests.
+        for i in range(200):
+            await b.submit([i], 1)
+        assert b.slice_size() > 2
+
+    run(test, per_request=0.01, fixed=0.05, max_batch_size=64, max_queue=2048)
 
 
 def test_a_bad_call_fails_alone_and_its_later_chunks_are_dropped():

@@ -18,6 +18,7 @@ from m31.serve.config import (
     MAX_BATCH_SIZE,
     MAX_QUEUE,
     MAX_QUEUE_DELAY_MS,
+    MAX_SLICE_MS,
     TIMEOUT_MS,
 )
 
@@ -979,6 +980,13 @@ def serve_cmd(
     max_queue: Annotated[
         int, typer.Option(help="Requests waiting before calls get 429.")
     ] = MAX_QUEUE,
+    max_slice_ms: Annotated[
+        float,
+        typer.Option(
+            help="Device time a large call may take per batch, so that small calls that come "
+            "meanwhile wait at most about two slices."
+        ),
+    ] = MAX_SLICE_MS,
     timeout_ms: Annotated[
         int, typer.Option(help="Default deadline of a retrieve call.")
     ] = TIMEOUT_MS,
@@ -1047,6 +1055,11 @@ def serve_cmd(
             raise ValueError(f"{name} must be at least 1, got {value}")
     if not body_timeout_s > 0:
         raise ValueError(f"--body-timeout-s must be positive, got {body_timeout_s}")
+    if not max_slice_ms > 0 or not max_queue_delay_ms >= 0:
+        raise ValueError(
+            "--max-slice-ms must be positive and --max-queue-delay-ms at least 0, got "
+            f"{max_slice_ms} and {max_queue_delay_ms}"
+        )
     if not model.is_file():
         raise FileNotFoundError(f"--model: {model}: no such checkpoint")
     if not ray and (shards is not None or address is not None or max_replicas is not None):
@@ -1065,6 +1078,7 @@ def serve_cmd(
         max_batch_size=max_batch_size,
         max_queue_delay_ms=max_queue_delay_ms,
         max_queue=max_queue,
+        max_slice_ms=max_slice_ms,
         timeout_ms=timeout_ms,
         body_timeout_s=body_timeout_s,
         admin_token=_token("M31_ADMIN_TOKEN", admin_token_file, "--admin-token-file"),

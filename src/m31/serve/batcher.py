@@ -1,28 +1,35 @@
 """The dynamic batcher between HTTP handlers and the device (DESIGN §7).
 
 Handlers `submit` calls (one HTTP call: a list of requests) and await their results. One worker
-task drains the queue: it takes requests from the queued calls in arrival order until the batch
-holds `max_batch_size` requests or `max_queue_delay_ms` have passed since its first call came,
-and runs the batch on a single-thread executor (the event loop never blocks on the device, and
-the device sees one batch at a time).
+task drains the queue: it takes requests from the queued calls in turn until the batch holds
+`max_batch_size` requests or `max_queue_delay_ms` have passed since its first call came, and
+runs the batch on a single-thread executor (the event loop never blocks on the device, and the
+device sees one batch at a time).
 
-A call larger than the room left in a batch is cut: the batch takes what fits and the rest of
-the call rejoins the queue behind the calls that came while the batch ran, so one large call
-never holds the device for more than one batch at a time and other calls interleave with its
-chunks. The call's answer is the run function's results for its chunks, in order.
+Calls share the device in turns, and no call holds it for long. The *slice* is the largest
+number of requests whose device call is estimated to take at most `max_slice_ms`, or twice one
+request's time if that is longer (at least 1, at most `max_batch_size`). A call no larger than a
+slice joins a batch whole (while the batch has room); a larger call gives each batch only what
+keeps the batch within one slice (at least one request, so it always progresses), and the rest
+of it rejoins the queue behind the calls that came while the batch ran. So a small call that
+comes while a large one runs waits for the device call under way and then runs in a batch of
+about one slice: on a CPU it is answered within about two slices (25 ms each by default), and on
+a GPU, where a slice holds a full batch, large calls lose nothing. The call's answer is the run
+function's results for its chunks, in order.
 
-Admission is decided from the work queued right now and a cost model of the device (seconds per
-device call = fixed + per request × requests, fitted to the recent calls; see `_CostModel`).
-Every call carries a deadline:
+Admission is decided from the work queued right now and a cost model of the device (seconds
+of a device call of n requests, learned per size; see `_CostModel`). Every call carries a
+deadline:
 
 * a call larger than `max_queue` can never be queued: `ValueError` (-> 422);
 * the queue is bounded: a call that does not fit is refused at once (`QueueFull` -> 429);
-* a call that would miss its deadline even on an idle device (its own device time is longer)
-  is refused at once (`WouldMissDeadline` -> 503): waiting would not help;
+* a call that would miss its deadline even on an idle device (its own device time, in slices,
+  is longer) is refused at once (`WouldMissDeadline` -> 503): waiting would not help;
 * a call that would make its deadline alone but not behind the work queued now is refused at
   once (`Overloaded` -> 429): the server sheds load, and the caller may retry later;
 * a call still queued at its deadline is dropped without running (`DeadlineExceeded` -> 504),
-  and a handler stops waiting at the deadline whatever happens (so never hangs).
+  and so are its chunks not yet run; a handler stops waiting at the deadline whatever happens
+  (so never hangs).
 
 The cost model is refreshed only by device calls, so while the device stands idle its estimate
 halves every `estimate_half_life_s`: one slow call (a cold start, a burst of overload) cannot
@@ -49,6 +56,8 @@ MAX_QUEUE_DELAY_MS = 2.0  # how long a batch's first call waits for company
 # Requests waiting: room for a few of the largest calls (1,024 requests, `schemas.MAX_REQUESTS`)
 # beside the small ones, so one large call does not fill the queue by itself.
 MAX_QUEUE = 4096
+# Device time one batch may spend on a large call: what a small call that comes meanwhile waits.
+MAX_SLICE_MS = 25.0
 
 
 def _fail(future: asyncio.Future, error: Exception) -> None:
@@ -75,46 +84,64 @@ class DeadlineExceeded(RuntimeError):
 
 
 class _CostModel:
-    """Seconds of one device call of n requests: `fixed + per_request * n`.
+    """Seconds of one device call of 1 to `max_size` requests, learned per size.
 
-    Least squares over the recent calls, each call's weight shrinking by `memory` per later call
-    and halving per `half_life_s` the device stood idle before it, so the fit follows the
-    device's load. Until calls of two sizes have been seen, the whole time is charged per
-    request (pessimistic for larger batches until one runs).
+    Each size seen keeps its own average, in which the old value weighs `memory` against each
+    new call of that size, less after the device stood idle before it (halved per
+    `half_life_s`), so that the model follows the device's load: steady traffic of one size never
+    makes it forget what other sizes cost. A size not seen is interpolated between the nearest
+    sizes seen; above the largest it is extrapolated along the slope of the two largest (flat
+    with one size), below the smallest in proportion to it. Both are optimistic (a larger call
+    never costs less, and a call of n has no negative fixed part), so a size not measured yet
+    is admitted rather than refused, and measured by its first call. No size is estimated above
+    a larger one, so a stale slow small size (a cold start) is bounded by what larger calls
+    cost now.
     """
 
-    def __init__(self, memory: float, half_life_s: float) -> None:
+    def __init__(self, max_size: int, memory: float, half_life_s: float) -> None:
         self.memory, self.half_life_s = memory, half_life_s
-        # Weighted sums of 1, n, t, n², n·t over the observed calls.
-        self._w = self._n = self._t = self._nn = self._nt = 0.0
+        self._sums: dict[int, tuple[float, float]] = {}  # size -> (Σ weight·seconds, Σ weight)
+        self._table = [0.0] * (max_size + 1)  # [size] -> estimated seconds
 
-    def _fade(self, idle_s: float) -> float:
+    @property
+    def largest(self) -> int:
+        """The largest size seen (0 before the first call)."""
+        return max(self._sums, default=0)
+
+    def fade(self, idle_s: float) -> float:
+        """The factor on estimates after `idle_s` seconds of an idle device."""
         return 0.5 ** (max(idle_s, 0.0) / self.half_life_s)
 
     def observe(self, n: int, seconds: float, idle_s: float) -> None:
         """A device call of `n` requests took `seconds`, after `idle_s` of an idle device."""
-        keep = self.memory * self._fade(idle_s)
-        self._w = keep * self._w + 1
-        self._n = keep * self._n + n
-        self._t = keep * self._t + seconds
-        self._nn = keep * self._nn + n * n
-        self._nt = keep * self._nt + n * seconds
+        keep = self.memory * self.fade(idle_s)
+        total, weight = self._sums.get(n, (0.0, 0.0))
+        self._sums[n] = (keep * total + seconds, keep * weight + 1.0)
+        seen = {size: t / w for size, (t, w) in self._sums.items()}
+        sizes = sorted(seen)
+        table, at = self._table, 0
+        for size in range(1, len(table)):
+            while at < len(sizes) and sizes[at] < size:
+                at += 1
+            if at < len(sizes) and sizes[at] == size:
+                table[size] = seen[size]
+            elif at == 0:  # from the origin: a lower bound, as a call has no negative part
+                table[size] = seen[sizes[0]] * size / sizes[0]
+            elif at == len(sizes):
+                top = seen[sizes[-1]]
+                if len(sizes) > 1:
+                    a, b = sizes[-2], sizes[-1]
+                    top += max(seen[b] - seen[a], 0.0) / (b - a) * (size - b)
+                table[size] = top
+            else:
+                a, b = sizes[at - 1], sizes[at]
+                table[size] = seen[a] + (seen[b] - seen[a]) * (size - a) / (b - a)
+        for size in range(len(table) - 2, 0, -1):
+            table[size] = min(table[size], table[size + 1])
 
-    def fit(self, idle_s: float) -> tuple[float, float]:
-        """(fixed seconds per call, seconds per request), faded by `idle_s` of idleness now."""
-        if self._w == 0:
-            return 0.0, 0.0  # nothing measured yet: admit, and learn from the first call
-        mean_n, mean_t = self._n / self._w, self._t / self._w
-        var = self._nn / self._w - mean_n**2
-        fixed, per_request = 0.0, self._t / self._n
-        # Sizes are whole numbers: a spread under half a request is rounding, not a second size.
-        if var > 0.25:
-            slope = (self._nt / self._w - mean_n * mean_t) / var
-            intercept = mean_t - slope * mean_n
-            if slope >= 0 and intercept >= 0:
-                fixed, per_request = intercept, slope
-        fade = self._fade(idle_s)
-        return fixed * fade, per_request * fade
+    def seconds(self, n: int) -> float:
+        """Estimated seconds of a device call of `n` requests (0 before the first call)."""
+        return self._table[n]
 
 
 @dataclass
@@ -157,6 +184,7 @@ class DynamicBatcher:
         max_queue_delay_ms: float = MAX_QUEUE_DELAY_MS,
         max_queue: int = MAX_QUEUE,
         on_batch: Callable[[int, float], None] | None = None,
+        max_slice_ms: float = MAX_SLICE_MS,
         estimate_memory: float = 0.9,
         estimate_half_life_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
@@ -165,18 +193,21 @@ class DynamicBatcher:
             raise ValueError(
                 "max_batch_size and max_queue must be >= 1 and max_queue_delay_ms >= 0"
             )
+        if not max_slice_ms > 0:
+            raise ValueError(f"max_slice_ms must be > 0, got {max_slice_ms}")
         if not 0 <= estimate_memory < 1 or estimate_half_life_s <= 0:
             raise ValueError("estimate_memory must be in [0, 1) and estimate_half_life_s > 0")
         self.run = run
         self.max_batch_size = max_batch_size
         self.max_queue_delay = max_queue_delay_ms / 1000
         self.max_queue = max_queue  # requests, not calls
+        self.max_slice = max_slice_ms / 1000
         self.on_batch = on_batch  # (batch size in requests, seconds) after each device call
         self.clock = clock
-        self._cost = _CostModel(estimate_memory, estimate_half_life_s)
+        self._cost = _CostModel(max_batch_size, estimate_memory, estimate_half_life_s)
         self._queue: deque[_Call] = deque()  # calls with requests not yet taken, in turn order
-        self._cut: _Call | None = None  # the call the running batch cut; rejoins after it
-        self._queued = 0  # requests waiting, the cut call's included
+        self._cuts: list[_Call] = []  # calls the forming or running batch cut; rejoin after it
+        self._queued = 0  # requests waiting, the cut calls' included
         self._running = 0  # requests in the device call under way (0: the device is idle)
         self._since = clock()  # start of that device call, or since when the device is idle
         self._wake: asyncio.Event | None = None
@@ -199,36 +230,53 @@ class DynamicBatcher:
                 await self._worker
             except asyncio.CancelledError:
                 pass
-        for call in [*self._queue, *([self._cut] if self._cut else [])]:
+        for call in [*self._queue, *self._cuts]:
             _fail(call.future, DeadlineExceeded("server shutting down"))
         self._queue.clear()
-        self._cut = None
+        self._cuts.clear()
         self._queued = 0
         self._executor.shutdown(wait=True)
 
-    def _seconds(self, requests: int, fixed: float, per_request: float) -> float:
-        """Device time of `requests` queued requests, run in full batches."""
-        return math.ceil(requests / self.max_batch_size) * fixed + requests * per_request
+    def slice_size(self) -> int:
+        """Requests of one call per batch: the most whose device call is estimated within
+        `max_slice_ms` or twice one request's time, whichever is longer (so that a slow device
+        still batches a large call), at least 1, at most `max_batch_size`, and at most twice
+        the largest call measured (so that a size is measured before it is trusted)."""
+        cost = self._cost
+        top = min(self.max_batch_size, max(1, 2 * cost.largest))
+        budget = max(self.max_slice, 2 * cost.seconds(1))
+        n = 1
+        while n < top and cost.seconds(n + 1) <= budget:
+            n += 1
+        return n
 
     def expected_seconds(self, size: int) -> tuple[float, float]:
         """(seconds a call of `size` requests takes on an idle device, seconds until it would
         be done if submitted now).
 
-        Calls share the device in turns of up to `max_batch_size` requests, so before this
-        call is done, after the device call under way, each other waiting call runs as many
-        requests as this one needs turns for (or all it has left).
+        A call runs in turns of at most a slice, so it needs `turns = ceil(size / slice)` device
+        calls; before its last, after the device call under way, the other waiting calls no
+        larger than a slice run whole, and each larger one runs in each turn what the smaller
+        ones leave of a slice (at least one request).
         """
         now = self.clock()
-        fixed, per_request = self._cost.fit(0.0 if self._running else now - self._since)
+        fade = 1.0 if self._running else self._cost.fade(now - self._since)
+
+        def seconds(n: int) -> float:
+            return self._cost.seconds(n) * fade
+
         running = 0.0
         if self._running:
-            full = fixed + per_request * self._running
-            running = max(full - (now - self._since), 0.0)
-        share = math.ceil(size / self.max_batch_size) * self.max_batch_size
-        others = [*self._queue, *([self._cut] if self._cut else [])]
-        before_done = sum(min(c.left, share) for c in others) + size
-        alone = self._seconds(size, fixed, per_request)
-        return alone, running + self._seconds(before_done, fixed, per_request)
+            running = max(seconds(self._running) - (now - self._since), 0.0)
+        piece = self.slice_size()
+        turns = math.ceil(size / piece)
+        alone = turns * seconds(min(size, piece))
+        others = [c.left for c in (*self._queue, *self._cuts)]
+        small = sum(n for n in others if n <= piece) + min(size, piece)
+        share = turns * max(1, piece - small)
+        total = small - min(size, piece) + size + sum(min(n, share) for n in others if n > piece)
+        calls = max(turns, math.ceil(total / self.max_batch_size))
+        return alone, running + calls * seconds(math.ceil(total / calls))
 
     async def submit(self, requests: Sequence[Any], timeout_s: float) -> list[Any]:
         """Run one call's requests within `timeout_s`: the results of its chunks, in order."""
@@ -265,25 +313,26 @@ class DynamicBatcher:
                 f"no answer within the deadline ({timeout_s * 1000:.0f} ms)"
             ) from None
 
-    def _take(self, batch: list[_Chunk], size: int) -> int:
-        """Move queued requests into `batch` while they fit, cutting the call that does not fit
-        whole; calls past their deadline (or given up, or failed) are dropped."""
+    def _take(self, batch: list[_Chunk], size: int, piece: int) -> int:
+        """Move queued requests into `batch` in turn while it has room: a call of at most
+        `piece` requests whole, a larger one what keeps the batch within `piece` (at least
+        one); a call cut rejoins after the batch. Calls past their deadline (or given up, or
+        failed) are dropped."""
         now = self.clock()
         while self._queue and size < self.max_batch_size:
-            call = self._queue[0]
+            call = self._queue.popleft()
             if call.future.done() or call.deadline <= now:
-                self._queue.popleft()
                 self._queued -= call.left
                 _fail(call.future, DeadlineExceeded("deadline passed in the queue"))
                 continue
-            n = min(call.left, self.max_batch_size - size)
-            self._queue.popleft()
+            room = self.max_batch_size - size
+            n = min(call.left, room) if call.left <= piece else min(room, max(1, piece - size))
             batch.append(_Chunk(call, call.taken, call.taken + n))
             call.taken += n
             self._queued -= n
             size += n
             if call.left:
-                self._cut = call
+                self._cuts.append(call)
         return size
 
     async def _loop(self) -> None:
@@ -293,7 +342,8 @@ class DynamicBatcher:
             self._wake.clear()
             while self._queue:
                 batch: list[_Chunk] = []
-                size = self._take(batch, 0)
+                piece = self.slice_size()
+                size = self._take(batch, 0, piece)
                 if not batch:
                     continue
                 # Wait for more only while the first call's delay budget lasts.
@@ -304,11 +354,11 @@ class DynamicBatcher:
                         await asyncio.wait_for(self._wake.wait(), close_at - self.clock())
                     except TimeoutError:
                         pass
-                    size = self._take(batch, size)
+                    size = self._take(batch, size, piece)
                 await self._run(loop, batch, size)
-                if self._cut is not None:  # behind the calls that came during the batch
-                    self._queue.append(self._cut)
-                    self._cut = None
+                # Behind the calls that came during the batch.
+                self._queue.extend(self._cuts)
+                self._cuts.clear()
 
     async def _run(self, loop: asyncio.AbstractEventLoop, batch: list[_Chunk], size: int) -> None:
         start = self.clock()

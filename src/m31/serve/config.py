@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from m31.serve.batcher import MAX_BATCH_SIZE, MAX_QUEUE, MAX_QUEUE_DELAY_MS
+from m31.serve.batcher import MAX_BATCH_SIZE, MAX_QUEUE, MAX_QUEUE_DELAY_MS, MAX_SLICE_MS
 
 __all__ = [
     "BODY_TIMEOUT_S",
@@ -14,6 +14,7 @@ __all__ = [
     "MAX_BODY_BYTES",
     "MAX_QUEUE",
     "MAX_QUEUE_DELAY_MS",
+    "MAX_SLICE_MS",
     "TIMEOUT_MS",
     "ServeConfig",
 ]
@@ -32,6 +33,7 @@ class ServeConfig:
     max_batch_size: int = MAX_BATCH_SIZE  # requests per device call; 1 turns batching off
     max_queue_delay_ms: float = MAX_QUEUE_DELAY_MS
     max_queue: int = MAX_QUEUE  # requests waiting, beyond which calls get 429
+    max_slice_ms: float = MAX_SLICE_MS  # device time per batch of a large call (`batcher`)
     timeout_ms: int = TIMEOUT_MS
     max_body_bytes: int = MAX_BODY_BYTES
     body_timeout_s: float = BODY_TIMEOUT_S
