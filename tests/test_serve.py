@@ -100,7 +100,9 @@ def test_results_equal_the_engine(world, server):
     assert got["index_version"] == want.version
     for r, a, b in zip(requests, got["results"], want.results, strict=True):
         assert a["ad_ids"] == b.ad_ids[: r["k"]].tolist()
-        np.testing.assert_allclose(a["scores"], b.scores[: r["k"]], rtol=1e-6)
+        # The server may run the call in several device calls (slices, `m31.serve.batcher`),
+        # whose batch sizes round the fp32 products in another order than one engine call.
+        np.testing.assert_allclose(a["scores"], b.scores[: r["k"]], rtol=1e-5, atol=1e-6)
     assert set(got["timings_ms"]) >= {"encode", "mask", "score_topk", "total"}
 
 

@@ -242,7 +242,7 @@ def test_errors_are_in_the_openapi_schema(server):
         assert isinstance(r.json()["detail"], str)
     # A method the path does not have: 405, and Allow names every method the path has.
     r = httpx.request("POST", f"{server.url}/v1/ads/1", headers=AUTH)
-    assert r.status_code == 405 and r.headers["allow"] == "DELETE, GET, PATCH", r.headers
+    assert r.status_code == 405 and r.headers["allow"] == "DELETE, GET, HEAD, PATCH", r.headers
 
 
 def test_the_admin_token_reads_too(server):

@@ -35,7 +35,7 @@ from m31.serve.batcher import DynamicBatcher
 from m31.serve.config import ServeConfig
 from m31.serve.errors import CheckedJSONRoute, describe, error
 from m31.serve.metrics import Metrics
-from m31.serve.middleware import BodyGuard, Counted
+from m31.serve.middleware import BodyGuard, Counted, HeadAsGet
 from m31.serve.routes import add_routes
 from m31.serve.service import Service
 
@@ -113,6 +113,7 @@ def create_app(
             config.max_queue_delay_ms,
             config.max_queue,
             on_batch,
+            max_slice_ms=config.max_slice_ms,
         )
         batcher.start()
         app.state.batcher = batcher
@@ -125,6 +126,7 @@ def create_app(
         )
 
     # Added first, so inside `Counted`: refused bodies show in the metrics too.
+    app.add_middleware(HeadAsGet)
     app.add_middleware(BodyGuard, config=config)
     app.add_middleware(Counted, metrics=metrics, routes=app.routes)
 
@@ -139,6 +141,8 @@ def create_app(
                 if route.path_regex.match(path)
                 for method in getattr(route, "methods", None) or ()
             }
+            if "GET" in methods:
+                methods.add("HEAD")  # `HeadAsGet`
             headers = {"Allow": ", ".join(sorted(methods))}
         return error(e.status_code, str(e.detail), headers)
 

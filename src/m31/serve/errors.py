@@ -4,6 +4,7 @@ surrogates); the codes of each route go into the OpenAPI schema."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -27,14 +28,25 @@ def error(status: int, detail: str, headers: Mapping[str, str] | None = None) ->
     return ErrorResponse({"detail": detail}, status, dict(headers or {}))
 
 
+# Bodies from this size on are parsed on a worker thread, so that the event loop (and with it
+# /health/live and every other call) never waits on a large one.
+PARSE_OFF_LOOP_BYTES = 64 << 10
+
+
 def _parse_json(body: bytes) -> Any:
-    """`json.loads`, refusing what Python's parser takes but JSON and UTF-8 do not: NaN and
-    ±Infinity (also as numbers that overflow to them) and lone surrogates ("\\ud800")."""
+    """`json.loads`, refusing what Python's parser takes but JSON and UTF-8 do not: bytes that
+    are not UTF-8 (`json.loads` would guess UTF-16 or UTF-32), an object with a key twice (which
+    value was meant?), NaN and ±Infinity (also as numbers that overflow to them) and lone
+    surrogates ("\\ud800")."""
     too_deep = HTTPException(400, "body: JSON nested too deep to parse")
+    if (nul := body.find(0)) >= 0:  # UTF-16 or UTF-32 of ASCII text would decode as UTF-8
+        raise HTTPException(400, f"body: not UTF-8 text (a NUL byte at {nul}; UTF-16 or UTF-32?)")
     try:
-        value = json.loads(body)
+        text = body.decode()
     except UnicodeDecodeError as e:
         raise HTTPException(400, f"body: not UTF-8 (byte {e.start})") from None
+    try:
+        value = json.loads(text, object_pairs_hook=_unique_keys)
     except RecursionError:
         raise too_deep from None
     try:  # at C speed; only a body that fails is walked to say where
@@ -43,6 +55,16 @@ def _parse_json(body: bytes) -> Any:
         raise too_deep from None
     except ValueError:  # UnicodeEncodeError is one
         raise HTTPException(422, _unrepresentable(value)) from None
+    return value
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    value = dict(pairs)
+    if len(value) != len(pairs):
+        seen: set[str] = set()
+        key = next(k for k, _ in pairs if k in seen or seen.add(k))
+        shown = repr(key) if len(key) <= 64 else repr(key[:64]) + "…"
+        raise HTTPException(422, f"body: an object has the key {shown} twice")
     return value
 
 
@@ -77,7 +99,11 @@ def _is_text(s: str) -> bool:
 class _JSONRequest(Request):
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
-            self._json = _parse_json(await self.body())
+            body = await self.body()
+            if len(body) < PARSE_OFF_LOOP_BYTES:
+                self._json = _parse_json(body)
+            else:
+                self._json = await asyncio.to_thread(_parse_json, body)
         return self._json
 
 

@@ -1,5 +1,5 @@
-"""ASGI middleware: `BodyGuard` (token before body, size and time limits) and `Counted` (calls
-and latency by route and status into the metrics)."""
+"""ASGI middleware: `BodyGuard` (token before body, size and time limits), `HeadAsGet` (HEAD of
+every GET route) and `Counted` (calls and latency by route and status into the metrics)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,13 @@ from m31.serve.auth import refusal
 from m31.serve.config import ServeConfig
 from m31.serve.errors import error
 from m31.serve.metrics import Metrics
+
+_ARRIVAL = "m31_arrival"
+
+
+def arrival(scope) -> float:
+    """When the call arrived (`time.monotonic()` seconds), as `Counted` saw it."""
+    return scope.get("state", {}).get(_ARRIVAL, time.monotonic())
 
 
 def _route_path(scope) -> str:
@@ -100,6 +107,26 @@ class BodyGuard:
         return bytes(body)
 
 
+class HeadAsGet:
+    """HEAD answers as GET would, without the body (RFC 9110 §9.3.2): the same status and
+    headers, `content-length` included. A path without a GET route answers 405 or 404 as GET
+    would. The OpenAPI schema lists GET only, as HTTP frameworks commonly do."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            return await self.app(scope, receive, send)
+
+        async def head(message) -> None:
+            if message["type"] == "http.response.body":
+                message = {**message, "body": b""}
+            await send(message)
+
+        return await self.app({**scope, "method": "GET"}, receive, head)
+
+
 class Counted:
     """ASGI middleware: calls and latency by route and status into the metrics. A call whose
     client left before any answer counts as status "disconnected"."""
@@ -111,6 +138,8 @@ class Counted:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         start, status = time.perf_counter(), "disconnected"
+        # Deadlines count from here (`arrival`): reading and parsing the body are part of a call.
+        scope.setdefault("state", {})[_ARRIVAL] = time.monotonic()
 
         async def sending(message) -> None:
             nonlocal status

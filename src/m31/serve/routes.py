@@ -5,19 +5,21 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from m31.engine import AdRequest, Engagement, InlineUser, RequestError
+from m31.engine import AdRequest, Engagement, InlineUser, PreparedRequest, RequestError
 from m31.index import AdIndexError
 from m31.serve.auth import require_admin, require_read
 from m31.serve.batcher import DeadlineExceeded, Overloaded, WouldMissDeadline
 from m31.serve.config import ServeConfig
 from m31.serve.errors import error_responses
 from m31.serve.metrics import Metrics
+from m31.serve.middleware import arrival
 from m31.serve.schemas import (
     AdIdPath,
     AdOut,
@@ -29,6 +31,8 @@ from m31.serve.schemas import (
     VersionResponse,
 )
 from m31.serve.service import Ask, NotFound, Service, Unavailable
+
+T = TypeVar("T")
 
 
 def ready_service(request: Request) -> Service:
@@ -51,6 +55,26 @@ async def write(request: Request, fn, *args) -> Any:
         raise HTTPException(503, str(e), {"Retry-After": "1"}) from e
     except (AdIndexError, ValueError) as e:
         raise HTTPException(422, str(e)) from e
+
+
+def left_of(deadline: float, timeout: float) -> float:
+    """Seconds left until `deadline` (`time.monotonic()`); a 504 if none are."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise HTTPException(504, f"deadline passed ({timeout * 1000:.0f} ms from arrival)")
+    return left
+
+
+async def by_deadline(deadline: float, timeout: float, fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` on a worker thread, or a 504 at `deadline` (the thread goes on, bounded by
+    the request's limits, but nobody waits for it)."""
+    left = left_of(deadline, timeout)
+    try:
+        return await asyncio.wait_for(asyncio.to_thread(fn, *args), left)
+    except TimeoutError:
+        raise HTTPException(
+            504, f"deadline passed ({timeout * 1000:.0f} ms from arrival)"
+        ) from None
 
 
 def version_response(svc: Service, version: int) -> VersionResponse:
@@ -99,25 +123,31 @@ def add_routes(app: FastAPI, config: ServeConfig, metrics: Metrics) -> None:
     async def retrieve(request: Request, body: RetrieveBody) -> RetrieveResponse:
         svc = ready_service(request)
         start = time.perf_counter()
-        if body.min_version is not None and not await asyncio.to_thread(
-            svc.reached, body.min_version
+        # The deadline counts from the call's arrival; checks and mask work run off the event
+        # loop, and whatever is still waiting at the deadline is answered 504 and dropped.
+        timeout = (body.timeout_ms or config.timeout_ms) / 1000
+        deadline = arrival(request.scope) + timeout
+        if body.min_version is not None and not await by_deadline(
+            deadline, timeout, svc.reached, body.min_version
         ):
             raise HTTPException(
                 409, f"index is at version {svc.version}, older than min_version {body.min_version}"
             )
         now = int(time.time())
+
+        def prepare() -> list[PreparedRequest]:
+            engine = [to_engine(r, now) for r in body.requests]
+            return svc.retriever.prepare(engine, [r.k for r in body.requests])
+
         try:  # checked once, here: a bad request fails alone, before batching
-            prepared = svc.retriever.prepare(
-                [to_engine(r, now) for r in body.requests], [r.k for r in body.requests]
-            )
+            prepared = await by_deadline(deadline, timeout, prepare)
         except (RequestError, ValueError) as e:
             raise HTTPException(422, str(e)) from e
-        timeout = (body.timeout_ms or config.timeout_ms) / 1000
-        deadline = time.monotonic() + timeout
         asks = [Ask(p, deadline, body.allow_partial) for p in prepared]
-        metrics.queue_depth.set(request.app.state.batcher.depth)
+        batcher = request.app.state.batcher
+        metrics.queue_depth.set(batcher.depth)
         try:
-            parts = await request.app.state.batcher.submit(asks, timeout)
+            parts = await batcher.submit(asks, left_of(deadline, timeout))
         except Unavailable as e:
             raise HTTPException(503, str(e), {"Retry-After": "1"}) from e
         except Overloaded as e:
@@ -129,7 +159,7 @@ def add_routes(app: FastAPI, config: ServeConfig, metrics: Metrics) -> None:
         except (RequestError, ValueError) as e:
             raise HTTPException(422, str(e)) from e
         finally:
-            metrics.queue_depth.set(request.app.state.batcher.depth)
+            metrics.queue_depth.set(batcher.depth)
         results, version, timings, batch, missing = Service.assemble(parts)
         total = round(1000 * (time.perf_counter() - start), 3)
         return RetrieveResponse(

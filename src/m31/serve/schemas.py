@@ -24,9 +24,13 @@ from pydantic import (
 )
 
 from m31.data.schema import FORMATS, GENDERS, OBJECTIVES, PLATFORMS, STATUSES, SURFACES
+from m31.index.filters import check_size
 
 MAX_K = 4096  # results per request
 MAX_REQUESTS = 1024  # requests per call
+# Results per call (the sum of its requests' k): about 6 MB of JSON. The largest call that fits
+# asks 1,024 requests for 256 results each, or 64 for all of MAX_K.
+MAX_RESULTS = 1 << 18
 MAX_ADS = 10_000  # ads per upsert call
 MAX_LIST = 10_000  # history, exclusions, targeting lists
 I64_MAX = 2**63 - 1
@@ -104,10 +108,21 @@ class RetrieveRequest(Strict):
         min_length=1,
         max_length=1,
         description="filter tree over ad attributes, one operator per object, e.g. "
-        '{"eq": ["format", "video"]}; null: no filter',
+        '{"eq": ["format", "video"]}; null: no filter. At most 1,000 objects, 100,000 values '
+        "in its in lists together, 32 levels and 64 distinct predicates (eq and in on one field "
+        "under one any count once)",
     )
     exclude_ads: list[Id] = Field(default_factory=list, max_length=MAX_LIST)
     exclude_advertisers: list[Id] = Field(default_factory=list, max_length=MAX_LIST)
+
+    @field_validator("filter")
+    @classmethod
+    def _bounded(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        # Here, on the bounds alone, so that a filter too large to serve is refused before any
+        # work: the rest is checked against the index's fields by `compile_filter`.
+        if value is not None:
+            check_size(value)
+        return value
 
 
 class RetrieveBody(Strict):
@@ -152,6 +167,16 @@ class RetrieveBody(Strict):
         "down, saying so (partial, missing_shards); else it waits for them within the deadline "
         "and answers 503 if they do not come back",
     )
+
+    @model_validator(mode="after")
+    def _results_bounded(self):
+        asked = sum(r.k for r in self.requests)
+        if asked > MAX_RESULTS:
+            raise ValueError(
+                f"the call asks for {asked} results in all (the sum of its requests' k), more "
+                f"than {MAX_RESULTS}: split it into several calls"
+            )
+        return self
 
 
 class Ranked(BaseModel):
