@@ -11,6 +11,10 @@ with room for more rows, and prints its attribute tensors' bytes, then those of:
   upsert adds. Buffers grow geometrically, so this includes whatever one-off growth the upsert
   triggers (amortised over the appends that follow);
 
+then the host memory (Python objects, traced) one distinct value costs a serving index: the
+same ads upserted in 20 calls with new tags and with tags the index holds, a frozen view (what
+a request reads) taken after each call and the last two kept, as readers keep them;
+
 then the median time of one request's eligibility mask (targeting on four list fields) and of
 a `contains` filter on tags, on --threads CPU threads (one times steadily on a shared machine).
 
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+import tracemalloc
 
 import numpy as np
 import torch
@@ -64,6 +69,29 @@ def median_ms(fn, repeat: int = 30) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return 1e3 * statistics.median(times)
+
+
+def host_bytes_per_value(build, base: list[dict], ad, start: int, n_new: int) -> float:
+    """Traced host bytes per distinct tag value: upserts of `n_new` ads with new tags, minus
+    the same upserts with tags the index holds, each followed by a frozen view."""
+    grown = []
+    for new_tags in (True, False):
+        index = build(base)
+        views = [index.frozen_view()]
+        tracemalloc.start()
+        first = tracemalloc.get_traced_memory()[0]
+        calls = np.array_split(np.arange(start, start + n_new), 20)
+        for call in calls:
+            attrs = [
+                ad(int(i), [f"v-{i}-{j}" for j in range(TAGS_PER_NEW_AD)] if new_tags else [])
+                for i in call
+            ]
+            zeros = np.zeros((len(call), 8), dtype=np.float32)
+            index.upsert(call, zeros, zeros, zeros[:, 0], attrs)
+            views = [*views[-1:], index.frozen_view()]
+        grown.append(tracemalloc.get_traced_memory()[0] - first)
+        tracemalloc.stop()
+    return (grown[0] - grown[1]) / (n_new * TAGS_PER_NEW_AD)
 
 
 def main() -> None:
@@ -114,6 +142,8 @@ def main() -> None:
     index.upsert(new_ids, zeros, zeros, zeros[:, 0], attrs)
     after = tensor_bytes(index._attrs)
 
+    per_value = host_bytes_per_value(build, base, ad, args.ads, n_new)
+
     request = RequestContext("DE", 30, "F", "web", None, ts=0)
     mask_ms = median_ms(lambda: index.eligible_mask(request))
     tag_filter = compile_filter({"contains": ["tags", "tag-7"]}, index.schema)
@@ -129,6 +159,7 @@ def main() -> None:
         f"{f'after upserting {n_new} ads, {len(fresh):,} new tags':<46} "
         f"{after / 2**20:10.2f} MiB  ({(after - before) / 2**10:+,.1f} KiB)"
     )
+    print(f"{'host memory per distinct value (traced)':<46} {per_value:10.0f} B")
     print(f"{'eligibility mask (1 request)':<46} {mask_ms:10.3f} ms")
     print(f"{'contains filter on tags':<46} {contains_ms:10.3f} ms")
 

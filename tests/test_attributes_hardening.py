@@ -316,12 +316,15 @@ def test_table_masks_equal_the_reference_through_mutations(data, cap):
             )
             model = [model[i] for i in keep]
         elif op == "snapshot":  # a frozen view's copy, which later writes must not reach
-            before = table.to_arrow()
+            before, then = table.to_arrow(), list(model)
             snap = table.snapshot()
-            if model:
-                _write(table, [0], [data.draw(ROWS), *model[1:]], data)
+            if model:  # new words too, which the snapshot's shared vocabularies then hold
+                model[0] = data.draw(ROWS)
+                _write(table, [0], model, data)
             assert snap.to_arrow().equals(before)
-            table = snap  # the model still describes it
+            _check_table(snap, then, data.draw(TABLE_FILTERS))
+            with pytest.raises(RuntimeError, match="read-only"):
+                snap.write(torch.tensor([0]), columns_from_rows(then[:1], SCHEMA))
         elif op == "round trip":
             copy = AttributeTable(SCHEMA, capacity=len(model))
             copy.write(torch.arange(len(model)), columns_from_arrow(table.to_arrow(), SCHEMA))

@@ -256,6 +256,9 @@ class AttributeTable:
         self._lists: dict[str, _Lists] = {}
         self._vocab: dict[str, dict[str, int]] = {}
         self._words: dict[str, list[str]] = {}
+        # A snapshot's vocabulary sizes: it shares the vocabularies of the table it was taken
+        # from (which only grow) and reads the words that were there. None: a table of its own.
+        self._sizes: dict[str, int] | None = None
         for name, kind in self.schema.items():
             if kind == "str_list":
                 self._lists[name] = _Lists(self._cap, self.device)
@@ -339,6 +342,8 @@ class AttributeTable:
 
         Raises ValueError, changing nothing, if a list field would exceed `MAX_VOCABULARY`.
         """
+        if self._sizes is not None:
+            raise RuntimeError("a snapshot of a table is read-only")
         if len(rows) == 0:
             return
         overflow = self.vocabulary_overflow(columns)
@@ -373,10 +378,13 @@ class AttributeTable:
         """A copy of the table as it is (its N rows, no room for more), made of plain copies of
         the arrays: no gathers, and list fields keep their entries and vocabularies as they are
         (dead entries included), where `take` would rebuild and compact them. What a frozen
-        view keeps; the copy shares nothing with this table."""
+        view keeps, read-only. It shares only the vocabularies, which only grow, and reads the
+        words they held when it was made: a distinct value costs its memory once, not once per
+        version a reader holds."""
         n = self._n
         out = AttributeTable({}, self.device, n)
         out.schema, out._n = self.schema, n
+        out._sizes = {}
         for name, kind in self.schema.items():
             if kind == "str_list":
                 src, lists = self._lists[name], _Lists(0, self.device)
@@ -389,8 +397,8 @@ class AttributeTable:
                 out._values[name] = self._values[name][:n].clone()
                 out._valid[name] = self._valid[name][:n].clone()
             if name in self._vocab:
-                out._vocab[name] = dict(self._vocab[name])
-                out._words[name] = list(self._words[name])
+                out._vocab[name], out._words[name] = self._vocab[name], self._words[name]
+                out._sizes[name] = len(self.vocabulary(name))
         return out
 
     def take(self, rows: torch.Tensor, capacity: int) -> AttributeTable:
@@ -404,16 +412,17 @@ class AttributeTable:
                 out._values[name][:k] = self._values[name][rows]
                 out._valid[name][:k] = self._valid[name][rows]
                 if name in self._vocab:
-                    out._vocab[name] = dict(self._vocab[name])
-                    out._words[name] = list(self._words[name])
+                    out._words[name] = list(self.vocabulary(name))
+                    out._vocab[name] = {w: c for c, w in enumerate(out._words[name])}
                 continue
             codes, count = self._lists[name].gather(rows)  # [m], [k]
             held = torch.unique(codes)  # [V'] ascending, so words keep their relative order
+            known = self.vocabulary(name)
             renumber = torch.full(
-                (len(self._words[name]),), -1, dtype=torch.int32, device=self.device
+                (len(known),), -1, dtype=torch.int32, device=self.device
             )  # [V] old code -> new code, -1 where no taken row holds the value
             renumber[held] = torch.arange(len(held), dtype=torch.int32, device=self.device)
-            words = [self._words[name][c] for c in held.tolist()]
+            words = [known[c] for c in held.tolist()]
             out._words[name], out._vocab[name] = words, {w: c for c, w in enumerate(words)}
             lists = _Lists(capacity, self.device)
             lists.codes = renumber[codes]  # [m]
@@ -438,7 +447,10 @@ class AttributeTable:
 
     def code(self, name: str, word: str | None) -> int | None:
         """The code of `word` in a str or str_list field, None if no row ever held it."""
-        return None if word is None else self._vocab[name].get(word)
+        code = None if word is None else self._vocab[name].get(word)
+        if code is not None and self._sizes is not None and code >= self._sizes[name]:
+            return None  # a value that came after this snapshot
+        return code
 
     def contains(self, name: str, word: str | None) -> torch.Tensor:
         """[N] bool: rows whose list field `name` holds `word`."""
@@ -452,9 +464,10 @@ class AttributeTable:
         return self._lists[name].count[: self._n] > 0
 
     def vocabulary(self, name: str) -> list[str]:
-        """The values of a str or str_list field in code order (the table's own list: read it,
-        do not change it). Codes only grow while the table lives; `take` renumbers."""
-        return self._words[name]
+        """The values of a str or str_list field in code order (read it, do not change it).
+        Codes only grow while the table lives; `take` renumbers."""
+        words = self._words[name]
+        return words if self._sizes is None else words[: self._sizes[name]]
 
     def rows(self, rows: torch.Tensor) -> AttributeRows:
         """The rows [k] of this table, read like a table of k rows (no copy of the columns)."""
@@ -471,7 +484,7 @@ class AttributeTable:
                 valid = self._valid[name][rows].cpu().numpy()  # [k]
                 arrays.append(pa.array(values, type=ARROW_TYPES[kind], mask=~valid))
                 continue
-            words = pa.array(self._words[name], type=pa.string())
+            words = pa.array(self.vocabulary(name), type=pa.string())
             if kind == "str":
                 codes = self._values[name][rows].cpu().numpy()  # [k]
                 arrays.append(words.take(pa.array(codes, mask=codes < 0)))
