@@ -18,9 +18,9 @@ MAX_VOCABULARY = 100_000
 `compact()` drops the values no ad holds any more. Each costs about 130 bytes of host memory
 (the string, its vocabulary entry and list slot, shared by the frozen views every version makes;
 `bench/attribute_memory.py`, 20-character values), and its occurrences about 17 bytes each on the
-index's device. A server's resident memory grows by more per value than the index holds, as the
-allocator keeps what parsing the upserts freed: about 550 bytes per value were measured when
-60,000 were added."""
+index's device. A server's resident memory grows by more than the index holds, as the allocator
+keeps what parsing the upsert calls freed (an outside measurement saw about 550 bytes per value
+over 60,000 values, before the views shared the vocabularies)."""
 
 COUNTRY_FIELDS = ("target_countries",)
 """List fields whose values are ISO 3166-1 alpha-2 country codes, in ads and in filters."""
