@@ -6,17 +6,22 @@ Shapes: B requests, E experts, G gate-key dim, D value dim.
 
 Reads. The ingress puts the query (encoded once) and the requests into Ray's object store once
 and asks every shard for its top-k; in parallel it asks the coordinator for a read point
-(version, touched). A shard answers at the last version that changed it; an answer is used
-when that is touched[s] of the read point, so the merged answer is the whole index at exactly
-`version`. A shard that committed something newer meanwhile is asked again at touched[s] (it
-keeps views of its last few versions), or, if it no longer holds that view, the read point is
-taken again. Ties across shards go to the lower ad id, as in one process (`m31.engine.merge`).
+(version, touched, recovering). A shard answers at the last version that changed it; an answer
+is used when that is touched[s] of the read point, so the merged answer is the whole index at
+exactly `version`. A shard that committed something newer meanwhile is asked again at
+touched[s] (it keeps views of its last few versions), or, if it no longer holds that view, the
+read point is taken again. Ties across shards go to the lower ad id, as in one process
+(`m31.engine.merge`). `Read` is one such scatter-gather in progress; `gather` drives one to
+its end, and `m31.cluster.service` drives several at once.
 
 Failure. A shard actor that dies is restarted by Ray (`max_restarts=-1`) and rebuilds from its
 snapshot, write-ahead log and transaction log. A read whose shard call fails asks it again (the
-call waits for the restarted actor) until the read's deadline. At the deadline, shards still
+call fails again every few seconds until the restarted actor answers) until the read's
+deadline. A shard is *down* from a failed call, or from a deadline it let pass unanswered (a
+stopped process fails nothing), until it answers again; so is a shard the coordinator names as
+recovering (it restarted and has not resolved that shard yet). At the deadline, shards still
 missing make the read fail with `Unavailable` — or, for a read that allows a partial answer,
-the answer says which shards are missing; such a read does not wait for a shard it saw fail,
+the answer says which shards are missing; such a read does not wait for a shard that is down,
 only for the others. Never a silently partial answer.
 """
 
@@ -30,13 +35,21 @@ from typing import Any
 
 import numpy as np
 
-from m31.cluster.coordinator import Coordinator, Unavailable
+from m31.cluster.coordinator import Coordinator
 from m31.cluster.layout import coordinator_dir, read_layout, shard_dir, shard_of
 from m31.cluster.shard import Answer, Moved, Shard
 from m31.engine import Retrieved, merge
+from m31.serve.service import Unavailable
 
-# Seconds a mutation may take before its caller gives up waiting (it may still commit).
+__all__ = ["Cluster", "ClusterOptions", "Gathered", "Read", "Unavailable"]
+
+# Seconds a mutation may take before its caller gives up waiting (it may still commit): the
+# coordinator refuses one whose shards are down within `PREPARE_WAIT_S`, so this bounds only
+# a coordinator that does not answer at all.
 MUTATION_TIMEOUT_S = 120.0
+# How long one read-point call waits in the coordinator for recovering shards: reads waiting
+# for them ask again, so this bounds how long a coordinator thread is held.
+RECOVERY_POLL_S = 0.5
 
 
 @dataclass
@@ -66,19 +79,158 @@ def _actor_classes():
     return shard, coordinator
 
 
+class Read:
+    """One scatter-gather in progress: the calls out (`calls`: ref -> shard, -1 for the read
+    point), the answers in. `take` each ref as Ray reports it ready; `complete(need)` says
+    whether the shards `need` answered at the read point. Not thread-safe: one thread drives
+    a read at a time."""
+
+    def __init__(self, cluster: Cluster, payload) -> None:
+        self.cluster, self.payload = cluster, payload
+        self.n = len(cluster.shards)
+        self.calls: dict[Any, int] = {}
+        self.point: tuple[int, list[int]] | None = None
+        self.recovering: set[int] = set()  # per the last read point
+        self.answers: dict[int, Answer] = {}
+        self.failed: set[int] = set()  # shards whose last call in this read failed
+        self.coordinator_failed = False  # the last read-point call failed (no point yet)
+        for s in range(self.n):
+            self._ask(s)
+        self._ask_point()
+
+    def _ask(self, s: int, at: int | None = None) -> None:
+        self.calls[self.cluster.shards[s].search.remote(self.payload, at)] = s
+
+    def _ask_point(self, wait_s: float = 0.0) -> None:
+        self.calls[self.cluster.coordinator.read_point.remote(wait_s)] = -1
+
+    def take(self, ref) -> None:
+        """Take the answer (or failure) of the ready call `ref`; ask again what it calls for. A
+        shard's own error (not an outage) is raised: no retry hides a bug."""
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        s = self.calls.pop(ref)
+        try:
+            got = ray.get(ref)
+        except RayTaskError as e:
+            raise e.cause from e
+        except RayActorError:
+            if s < 0:
+                self.coordinator_failed = True
+                self._ask_point()  # fails again every few seconds while it restarts
+                return
+            self.failed.add(s)
+            self.cluster.down.add(s)
+            self._ask(s, None if self.point is None else self.point[1][s])
+            return
+        if s < 0:
+            version, touched, recovering = got
+            self.point, self.recovering = (version, touched), set(recovering)
+            self.coordinator_failed = False
+            if self.recovering and -1 not in self.calls.values():
+                self._ask_point(RECOVERY_POLL_S)
+            self._refresh()
+            return
+        self.cluster.down.discard(s)
+        self.failed.discard(s)
+        if isinstance(got, Moved):
+            # The view asked for is gone (the shard moved on: a newer read point), or the shard
+            # is behind it (recovering): either way the next read point says what to ask.
+            if -1 not in self.calls.values():
+                self._ask_point(0.0 if got.version > self.point[1][s] else RECOVERY_POLL_S)
+            return
+        self.answers[s] = got
+        if self.point is not None and s not in self.recovering and got.version != self.point[1][s]:
+            del self.answers[s]
+            self._ask(s, self.point[1][s])
+
+    def _refresh(self) -> None:
+        """Ask each shard whose answer does not fit the read point again, at it."""
+        touched = self.point[1]
+        busy = set(self.calls.values())
+        for s in range(self.n):
+            if s in busy or s in self.recovering:
+                continue
+            answer = self.answers.get(s)
+            if answer is None or answer.version != touched[s]:
+                self.answers.pop(s, None)
+                self._ask(s, touched[s])
+
+    def fits(self, s: int) -> bool:
+        """Whether shard s answered at the read point."""
+        return (
+            self.point is not None
+            and s not in self.recovering
+            and s in self.answers
+            and self.answers[s].version == self.point[1][s]
+        )
+
+    def complete(self, need) -> bool:
+        return self.point is not None and all(self.fits(s) for s in need)
+
+    def down(self) -> set[int]:
+        """Shards not worth waiting for: down (failed, or silent past a deadline) or
+        recovering."""
+        return set(self.cluster.down) | self.failed | self.recovering
+
+    def missing(self) -> list[int]:
+        return [s for s in range(self.n) if not self.fits(s)]
+
+    def overdue(self) -> None:
+        """A deadline passed: the shards that have not answered are down until they do."""
+        self.cluster.down.update(s for s in self.missing() if s in self.calls.values())
+
+    def gathered(self, rows: Sequence[int], ks: Sequence[int]) -> Gathered:
+        """The merged answer of requests `rows` (their ks) over the shards that fit."""
+        if self.point is None:
+            raise Unavailable("the coordinator did not answer within the deadline (down or "
+                              "restarting)", [])  # fmt: skip
+        ok = {s: a for s, a in self.answers.items() if self.fits(s)}
+        results = []
+        for r, k in zip(rows, ks, strict=True):
+            parts = [Retrieved(*ok[s].results[r]) for s in sorted(ok)]
+            results.append(merge(parts, k))
+        timings = {
+            stage: max((a.timings_ms[stage] for a in ok.values()), default=0.0)
+            for stage in ("mask", "score_topk")
+        }
+        rows_scored = sum(a.rows for a in ok.values())
+        return Gathered(results, self.point[0], self.missing(), rows_scored, timings)
+
+    def wait(self, until: float) -> bool:
+        """Wait for one call until `until` (monotonic seconds) and take it; False if none came."""
+        import ray
+
+        left = until - time.monotonic()
+        if left <= 0:
+            return False
+        if not self.calls:  # nothing out (not expected): no spinning until `until`
+            time.sleep(min(left, 0.05))
+            return False
+        ready, _ = ray.wait(list(self.calls), num_returns=1, timeout=left)
+        if not ready:
+            return False
+        self.take(ready[0])
+        return True
+
+
 class Cluster:
     """Handles of one cluster's actors. `start` makes them (the caller owns them: they live
     while it does); the handles pickle, so Ray Serve replicas get them as arguments."""
 
     def __init__(self, shards: list, coordinator) -> None:
         self.shards, self.coordinator = list(shards), coordinator
-        self._down: set[int] = set()  # shards whose last call failed
+        # Shards that are down as this handle saw them: a call failed, or a deadline passed
+        # unanswered; cleared by any answer. Set operations are atomic, and reads share it.
+        self.down: set[int] = set()
         self.ads: int | None = None  # live ads after this handle's last mutation
 
     @classmethod
     def start(cls, state: str | Path, options: ClusterOptions | None = None) -> Cluster:
         """Start the shard actors and the coordinator of the cluster state folder `state`
-        (`m31 cluster init` makes one) on the Ray cluster this process is connected to."""
+        (`m31 cluster init` makes one) on the Ray cluster this process is connected to; returns
+        once every shard opened and the coordinator resolved them."""
         import ray
 
         options = options or ClusterOptions()
@@ -93,10 +245,14 @@ class Cluster:
             ).remote(str(shard_dir(state, i)), i, options.device)
             for i in range(n)
         ]
-        coordinator = coordinator_cls.options(max_concurrency=8).remote(
+        # A shard whose folder cannot be opened fails here, with its error (a constructor that
+        # fails is not restarted).
+        ray.get([s.pid.remote() for s in shards])
+        coordinator = coordinator_cls.options(max_concurrency=32).remote(
             str(coordinator_dir(state)), shards
         )
-        ray.get(coordinator.read_point.remote())  # up: every shard opened, doubts resolved
+        while ray.get(coordinator.read_point.remote(RECOVERY_POLL_S))[2]:
+            pass
         return cls(shards, coordinator)
 
     def __reduce__(self):
@@ -107,12 +263,104 @@ class Cluster:
 
         return ray.get([s.info.remote() for s in self.shards])
 
-    def read_point(self) -> tuple[int, list[int]]:
+    def any_info(self, timeout_s: float) -> dict:
+        """The info of the first shard to answer (shards share their schema and dims), asking
+        again those that fail, for up to `timeout_s`."""
         import ray
+        from ray.exceptions import RayActorError
 
-        return ray.get(self.coordinator.read_point.remote())
+        deadline = time.monotonic() + timeout_s
+        calls = {s.info.remote(): s for s in self.shards}
+        while calls:
+            ready, _ = ray.wait(list(calls), num_returns=1,
+                                timeout=max(deadline - time.monotonic(), 0))  # fmt: skip
+            if not ready:
+                break
+            shard = calls.pop(ready[0])
+            try:
+                return ray.get(ready[0])
+            except RayActorError:
+                if time.monotonic() < deadline:
+                    time.sleep(0.05)  # a shard gone for good fails at once
+                    calls[shard.info.remote()] = shard
+        raise Unavailable(f"no shard answered within {timeout_s:g} s (down or restarting)",
+                          list(range(len(self.shards))))  # fmt: skip
+
+    def status(self, timeout_s: float) -> tuple[dict[int, dict], tuple | None, dict[int, str]]:
+        """(info of each shard that answered, the read point or None, what is down and why),
+        within `timeout_s`: for readiness and metrics, which must answer during an outage."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        calls = {s.info.remote(): i for i, s in enumerate(self.shards)}
+        point_ref, why_ref = (
+            self.coordinator.read_point.remote(),
+            self.coordinator.recovering.remote(),
+        )
+        refs = [*calls, point_ref, why_ref]
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        done = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
+        info, down = {}, {}
+        for ref, s in calls.items():
+            try:
+                if ref not in done:
+                    raise TimeoutError
+                info[s] = ray.get(ref)
+                self.down.discard(s)
+            except (RayActorError, TimeoutError):
+                down[s] = "down or restarting"
+                self.down.add(s)
+        point = None
+        try:
+            if point_ref not in done or why_ref not in done:
+                raise TimeoutError
+            version, touched, _ = ray.get(point_ref)
+            point = (version, touched)
+            for s, why in ray.get(why_ref).items():
+                down.setdefault(s, f"recovering: {why}")
+        except (RayActorError, TimeoutError):
+            pass
+        return info, point, dict(sorted(down.items()))
+
+    def read_point(self, timeout_s: float = 60.0) -> tuple[int, list[int]]:
+        """(version, touched) once no shard is recovering; `Unavailable` naming those still
+        recovering after `timeout_s`."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                version, touched, recovering = ray.get(
+                    self.coordinator.read_point.remote(min(RECOVERY_POLL_S, max(left, 0))),
+                    timeout=max(left, 0.001),
+                )
+            except (RayActorError, GetTimeoutError) as e:
+                if time.monotonic() < deadline:
+                    time.sleep(min(0.05, max(deadline - time.monotonic(), 0)))
+                    continue
+                raise Unavailable(f"the coordinator did not answer within {timeout_s:g} s "
+                                  "(down or restarting)", []) from e  # fmt: skip
+            if not recovering:
+                return version, touched
+            if time.monotonic() >= deadline:
+                raise Unavailable(f"shards {recovering} are recovering (the coordinator "
+                                  "restarted and waits for them)", recovering)  # fmt: skip
 
     # ---- reads --------------------------------------------------------------------------
+
+    def scatter(
+        self,
+        query: tuple[np.ndarray, np.ndarray, np.ndarray],
+        requests: Sequence[tuple[Any, Mapping]],
+        ks: Sequence[int],
+    ) -> Read:
+        """Start a read: the query and requests into the object store once, every shard and the
+        coordinator asked."""
+        import ray
+
+        return Read(self, ray.put((query, list(requests), list(ks))))
 
     def search(
         self,
@@ -127,7 +375,7 @@ class Cluster:
         query = (q [B, E, G], v [B, E, D], p [B, E]) fp32 numpy; requests: (AdRequest,
         targeting) pairs; deadline: `time.monotonic()` seconds. Shards that did not answer by
         the deadline raise `Unavailable`, unless `allow_partial` (then `missing` names them,
-        and shards seen failing are not waited for).
+        and shards that are down are not waited for).
         """
         out = self.gather(query, requests, ks, deadline, wait_for_failed=not allow_partial)
         if out.missing and not allow_partial:
@@ -147,97 +395,40 @@ class Cluster:
         wait_for_failed: bool = True,
     ) -> Gathered:
         """`search`, with the shards that did not answer listed in `missing` rather than
-        raised; `wait_for_failed`: wait for shards seen failing too (else only for the
+        raised; `wait_for_failed`: wait for shards that are down too (else only for the
         others)."""
-        import ray
-        from ray.exceptions import RayActorError, RayTaskError
-
-        payload = ray.put((query, list(requests), list(ks)))
-        n = len(self.shards)
-        calls: dict[Any, int] = {}  # ref -> shard (or -1: the read point)
-
-        def ask(s: int, at: int | None = None) -> None:
-            calls[self.shards[s].search.remote(payload, at)] = s
-
-        def ask_point() -> None:
-            calls[self.coordinator.read_point.remote()] = -1
-
-        for s in range(n):
-            ask(s)
-        ask_point()
-        point: tuple[int, list[int]] | None = None
-        answers: dict[int, Answer] = {}
-        failed: set[int] = set()
-
-        def settled() -> bool:
-            if point is None:
-                return False
-            need = set(range(n)) - (set() if wait_for_failed else self._down | failed)
-            return all(s in answers and answers[s].version == point[1][s] for s in need)
-
-        while not settled():
-            left = deadline - time.monotonic()
-            if left <= 0 or not calls:
+        read = self.scatter(query, requests, ks)
+        everyone = range(len(self.shards))
+        while not read.complete(everyone if wait_for_failed else set(everyone) - read.down()):
+            if not read.wait(deadline):
+                read.overdue()
                 break
-            ready, _ = ray.wait(list(calls), num_returns=1, timeout=left)
-            if not ready:
-                break
-            ref = ready[0]
-            s = calls.pop(ref)
-            try:
-                got = ray.get(ref)
-            except RayTaskError as e:  # a bug, not an outage: no retry hides it
-                raise e.cause from e
-            except RayActorError:
-                if s < 0:
-                    ask_point()  # waits for the restarted coordinator
-                    continue
-                failed.add(s)
-                self._down.add(s)
-                ask(s)  # waits for the restarted actor
-                continue
-            if s < 0:
-                point = got
-                for t, answer in list(answers.items()):
-                    if answer.version < point[1][t]:
-                        del answers[t]
-                        ask(t, point[1][t])
-                    elif answer.version > point[1][t]:
-                        del answers[t]  # newer than the read point: ask at its version
-                        ask(t, point[1][t])
-                continue
-            self._down.discard(s)
-            failed.discard(s)
-            if isinstance(got, Moved):
-                if point is not None and got.version > point[1][s]:
-                    ask_point()  # the view is gone: a newer read point
-                ask(s, None if point is None else max(point[1][s], got.version))
-                continue
-            if point is not None and got.version != point[1][s]:
-                ask(s, point[1][s])
-                continue
-            answers[s] = got
-        if point is None:
-            raise Unavailable("the coordinator did not answer within the deadline", [])
-        ok = {s: a for s, a in answers.items() if a.version == point[1][s]}
-        missing = sorted(set(range(n)) - set(ok))
-        results = []
-        for r, k in enumerate(ks):
-            parts = [Retrieved(*ok[s].results[r]) for s in sorted(ok)]
-            results.append(merge(parts, k))
-        rows = sum(a.rows for a in ok.values())
-        timings = {
-            stage: max((a.timings_ms[stage] for a in ok.values()), default=0.0)
-            for stage in ("mask", "score_topk")
-        }
-        return Gathered(results, point[0], missing, rows, timings)
+        return read.gathered(range(len(ks)), ks)
 
-    def get(self, ad_id: int) -> tuple[dict, int] | None:
-        """(attributes, version) of a live ad, None if no shard holds it."""
+    def get(self, ad_id: int, timeout_s: float = 60.0) -> tuple[dict, int] | None:
+        """(attributes, version) of a live ad, None if no shard holds it; `Unavailable` naming
+        its shard if that does not answer within `timeout_s` (asked again while it restarts)."""
         import ray
+        from ray.exceptions import RayActorError
 
         s = int(shard_of([ad_id], len(self.shards))[0])
-        return ray.get(self.shards[s].get.remote(int(ad_id)))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ref = self.shards[s].get.remote(int(ad_id))
+            ready, _ = ray.wait([ref], timeout=max(deadline - time.monotonic(), 0))
+            if ready:
+                try:
+                    found = ray.get(ref)
+                except RayActorError:
+                    self.down.add(s)
+                    if time.monotonic() < deadline:
+                        time.sleep(min(0.05, max(deadline - time.monotonic(), 0)))
+                        continue
+                else:
+                    self.down.discard(s)
+                    return found
+            raise Unavailable(f"shard {s} (which holds ad id {ad_id}) did not answer within "
+                              f"{timeout_s:g} s (down or restarting)", [s])  # fmt: skip
 
     # ---- mutations ----------------------------------------------------------------------
 
@@ -295,6 +486,14 @@ class Cluster:
         )
 
     def snapshot(self) -> int:
+        """Snapshot every shard; the global version."""
         import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
 
-        return ray.get(self.coordinator.snapshot.remote())
+        try:
+            out = ray.get(self.coordinator.snapshot.remote(), timeout=MUTATION_TIMEOUT_S)
+        except (RayActorError, GetTimeoutError) as e:
+            raise Unavailable(f"the coordinator did not answer ({e})", []) from e
+        if out[0] != "ok":
+            raise Unavailable(out[1], out[2])
+        return out[1]

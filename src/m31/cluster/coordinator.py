@@ -5,23 +5,30 @@ it mutations already encoded and split by shard, and ask it for read points.
 Versions. One global sequence: every acknowledged mutation (an upsert batch, however many shards
 it spans; an update; a delete) gets the next integer, and only after every shard it touches has
 committed it. So `version` (the last acknowledged one) is a state every shard holds, and
-`read_point()` = (version, touched) where touched[s] is the last version that changed shard s:
-a read answered by each shard s at touched[s] is the whole index at `version`, never older, and
-never a half-applied batch. That version is what the HTTP API calls `index_version`.
+`read_point()` = (version, touched, recovering) where touched[s] is the last version that
+changed shard s: a read answered by each shard s at touched[s] is the whole index at `version`,
+never older, and never a half-applied batch. That version is what the HTTP API calls
+`index_version`.
 
 Two-phase commit of one mutation (one at a time, under a mutex):
 
 1. prepare on every shard it touches (in parallel): each validates and fsyncs a prepare record,
-   or says no (an invalid mutation: the error is the caller's 422) or is unreachable;
+   or says no (an invalid mutation: the error is the caller's 422) or is unreachable (down,
+   restarting, or silent for `PREPARE_WAIT_S`);
 2. all said yes: append ("commit", txn, version, shards) to `decisions.log` and fsync — the
-   commit point; otherwise abort on every participant and raise;
+   commit point; otherwise send abort to every participant and answer at once (nothing was
+   changed; a participant that missed the abort drops the transaction at its next prepare);
 3. commit on every participant, retrying a shard that died until its restarted actor takes it
    (the shard, recovered from its logs, holds the transaction in doubt until then);
 4. advance `version` and answer it.
 
-A coordinator that dies is restarted by Ray: it rereads `decisions.log` and resolves every
-shard's transaction in doubt (commit if logged — that shard's last logged transaction — else
-abort: presumed abort). Only commits are logged.
+A coordinator that dies is restarted by Ray. Its constructor reads `decisions.log` only, so it
+cannot fail because shards are down (Ray does not restart an actor whose constructor failed);
+a background thread then resolves every shard's transaction in doubt (commit if logged — that
+shard's last logged transaction — else abort: presumed abort), retrying each shard until it
+answers. Until a shard is resolved it is `recovering`: read points name it (its answers may be
+older than touched[s]) and mutations touching it are refused as unavailable. Only commits are
+logged.
 """
 
 from __future__ import annotations
@@ -44,14 +51,11 @@ def ray_get(refs):
 
 # How long a decided commit is retried against a shard that does not come back.
 COMMIT_RETRY_S = 600.0
-
-
-class Unavailable(RuntimeError):
-    """Shards could not be reached (down, restarting); nothing was changed."""
-
-    def __init__(self, message: str, shards: list[int]) -> None:
-        super().__init__(message)
-        self.shards = shards
+# How long a participant may take to prepare before the mutation is refused as unavailable: a
+# shard that is stopped (not dead) never answers, and the coordinator serialises mutations.
+PREPARE_WAIT_S = 10.0
+# The shortest time between two calls of a recovery to one shard.
+RESOLVE_RETRY_S = 1.0
 
 
 class Coordinator:
@@ -60,7 +64,7 @@ class Coordinator:
         self.path, self.shards = Path(path), list(shards)
         self._log, records = RecordLog.open(self.path / "decisions.log")
         self._mutex = threading.Lock()  # one mutation at a time
-        self._state = threading.Lock()  # guards version and touched
+        self._state = threading.Condition()  # guards version, touched, ads, recovering
         self._failed: str | None = None
         self.version, self.touched = 0, [0] * len(self.shards)
         last: list[tuple[str, int] | None] = [None] * len(self.shards)
@@ -72,19 +76,71 @@ class Coordinator:
                 self.version = version
                 for s in participants:
                     self.touched[s], last[s] = version, (txn, version)
-        self._resolve(last)
-        self.ads = [info["ads"] for info in ray_get([s.info.remote() for s in self.shards])]
+        self._last = last  # per shard: (txn, version) of the last commit that touched it
+        self.ads = [0] * len(self.shards)
+        self._recovering = set(range(len(self.shards)))
+        self._why: dict[int, str] = {}  # the last error of a shard still recovering
+        threading.Thread(
+            target=self._recover, args=(list(last),), name="m31-recover", daemon=True
+        ).start()
 
-    def _resolve(self, last: list[tuple[str, int] | None]) -> None:
-        ray_get([shard.resolve.remote(t) for shard, t in zip(self.shards, last, strict=True)])
+    def _recover(self, last: list[tuple[str, int] | None]) -> None:
+        """Resolve each shard's transaction in doubt, asking again a shard that fails, until
+        every shard answered."""
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        def ask(s: int) -> None:
+            calls[self.shards[s].resolve.remote(last[s])] = (s, time.monotonic())
+
+        calls: dict[Any, tuple[int, float]] = {}  # ref -> (shard, sent at)
+        later: dict[int, float] = {}  # shard -> when to ask it again
+        for s in range(len(self.shards)):
+            ask(s)
+        while calls or later:
+            now = time.monotonic()
+            for s in [s for s, at in later.items() if at <= now]:
+                del later[s]
+                ask(s)
+            timeout = max(min(later.values()) - now, 0.0) if later else None
+            ready, _ = ray.wait(list(calls), num_returns=1, timeout=timeout)
+            if not ready:
+                continue
+            s, sent = calls.pop(ready[0])
+            try:
+                ads = ray.get(ready[0])
+            except (RayActorError, RayTaskError) as e:
+                self._why[s] = (
+                    "down or restarting"
+                    if isinstance(e, RayActorError)
+                    else f"it could not resolve its transaction in doubt: {e.cause}"
+                )
+                # A restarting actor's calls fail by themselves every few seconds; one gone
+                # for good, or refusing, fails at once: not faster than RESOLVE_RETRY_S.
+                later[s] = max(sent + RESOLVE_RETRY_S, time.monotonic())
+                continue
+            with self._state:
+                self.ads[s] = ads
+                self._recovering.discard(s)
+                self._why.pop(s, None)
+                self._state.notify_all()
 
     def live_ads(self) -> int:
         with self._state:
             return sum(self.ads)
 
-    def read_point(self) -> tuple[int, list[int]]:
+    def read_point(self, wait_s: float = 0.0) -> tuple[int, list[int], list[int]]:
+        """(version, touched, recovering): `recovering` names the shards not resolved yet since
+        this coordinator started; waits up to `wait_s` for them."""
         with self._state:
-            return self.version, list(self.touched)
+            if wait_s > 0:
+                self._state.wait_for(lambda: not self._recovering, timeout=wait_s)
+            return self.version, list(self.touched), sorted(self._recovering)
+
+    def recovering(self) -> dict[int, str]:
+        """The shards not resolved yet, each with why (its last error)."""
+        with self._state:
+            return {s: self._why.get(s, "not answered yet") for s in sorted(self._recovering)}
 
     def mutate(self, ops: Mapping[int, tuple[str, dict[str, Any], Any]]) -> tuple:
         """Apply {shard: (op, args, check)} atomically. ("ok", version, live ads), ("invalid",
@@ -95,14 +151,23 @@ class Coordinator:
         with self._mutex:
             if self._failed is not None:
                 return ("unavailable", self._failed, [])
-            txn = uuid.uuid4().hex
             participants = sorted(ops)
+            with self._state:
+                waiting = sorted(set(participants) & self._recovering)
+            if waiting:
+                return ("unavailable", f"shards {waiting} are recovering (the coordinator "
+                        "restarted and waits for them); nothing was changed", waiting)  # fmt: skip
+            txn = uuid.uuid4().hex
             refs = {
-                s: self.shards[s].prepare.remote(txn, ops[s][0], ops[s][1], ops[s][2])
-                for s in participants
+                s: self.shards[s].prepare.remote(txn, *ops[s], self._last[s]) for s in participants
             }
+            ray.wait(list(refs.values()), num_returns=len(refs), timeout=PREPARE_WAIT_S)
             invalid, down = None, []
             for s in participants:
+                ready, _ = ray.wait([refs[s]], timeout=0)
+                if not ready:
+                    down.append(s)  # silent: stopped, or its machine unreachable
+                    continue
                 try:
                     ray.get(refs[s])
                 except RayTaskError as e:
@@ -114,10 +179,14 @@ class Coordinator:
                 except RayActorError:
                     down.append(s)
             if invalid is not None or down:
-                self._decide_all(participants, lambda s: self.shards[s].abort.remote(txn))
+                # Not waited for: a shard still holding the transaction (it missed this abort,
+                # or prepared after it) aborts it at its next prepare (`Shard.prepare`).
+                for s in participants:
+                    self.shards[s].abort.remote(txn)
                 if invalid is not None:
                     return ("invalid", invalid)
-                return ("unavailable", f"shards {down} unavailable; nothing was changed", down)
+                return ("unavailable", f"shards {down} unavailable (down or restarting); "
+                        "nothing was changed", down)  # fmt: skip
             version = self.version + 1
             self._log.append(("commit", txn, version, participants))
             ads = self._decide_all(
@@ -127,6 +196,7 @@ class Coordinator:
                 self.version = version
                 for s in participants:
                     self.touched[s], self.ads[s] = version, ads[s]
+                    self._last[s] = (txn, version)
             return ("ok", version, sum(self.ads))
 
     def _decide_all(self, participants: list[int], send) -> dict[int, Any]:
@@ -153,14 +223,32 @@ class Coordinator:
                 raise RuntimeError(self._failed)
         return replies
 
-    def snapshot(self) -> int:
-        """Snapshot every shard; the global version (unchanged)."""
+    def snapshot(self) -> tuple:
+        """Snapshot every shard: ("ok", the global version (unchanged)) or ("unavailable",
+        message, shards)."""
         import ray
+        from ray.exceptions import RayActorError
 
         with self._mutex:
-            ray.get([shard.snapshot.remote() for shard in self.shards])
+            with self._state:
+                waiting = sorted(self._recovering)
+            if waiting:
+                return ("unavailable", f"shards {waiting} are recovering (the coordinator "
+                        "restarted and waits for them)", waiting)  # fmt: skip
+            refs = [
+                shard.snapshot.remote(t) for shard, t in zip(self.shards, self._last, strict=True)
+            ]
+            down = []
+            for s, ref in enumerate(refs):
+                try:
+                    ray.get(ref)
+                except RayActorError:
+                    down.append(s)
+            if down:
+                return ("unavailable", f"shards {down} unavailable (down or restarting); the "
+                        "others wrote their snapshots", down)  # fmt: skip
             self._log.rewrite([("base", self.version, list(self.touched))])
-            return self.version
+            return ("ok", self.version)
 
     def pid(self) -> int:
         import os

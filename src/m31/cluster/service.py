@@ -6,28 +6,72 @@ The ingress holds the model: it checks and prepares requests (`Retriever.prepare
 schema-only index of the shards' schema), encodes each batch's queries once
 (`Retriever.encode`) and new ads (ad tower, sentence encoder), then hands the shards the rest
 through `Cluster`. Versions are the coordinator's global sequence (`m31.cluster.coordinator`).
+
+Outages answer 503 naming what is down, never 500: every error this service raises for an
+outage is a `ClusterUnavailable`, the serve package's `Unavailable` that also answers 503 (with
+Retry-After) on a route that does not catch it (readiness, `min_version`). /health/ready is 503
+while a shard or the coordinator is down or recovering, and names them.
+
+Retrieval: each call of a batch (a chunk) is answered on its own, as soon as the shards it needs
+answered: all of them for a call that wants a whole answer, those that are not down for one
+that allows a partial answer. A chunk still waiting just before its own deadline is answered
+then (503 naming the missing shards, or the partial answer). Where the batcher settles a chunk
+later (`DynamicBatcher.deferred_results`), the batch's device call ends once only chunks
+waiting for shards that are down (or slow past `STRAGGLER_S`) are left: those are handed to a
+waiter thread, and the calls behind them run meanwhile.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pyarrow.parquet as pq
 import torch
+from starlette.exceptions import HTTPException
 
-from m31.cluster.cluster import Cluster
-from m31.cluster.coordinator import Unavailable as ClusterUnavailable
+from m31.cluster.cluster import Cluster, Read
 from m31.engine import Retriever
 from m31.engine.ad_encoder import AdEncoder
 from m31.engine.load import load_model
 from m31.index import AdIndex
 from m31.pipeline import embedding_cache_dir
+from m31.serve import batcher
 from m31.serve.config import ServeConfig
 from m31.serve.schemas import AdIn, Ranked, check_bounds
 from m31.serve.service import Ask, NotFound, Service, Unavailable
+
+# A chunk still waiting is answered this share of its time before its deadline (within the
+# bounds below), so that the answer (503 naming the shards, or partial) reaches its handler
+# before the batcher's own timer answers 504 naming nothing.
+ANSWER_MARGIN_SHARE = 0.1
+ANSWER_MARGIN_S = (0.05, 0.5)
+# The device call of a batch ends (its waiting chunks handed to the waiter) once it waited this
+# long for a shard that is not known to be down: a stopped shard fails no call.
+STRAGGLER_S = 0.25
+# How long readiness and metrics wait for the shards before naming those that did not answer.
+STATUS_TIMEOUT_S = 2.0
+# How long a replica starting waits for a first shard to answer (it needs one's schema).
+LOAD_WAIT_S = 300.0
+# How often the waiter looks for batches handed to it while it waits on Ray.
+WAITER_POLL_S = 0.05
+
+
+class ClusterUnavailable(Unavailable, HTTPException):
+    """Shards or the coordinator are down: a serve `Unavailable` (503 where routes catch it)
+    that answers 503 with Retry-After where they do not (readiness, `min_version`)."""
+
+    def __init__(self, message: str, shards: Sequence[int] = ()) -> None:
+        Unavailable.__init__(self, message, shards)
+        HTTPException.__init__(self, 503, message, {"Retry-After": "1"})
+
+    def __str__(self) -> str:
+        return self.detail
 
 
 def schema_index(info: dict, device: str) -> AdIndex:
@@ -38,32 +82,171 @@ def schema_index(info: dict, device: str) -> AdIndex:
     return AdIndex(info["dim_g"], info["dim_x"], device, getattr(torch, info["dtype"]), 1, extra)
 
 
-# The gather stops this long before the call's deadline, so that a missing shard is answered
-# as such (503 naming it, or a partial answer) rather than by the deadline's 504.
-ANSWER_MARGIN_S = 0.05
+@dataclass
+class _Chunk:
+    """One call's part of a batch: its requests (rows of the batch), deadline and policy."""
+
+    rows: range
+    ks: list[int]
+    answer_at: float  # monotonic seconds: when it is answered with what there is
+    allow_partial: bool
+    answer: Any = None  # the part, or the exception, once settled
+    settled: bool = False
+    future: concurrent.futures.Future | None = None  # when handed to the waiter
+
+
+class _Batch:
+    """The chunks of one batch over one `Read`; `settle` answers those that can be."""
+
+    def __init__(self, service: ClusterService, read: Read, chunks: list[_Chunk], size: int,
+                 encode_ms: float) -> None:  # fmt: skip
+        self.service, self.read, self.chunks, self.size = service, read, chunks, size
+        self.encode_ms, self.start = encode_ms, time.perf_counter()
+
+    @property
+    def open(self) -> list[_Chunk]:
+        return [c for c in self.chunks if not c.settled]
+
+    def next_deadline(self) -> float:
+        return min(c.answer_at for c in self.open)
+
+    def waits_only_for_down(self) -> bool:
+        """Whether every open chunk waits only for shards (or a coordinator) known to be down,
+        which no amount of waiting here will bring sooner."""
+        read = self.read
+        if read.point is None:
+            return read.coordinator_failed
+        return set(read.missing()) <= read.down()
+
+    def settle(self, error: BaseException | None = None) -> None:
+        """Answer each open chunk that has what it needs, or whose time is up (or `error`)."""
+        read, now = self.read, time.monotonic()
+        everyone = range(read.n)
+        late = False
+        for chunk in self.open:
+            if error is not None:
+                self._answer(chunk, error)
+                continue
+            need = everyone if not chunk.allow_partial else set(everyone) - read.down()
+            if read.complete(need):
+                self._answer(chunk, self._part(chunk))
+            elif now >= chunk.answer_at:
+                late = True
+                if read.point is None:
+                    self._answer(chunk, ClusterUnavailable(
+                        "the coordinator did not answer within the deadline (down or "
+                        "restarting)"))  # fmt: skip
+                elif chunk.allow_partial:
+                    self._answer(chunk, self._part(chunk))
+                else:
+                    missing = read.missing()
+                    self._answer(chunk, ClusterUnavailable(
+                        f"shards {missing} did not answer within the deadline (down or "
+                        "restarting); pass allow_partial: true for an answer without them",
+                        missing))  # fmt: skip
+        if late:
+            read.overdue()
+
+    def _part(self, chunk: _Chunk):
+        out = self.read.gathered(chunk.rows, chunk.ks)
+        self.service._seen(out.version)
+        if not out.missing:
+            self.service._rows = out.rows
+        timings = {
+            "encode": self.encode_ms,
+            **out.timings_ms,
+            "gather": round(1000 * (time.perf_counter() - self.start), 3),
+        }
+        results = [Ranked(ad_ids=r.ad_ids.tolist(), scores=r.scores.tolist()) for r in out.results]
+        return results, out.version, timings, self.size, out.missing
+
+    def _answer(self, chunk: _Chunk, answer) -> None:
+        chunk.answer, chunk.settled = answer, True
+        if chunk.future is not None:
+            if isinstance(answer, BaseException):
+                chunk.future.set_exception(answer)
+            else:
+                chunk.future.set_result(answer)
+
+
+class _Waiter:
+    """One thread that drives the reads of batches handed over by their device calls, until
+    every chunk of each is answered."""
+
+    def __init__(self) -> None:
+        self._new: list[_Batch] = []
+        self._wake = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="m31-waiter", daemon=True)
+        self._thread.start()
+
+    def add(self, batch: _Batch) -> None:
+        with self._wake:
+            self._new.append(batch)
+            self._wake.notify()
+
+    def _run(self) -> None:
+        import ray
+
+        batches: list[_Batch] = []
+        while True:
+            with self._wake:
+                if not batches and not self._new:
+                    self._wake.wait()
+                batches += self._new
+                self._new.clear()
+            owner = {ref: b for b in batches for ref in b.read.calls}
+            wake = min(b.next_deadline() for b in batches)
+            timeout = max(min(wake - time.monotonic(), WAITER_POLL_S), 0.0)
+            if owner:
+                ready, _ = ray.wait(list(owner), num_returns=1, timeout=timeout)
+                if ready:
+                    rest = [r for r in owner if r != ready[0]]
+                    ready += ray.wait(rest, num_returns=len(rest), timeout=0)[0] if rest else []
+                for ref in ready:
+                    try:
+                        owner[ref].read.take(ref)
+                    except Exception as e:  # a shard's bug: the batch's calls fail with it
+                        owner[ref].settle(e)
+            else:
+                time.sleep(timeout)
+            for b in batches:
+                if b.open:
+                    b.settle()
+            batches = [b for b in batches if b.open]
 
 
 class ClusterService(Service):
-    def __init__(self, retriever: Retriever, encoder: AdEncoder, cluster: Cluster) -> None:
+    def __init__(
+        self, retriever: Retriever, encoder: AdEncoder, cluster: Cluster, timeout_s: float = 1.0
+    ) -> None:
+        """`timeout_s`: how long a read of one ad waits for its shard (the server's deadline)."""
         self.retriever, self.encoder, self.cluster = retriever, encoder, cluster
+        self.timeout_s = timeout_s
         self._ads = self._rows = self._version = 0
+        self._shards: dict[int, tuple[int, int]] = {}  # shard -> (ads, rows), last known
+        self._waiter: _Waiter | None = None
+        self._waiter_lock = threading.Lock()
 
     @classmethod
     def load(cls, config: ServeConfig, cluster: Cluster) -> ClusterService:
-        """The model of `config` (its `index` is not read: the shards hold the index)."""
+        """The model of `config` (its `index` is not read: the shards hold the index). Shards
+        that are down are waited for, up to `LOAD_WAIT_S`, only until one answers."""
         net, feats = load_model(config.model, config.data, config.device)
-        info = cluster.info()
-        if info[0]["dim_g"] != net.G or info[0]["dim_x"] != net.D:
+        info = cluster.any_info(LOAD_WAIT_S)
+        if info["dim_g"] != net.G or info["dim_x"] != net.D:
             raise ValueError(
-                f"the shards' vectors are G = {info[0]['dim_g']}, D = {info[0]['dim_x']}; the "
+                f"the shards' vectors are G = {info['dim_g']}, D = {info['dim_x']}; the "
                 f"model's are G = {net.G}, D = {net.D}"
             )
         users = pq.read_table(config.data / "users.parquet")
-        retriever = Retriever(net, feats, schema_index(info[0], config.device), users)
+        retriever = Retriever(net, feats, schema_index(info, config.device), users)
         encoder = AdEncoder(net, feats, embedding_cache_dir())
         encoder.load_text_encoder()
-        service = cls(retriever, encoder, cluster)
-        service.stats()
+        service = cls(retriever, encoder, cluster, config.timeout_ms / 1000)
+        try:
+            service.stats()
+        except Unavailable:
+            pass  # what is known is kept; readiness says what is down
         return service
 
     # -- state ----------------------------------------------------------------------------------
@@ -81,10 +264,20 @@ class ClusterService(Service):
         return self._rows
 
     def stats(self) -> tuple[int, int, int]:
-        info = self.cluster.info()
-        self._ads = sum(i["ads"] for i in info)
-        self._rows = sum(i["rows"] for i in info)
-        self._seen(self.cluster.read_point()[0])
+        """(ads, rows, version), from the shards that answer (the last known of the others);
+        `ClusterUnavailable` naming what is down, after refreshing what answered."""
+        info, point, down = self.cluster.status(STATUS_TIMEOUT_S)
+        for s, i in info.items():
+            self._shards[s] = (i["ads"], i["rows"])
+        self._ads = sum(a for a, _ in self._shards.values())
+        self._rows = sum(r for _, r in self._shards.values())
+        if point is not None:
+            self._seen(point[0])
+        if point is None or down:
+            parts = [f"shard {s} {why}" for s, why in down.items()]
+            if point is None:
+                parts.insert(0, "the coordinator is down or restarting")
+            raise ClusterUnavailable(f"not ready: {'; '.join(parts)}", sorted(down))
         return self._ads, self._rows, self._version
 
     def _seen(self, version: int) -> None:
@@ -92,7 +285,7 @@ class ClusterService(Service):
 
     def reached(self, version: int) -> bool:
         if self._version < version:
-            self._seen(self.cluster.read_point()[0])
+            self._seen(self._call(self.cluster.read_point, self.timeout_s)[0])
         return self._version >= version
 
     def close(self) -> None:
@@ -101,56 +294,69 @@ class ClusterService(Service):
     # -- retrieval ------------------------------------------------------------------------------
 
     def retrieve_batch(self, chunks: Sequence[Sequence[Ask]]):
-        """As `Service.retrieve_batch`, scattered to the shards and merged. The batch waits for
-        the shards until just before the latest deadline among its calls; a call that did not allow a
-        partial answer fails (`Unavailable`, 503) when a shard is missing then."""
+        """As `Service.retrieve_batch`, scattered to the shards and merged; each chunk is
+        answered as the module's docstring says (a `concurrent.futures.Future` for a chunk
+        handed to the waiter)."""
         asks = [a for chunk in chunks for a in chunk]
         prepared = [a.prepared for a in asks]
         t0 = time.perf_counter()
         q, v, p = (t.float().cpu().numpy() for t in self.retriever.encode(prepared))  # [B, E, *]
-        t1 = time.perf_counter()
-        out = self.cluster.gather(
+        encode_ms = round(1000 * (time.perf_counter() - t0), 3)
+        read = self.cluster.scatter(
             (q, v, p),
             [(one.request, dict(one.targeting)) for one in prepared],
             [one.k for one in prepared],
-            max(a.deadline for a in asks) - ANSWER_MARGIN_S,
-            wait_for_failed=not all(a.allow_partial for a in asks),
         )
-        t2 = time.perf_counter()
-        self._seen(out.version)
-        self._rows = out.rows if not out.missing else self._rows
-        timings = {
-            "encode": round(1000 * (t1 - t0), 3),
-            **out.timings_ms,
-            "gather": round(1000 * (t2 - t1), 3),
-        }
-        answers, at = [], 0
+        now, parts, at = time.monotonic(), [], 0
         for chunk in chunks:
-            part = out.results[at : at + len(chunk)]
+            left = chunk[0].deadline - now
+            margin = min(max(ANSWER_MARGIN_SHARE * left, ANSWER_MARGIN_S[0]), ANSWER_MARGIN_S[1])
+            rows = range(at, at + len(chunk))
+            ks = [a.prepared.k for a in chunk]
+            parts.append(_Chunk(rows, ks, chunk[0].deadline - margin, chunk[0].allow_partial))
             at += len(chunk)
-            if out.missing and not chunk[0].allow_partial:
-                answers.append(
-                    Unavailable(
-                        f"shards {out.missing} did not answer within the deadline (down or "
-                        "restarting); pass allow_partial: true for an answer without them",
-                        out.missing,
-                    )
-                )
-                continue
-            results = [Ranked(ad_ids=r.ad_ids.tolist(), scores=r.scores.tolist()) for r in part]
-            answers.append((results, out.version, timings, len(asks), out.missing))
-        return answers
+        batch = _Batch(self, read, parts, len(asks), encode_ms)
+        deferred = getattr(batcher.DynamicBatcher, "deferred_results", False)
+        straggler_at = time.monotonic() + STRAGGLER_S
+        while True:
+            try:
+                batch.settle()
+            except Exception as e:  # a shard's bug: every chunk fails with it
+                batch.settle(e)
+            if not batch.open:
+                break
+            if deferred and (time.monotonic() >= straggler_at or batch.waits_only_for_down()):
+                for chunk in batch.open:
+                    chunk.future = concurrent.futures.Future()
+                self._waiting().add(batch)
+                break
+            until = batch.next_deadline()
+            if deferred:
+                until = min(until, straggler_at)
+            try:
+                read.wait(until)
+            except Exception as e:
+                batch.settle(e)
+        return [c.future if c.future is not None else c.answer for c in parts]
+
+    def _waiting(self) -> _Waiter:
+        with self._waiter_lock:
+            if self._waiter is None:
+                self._waiter = _Waiter()
+            return self._waiter
 
     # -- reads and mutations --------------------------------------------------------------------
 
     def _call(self, fn, *args):
         try:
             return fn(*args)
-        except ClusterUnavailable as e:
-            raise Unavailable(str(e), e.shards) from e
+        except ClusterUnavailable:
+            raise
+        except Unavailable as e:
+            raise ClusterUnavailable(str(e), e.shards) from e
 
     def get_ad(self, ad_id: int) -> tuple[dict, int]:
-        found = self._call(self.cluster.get, ad_id)
+        found = self._call(self.cluster.get, ad_id, self.timeout_s)
         if found is None:
             raise NotFound(f"ad id {ad_id} is not in the index")
         return found
@@ -168,14 +374,14 @@ class ClusterService(Service):
 
     def update(self, ad_id: int, changes: Mapping[str, Any]) -> int:
         """The range check runs on the owning shard, in its prepare, against the stored ad."""
-        if self._call(self.cluster.get, ad_id) is None:
+        if self._call(self.cluster.get, ad_id, self.timeout_s) is None:
             raise NotFound(f"ad id {ad_id} is not in the index")
         return self._mutated(
             self._call(self.cluster.update_attributes, ad_id, dict(changes), check_bounds)
         )
 
     def delete(self, ad_id: int) -> int:
-        if self._call(self.cluster.get, ad_id) is None:
+        if self._call(self.cluster.get, ad_id, self.timeout_s) is None:
             raise NotFound(f"ad id {ad_id} is not in the index")
         return self._mutated(self._call(self.cluster.delete, [ad_id]))
 

@@ -12,19 +12,24 @@ last transaction it committed (`applied`), or an older one it still holds a view
 
 Mutations (two-phase, one transaction at a time; the coordinator serialises them):
 
-* `prepare(txn, op, args)` validates the mutation against the index (touching nothing), appends
-  ("prepare", txn, op, args, local version it will make) to `txn.log` and fsyncs it, then
-  holds the shard for `txn`: no other transaction prepares until this one is decided. An
-  invalid mutation raises `AdIndexError` and logs nothing.
+* `prepare(txn, op, args, check, last)` first decides a transaction still prepared here with
+  `last`, the coordinator's last commit on this shard (as `resolve` does), then validates the
+  mutation against the index (touching nothing), appends ("prepare", txn, op, args, local
+  version it will make) to `txn.log` and fsyncs it, and holds the shard for `txn`. An invalid
+  mutation raises `AdIndexError` and logs nothing.
 * `commit(txn, version)` appends ("commit", txn, version) and fsyncs, then applies the
   mutation to the DurableIndex (its own log, fsync'd) and answers at the new global version.
-* `abort(txn)` appends ("abort", txn) and lets go.
+* `abort(txn)` appends ("abort", txn) and lets go. The coordinator does not wait for aborts: one
+  lost with a dead process, or overtaken by its prepare, leaves the transaction prepared until
+  the next prepare (or snapshot, or resolve) decides it from `last` — an abort, since the
+  coordinator delivers every commit before it sends anything else.
 
 Recovery (a new process on the folder, as after a kill): the DurableIndex replays its log; the
 transaction log is read in order. A commit record whose mutation is not in the index yet (a
 crash between the two fsyncs of `commit`; the index's local version tells) is applied now. A
 prepare record without a decision stays prepared ("in doubt") until the coordinator sends
-commit or abort: its own retry of the decision, or `resolve` when the coordinator restarts.
+commit or abort: its own retry of the decision, `resolve` when the coordinator restarts, or
+the next prepare.
 """
 
 from __future__ import annotations
@@ -194,17 +199,22 @@ class Shard:
 
     # ---- two-phase commit ---------------------------------------------------------------
 
-    def prepare(self, txn: str, op: str, args: Mapping[str, Any], check: Callable | None = None):
+    def prepare(
+        self,
+        txn: str,
+        op: str,
+        args: Mapping[str, Any],
+        check: Callable | None = None,
+        last: tuple[str, int] | None = None,
+    ):
         """Validate and log `op` (upsert, update_attributes, delete) for `txn`; AdIndexError
         (ValueError) if invalid. `check(attrs, stored)`: an extra check of an update against
-        the ad's stored attributes (e.g. a range with one end changed)."""
+        the ad's stored attributes (e.g. a range with one end changed). `last`: as in
+        `resolve`, which decides a transaction still prepared here first."""
         with self._mutex:
-            if self._prepared is not None:
-                if self._prepared.txn == txn:
-                    return
-                raise TransactionError(
-                    f"shard {self.number}: txn {self._prepared.txn} is prepared; {txn} must wait"
-                )
+            if self._prepared is not None and self._prepared.txn == txn:
+                return
+            self._resolve(last)
             index = self._store.index
             if op == "upsert":
                 # Copies: arrays from Ray's object store are read-only.
@@ -235,35 +245,46 @@ class Shard:
         """Apply the prepared `txn` as global `version`; idempotent (a retried commit). The
         shard's live ads after it."""
         with self._mutex:
-            prepared = self._prepared
-            if prepared is None or prepared.txn != txn:
-                if txn == self._last_txn:
-                    return len(self._store.index)
-                raise TransactionError(f"shard {self.number}: no prepared txn {txn}")
-            self._log.append(("commit", txn, version))
-            with self._state:  # a view is labelled with the version its rows are at
-                self._apply(prepared)
-                self._prepared, self.applied, self._last_txn = None, version, txn
-            return len(self._store.index)
+            return self._commit(txn, version)
+
+    def _commit(self, txn: str, version: int) -> int:
+        prepared = self._prepared
+        if prepared is None or prepared.txn != txn:
+            if txn == self._last_txn:
+                return len(self._store.index)
+            raise TransactionError(f"shard {self.number}: no prepared txn {txn}")
+        self._log.append(("commit", txn, version))
+        with self._state:  # a view is labelled with the version its rows are at
+            self._apply(prepared)
+            self._prepared, self.applied, self._last_txn = None, version, txn
+        return len(self._store.index)
 
     def abort(self, txn: str) -> None:
-        """Drop the prepared `txn`; nothing if this shard does not hold it."""
+        """Drop the prepared `txn`; nothing if this shard does not hold it (an abort may
+        overtake its prepare, which the next `prepare` or `resolve` then drops)."""
         with self._mutex:
             if self._prepared is not None and self._prepared.txn == txn:
                 self._log.append(("abort", txn))
                 self._prepared = None
 
-    def resolve(self, last: tuple[str, int] | None) -> None:
-        """After a coordinator restart: `last` = (txn, version) of the last transaction the
-        coordinator committed on this shard. A transaction in doubt is that one (commit) or
-        one never decided (abort)."""
+    def resolve(self, last: tuple[str, int] | None) -> int:
+        """`last` = (txn, version) of the last transaction the coordinator committed on this
+        shard (from its log). A transaction still prepared here is that one (commit) or one
+        it did not commit (abort: it aborted it, or never decided it before a restart). The
+        shard's live ads."""
+        with self._mutex:
+            self._resolve(last)
+            return len(self._store.index)
+
+    def _resolve(self, last: tuple[str, int] | None) -> None:
         prepared = self._prepared
         if prepared is None:
             return
         if last is not None and prepared.txn == last[0]:
-            self.commit(*last)
+            self._commit(*last)
         else:
-            self.abort(prepared.txn)
+            self._log.append(("abort", prepared.txn))
+            self._prepared = None
 
     def _apply(self, prepared: _Prepared) -> None:
         a, store = prepared.args, self._store
@@ -281,11 +302,11 @@ class Shard:
 
     # ---- maintenance --------------------------------------------------------------------
 
-    def snapshot(self) -> int:
-        """Snapshot the DurableIndex and fold the transaction log into one base record."""
+    def snapshot(self, last: tuple[str, int] | None = None) -> int:
+        """Snapshot the DurableIndex and fold the transaction log into one base record (a
+        transaction still prepared is resolved first, as in `resolve`)."""
         with self._mutex:
-            if self._prepared is not None:
-                raise TransactionError(f"shard {self.number}: a transaction is in doubt")
+            self._resolve(last)
             self._store.snapshot()
             self._log.rewrite([("base", self.applied, self._last_txn)])
             return self.applied
