@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -33,28 +34,45 @@ def error(status: int, detail: str, headers: Mapping[str, str] | None = None) ->
 PARSE_OFF_LOOP_BYTES = 64 << 10
 
 
+# A `\uD800`-`\uDFFF` escape: the only way a lone surrogate gets into text decoded from UTF-8.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
 def _parse_json(body: bytes) -> Any:
     """`json.loads`, refusing what Python's parser takes but JSON and UTF-8 do not: bytes that
     are not UTF-8 (`json.loads` would guess UTF-16 or UTF-32), an object with a key twice (which
     value was meant?), NaN and ±Infinity (also as numbers that overflow to them) and lone
-    surrogates ("\\ud800")."""
-    too_deep = HTTPException(400, "body: JSON nested too deep to parse")
+    surrogates ("\\ud800"). One pass of the parser; only a body that may hold one of the last
+    two is walked, to say where."""
     if (nul := body.find(0)) >= 0:  # UTF-16 or UTF-32 of ASCII text would decode as UTF-8
         raise HTTPException(400, f"body: not UTF-8 text (a NUL byte at {nul}; UTF-16 or UTF-32?)")
     try:
         text = body.decode()
     except UnicodeDecodeError as e:
         raise HTTPException(400, f"body: not UTF-8 (byte {e.start})") from None
+    suspect = False
+
+    def constant(name: str) -> float:  # NaN, Infinity, -Infinity
+        nonlocal suspect
+        suspect = True
+        return float(name)
+
+    def number(digits: str) -> float:
+        nonlocal suspect
+        value = float(digits)
+        suspect = suspect or not math.isfinite(value)
+        return value
+
     try:
-        value = json.loads(text, object_pairs_hook=_unique_keys)
+        value = json.loads(
+            text, object_pairs_hook=_unique_keys, parse_constant=constant, parse_float=number
+        )
     except RecursionError:
-        raise too_deep from None
-    try:  # at C speed; only a body that fails is walked to say where
-        json.dumps(value, allow_nan=False, ensure_ascii=False).encode()
-    except RecursionError:
-        raise too_deep from None
-    except ValueError:  # UnicodeEncodeError is one
-        raise HTTPException(422, _unrepresentable(value)) from None
+        raise HTTPException(400, "body: JSON nested too deep to parse") from None
+    if suspect or _SURROGATE_ESCAPE.search(text):
+        problem = _unrepresentable(value)
+        if problem is not None:
+            raise HTTPException(422, problem)
     return value
 
 
@@ -68,8 +86,8 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return value
 
 
-def _unrepresentable(value: Any) -> str:
-    """Where the first NaN, infinity or lone surrogate of a parsed JSON value is."""
+def _unrepresentable(value: Any) -> str | None:
+    """Where the first NaN, infinity or lone surrogate of a parsed JSON value is, if any."""
     stack = [(value, "")]
     while stack:
         item, where = stack.pop()
@@ -85,7 +103,7 @@ def _unrepresentable(value: Any) -> str:
             stack.extend((v, f"{where}.{k}" if where else k) for k, v in reversed(item.items()))
         elif isinstance(item, list):
             stack.extend((v, f"{where}[{i}]") for i, v in reversed(list(enumerate(item))))
-    return "body: not representable in JSON"
+    return None
 
 
 def _is_text(s: str) -> bool:
