@@ -57,24 +57,26 @@ async def write(request: Request, fn, *args) -> Any:
         raise HTTPException(422, str(e)) from e
 
 
+def _missed(timeout: float) -> HTTPException:
+    return HTTPException(504, f"deadline passed ({timeout * 1000:.0f} ms from arrival)")
+
+
 def left_of(deadline: float, timeout: float) -> float:
     """Seconds left until `deadline` (`time.monotonic()`); a 504 if none are."""
     left = deadline - time.monotonic()
     if left <= 0:
-        raise HTTPException(504, f"deadline passed ({timeout * 1000:.0f} ms from arrival)")
+        raise _missed(timeout)
     return left
 
 
 async def by_deadline(deadline: float, timeout: float, fn: Callable[..., T], *args: Any) -> T:
     """`fn(*args)` on a worker thread, or a 504 at `deadline` (the thread goes on, bounded by
     the request's limits, but nobody waits for it)."""
-    left = left_of(deadline, timeout)
+    left = left_of(deadline, timeout)  # first: a coroutine made before a 504 is never awaited
     try:
         return await asyncio.wait_for(asyncio.to_thread(fn, *args), left)
     except TimeoutError:
-        raise HTTPException(
-            504, f"deadline passed ({timeout * 1000:.0f} ms from arrival)"
-        ) from None
+        raise _missed(timeout) from None
 
 
 def version_response(svc: Service, version: int) -> VersionResponse:
