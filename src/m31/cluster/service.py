@@ -16,8 +16,9 @@ Retrieval: each call of a batch (a chunk) is answered on its own, as soon as the
 answered: all of them for a call that wants a whole answer, those that are not down for one
 that allows a partial answer. A chunk still waiting just before its own deadline is answered
 then (503 naming the missing shards, or the partial answer). Where the batcher settles a chunk
-later (`DynamicBatcher.deferred_results`), the batch's device call ends once only chunks
-waiting for shards that are down (or slow past `STRAGGLER_S`) are left: those are handed to a
+later (`DynamicBatcher.deferred_results`: `defer`), the batch's device call ends once only
+chunks waiting for shards that are down are left, or once a shard is slower than a straggler
+(`STRAGGLER_S`, or `STRAGGLER_FACTOR` times a typical batch): those chunks are handed to a
 waiter thread, and the calls behind them run meanwhile.
 """
 
@@ -52,8 +53,11 @@ from m31.serve.service import Ask, NotFound, Service, Unavailable
 ANSWER_MARGIN_SHARE = 0.1
 ANSWER_MARGIN_S = (0.05, 0.5)
 # The device call of a batch ends (its waiting chunks handed to the waiter) once it waited this
-# long for a shard that is not known to be down: a stopped shard fails no call.
+# long, or this many times a typical batch's gather, for a shard not known to be down (a
+# stopped shard fails no call); a typical gather weighs the last ones by STRAGGLER_MEMORY.
 STRAGGLER_S = 0.25
+STRAGGLER_FACTOR = 4.0
+STRAGGLER_MEMORY = 0.9
 # How long readiness and metrics wait for the shards before naming those that did not answer.
 STATUS_TIMEOUT_S = 2.0
 # How long a replica starting waits for a first shard to answer (it needs one's schema).
@@ -226,6 +230,9 @@ class ClusterService(Service):
         self._shards: dict[int, tuple[int, int]] = {}  # shard -> (ads, rows), last known
         self._waiter: _Waiter | None = None
         self._waiter_lock = threading.Lock()
+        self._typical_s = 0.0  # a batch's gather, when every shard answers
+        # Whether `retrieve_batch` may answer a chunk with a Future (the batcher settles it).
+        self.defer = bool(getattr(batcher.DynamicBatcher, "deferred_results", False))
 
     @classmethod
     def load(cls, config: ServeConfig, cluster: Cluster) -> ClusterService:
@@ -316,14 +323,19 @@ class ClusterService(Service):
             parts.append(_Chunk(rows, ks, chunk[0].deadline - margin, chunk[0].allow_partial))
             at += len(chunk)
         batch = _Batch(self, read, parts, len(asks), encode_ms)
-        deferred = getattr(batcher.DynamicBatcher, "deferred_results", False)
-        straggler_at = time.monotonic() + STRAGGLER_S
+        started = time.monotonic()
+        straggler_at = started + max(STRAGGLER_S, STRAGGLER_FACTOR * self._typical_s)
+        deferred = self.defer
         while True:
             try:
                 batch.settle()
             except Exception as e:  # a shard's bug: every chunk fails with it
                 batch.settle(e)
             if not batch.open:
+                if not read.missing():
+                    took = time.monotonic() - started
+                    keep = STRAGGLER_MEMORY if self._typical_s else 0.0
+                    self._typical_s = keep * self._typical_s + (1 - keep) * took
                 break
             if deferred and (time.monotonic() >= straggler_at or batch.waits_only_for_down()):
                 for chunk in batch.open:

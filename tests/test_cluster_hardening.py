@@ -1,0 +1,357 @@
+"""`m31 serve --ray` under failure, on a real local Ray cluster: the HTTP API through Ray Serve
+on a loopback port over 3 shard actors and a coordinator, killed and stopped with real signals
+to their processes.
+
+* a coordinator restarted while a shard is stopped, then killed, comes back by itself, and
+  nothing acknowledged is lost;
+* no 500 while an actor restarts: reads, ad reads and writes answer 503 naming the shard (or
+  the coordinator) with Retry-After, and /health/ready says what is down;
+* a call that allows a partial answer is answered while a strict call waits for a shard.
+
+Nothing here waits on the clock: a shard is held "restarting" by taking its index folder's
+lock the moment its killed process lets go of it (its restarted actor then waits for the lock
+in its constructor), and conditions are polled with generous bounds.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import fcntl
+import os
+import signal
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from ray import serve  # noqa: E402
+from serve_helpers import ADMIN, World, build_world, free_socket, new_ad, wait_ready  # noqa: E402
+
+from m31.cluster.cluster import Cluster, ClusterOptions  # noqa: E402
+from m31.cluster.layout import init_cluster, shard_dir, shard_of  # noqa: E402
+from m31.cluster.serve import IngressOptions, deploy  # noqa: E402
+from m31.cluster.service import ClusterService  # noqa: E402
+from m31.engine import AdRequest  # noqa: E402
+from m31.serve.app import ServeConfig  # noqa: E402
+from m31.serve.batcher import DynamicBatcher  # noqa: E402
+from m31.serve.service import Ask  # noqa: E402
+
+S = 3
+BOUND_S = 300.0  # how long a condition may take to come true on a busy machine
+AUTH = {"Authorization": f"Bearer {ADMIN}"}
+
+
+@dataclass
+class Served:
+    url: str
+    cluster: Cluster
+    state: Path
+    config: ServeConfig
+    users: list[int]
+    ads: np.ndarray  # ad ids of the catalogue
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> World:
+    return build_world(tmp_path_factory.mktemp("hardening"))
+
+
+@pytest.fixture(scope="module")
+def served(world):
+    """The API on Ray Serve over a 3-shard cluster made from the world's snapshot."""
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    sock = free_socket()
+    port = sock.getsockname()[1]
+    sock.close()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    state = init_cluster(world.snapshot, world.root / "cluster", S)
+    cluster = Cluster.start(state, ClusterOptions(shard_cpus=0))
+    config = ServeConfig(index=state, model=world.model, data=world.data, admin_token=ADMIN)
+    deploy(config, cluster, IngressOptions(cpus=0), "m31", "/m31")
+    url = f"http://127.0.0.1:{port}/m31"
+    wait_ready(url)
+    users = pq.read_table(world.data / "users.parquet").column("user_id").to_numpy()[:5]
+    ads = pq.read_table(world.data / "ads.parquet").column("ad_id").to_numpy()
+    yield Served(url, cluster, state, config, [int(u) for u in users], ads)
+    serve.shutdown()
+    ray.shutdown()
+
+
+def pid(actor) -> int:
+    return ray.get(actor.pid.remote())
+
+
+def retrieve(served: Served, timeout_ms: int, allow_partial: bool = False) -> httpx.Response:
+    body = {
+        "requests": [
+            {"user_id": u, "surface": "feed", "platform": "ios", "k": 20} for u in served.users[:2]
+        ],
+        "timeout_ms": timeout_ms,
+        "allow_partial": allow_partial,
+    }
+    return httpx.post(f"{served.url}/v1/retrieve", json=body, timeout=BOUND_S)
+
+
+def poll(call, until, seen: list[int]):
+    """Call `call()` until `until(response)`; every status seen goes into `seen`."""
+    deadline = time.monotonic() + BOUND_S
+    while True:
+        r = call()
+        seen.append(r.status_code)
+        if until(r):
+            return r
+        assert time.monotonic() < deadline, f"still {r.status_code} {r.text[:300]}"
+        time.sleep(0.1)
+
+
+def whole(served: Served, seen: list[int] | None = None) -> dict:
+    """Wait until the server is ready and answers a strict read; that answer."""
+    seen = [] if seen is None else seen
+    poll(lambda: httpx.get(f"{served.url}/health/ready", timeout=BOUND_S),
+         lambda r: r.status_code == 200, seen)  # fmt: skip
+    r = poll(lambda: retrieve(served, 10_000), lambda r: r.status_code == 200, seen)
+    assert r.json()["partial"] is False
+    return r.json()
+
+
+@contextmanager
+def restarting(served: Served, s: int, dead: int | None = None):
+    """Kill shard s (process `dead`, else its actor's) and hold its restart: its index folder's
+    lock is taken here as soon as the killed process lets go, so the restarted actor waits in
+    its constructor (Ray answers its calls "restarting") until the block ends."""
+    lock = shard_dir(served.state, s) / "index" / "LOCK"
+    fd = os.open(lock, os.O_RDWR)
+    try:
+        victim = pid(served.cluster.shards[s]) if dead is None else dead
+        taken = False
+        while not taken:
+            os.kill(victim, signal.SIGKILL)
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    taken = True
+                    break
+                except BlockingIOError:
+                    holder = os.pread(fd, 32, 0).decode().strip()
+                    if holder.isdigit() and int(holder) != victim:
+                        victim = int(holder)  # its restarted actor was first: that one too
+                        break
+                    time.sleep(0.001)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def on_shard(ids: np.ndarray, s: int) -> list[int]:
+    return [int(i) for i in ids[shard_of(ids, S) == s]]
+
+
+class Writer:
+    """Upserts of 3 new ads, one per shard, in a stream: what was acknowledged, what was tried,
+    and every status answered."""
+
+    def __init__(self, served: Served, first_id: int) -> None:
+        self.served, self.next = served, first_id
+        self.acked: list[list[int]] = []
+        self.tried: list[list[int]] = []
+        self.statuses: list[int] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run)
+
+    def _batch(self) -> list[int]:
+        ids, seen = [], set()
+        while len(ids) < S:
+            i = self.next
+            self.next += 1
+            if int(shard_of([i], S)[0]) not in seen:
+                seen.add(int(shard_of([i], S)[0]))
+                ids.append(i)
+        return ids
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            ids = self._batch()
+            self.tried.append(ids)
+            r = httpx.put(f"{self.served.url}/v1/ads", headers=AUTH, timeout=BOUND_S,
+                          json={"ads": [new_ad(i, "stream") for i in ids]})  # fmt: skip
+            self.statuses.append(r.status_code)
+            if r.status_code == 200:
+                self.acked.append(ids)
+
+    def __enter__(self) -> Writer:
+        self.thread.start()
+        deadline = time.monotonic() + BOUND_S
+        while not self.acked:
+            assert time.monotonic() < deadline and self.thread.is_alive(), self.statuses
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join(BOUND_S)
+
+
+def present(served: Served, ad_id: int) -> bool:
+    r = httpx.get(f"{served.url}/v1/ads/{ad_id}", timeout=BOUND_S)
+    assert r.status_code in (200, 404), r.text
+    return r.status_code == 200
+
+
+def test_coordinator_restarted_beside_a_dying_shard_recovers_by_itself(served):
+    """Shard 1 stopped, the coordinator killed, then shard 1 killed (and held restarting):
+    the restarted coordinator serves without shard 1 (partial reads name it, strict reads and
+    readiness answer 503 naming it), and once shard 1 is back everything answers whole, by
+    itself. Upserts streaming through it all: every acknowledged one is there, every one is
+    all or nothing, and nothing answered 500."""
+    seen: list[int] = []
+    with Writer(served, 50_000_000) as writer:
+        stopped = pid(served.cluster.shards[1])
+        os.kill(stopped, signal.SIGSTOP)
+        try:
+            os.kill(pid(served.cluster.coordinator), signal.SIGKILL)
+            part = poll(lambda: retrieve(served, 2000, allow_partial=True),
+                        lambda r: r.status_code == 200, seen).json()  # fmt: skip
+            assert part["partial"] is True and part["missing_shards"] == [1]
+        except BaseException:
+            os.kill(stopped, signal.SIGKILL)
+            raise
+        with restarting(served, 1, dead=stopped):
+            r = retrieve(served, 1500)
+            seen.append(r.status_code)
+            assert r.status_code == 503 and "shards [1]" in r.json()["detail"], r.text
+            r = httpx.get(f"{served.url}/health/ready", timeout=BOUND_S)
+            seen.append(r.status_code)
+            assert r.status_code == 503 and "shard 1" in r.json()["detail"], r.text
+        whole(served, seen)
+        n = len(writer.acked)
+        deadline = time.monotonic() + BOUND_S
+        while len(writer.acked) < n + 2:  # writes go on by themselves too
+            assert time.monotonic() < deadline, writer.statuses[-5:]
+            time.sleep(0.05)
+    assert set(seen) <= {200, 503}, seen
+    assert set(writer.statuses) <= {200, 503}, writer.statuses
+    there = {i for ids in writer.tried for i in ids if present(served, i)}
+    for ids in writer.acked:
+        assert set(ids) <= there, ids
+    for ids in writer.tried:
+        assert set(ids) <= there or not set(ids) & there, ids
+
+
+def test_a_restarting_shard_answers_503_naming_it(served):
+    """While shard 2 restarts: reading, changing or deleting one of its ads, and upserting one
+    onto it, answer 503 naming it with Retry-After; a strict read names it, a partial read
+    leaves it out, readiness names it; shard 0's ads read as usual. Nothing was changed."""
+    mine, other = on_shard(served.ads, 2)[0], on_shard(served.ads, 0)[0]
+    new = on_shard(np.arange(60_000_000, 60_000_100), 2)[0]
+    before = httpx.get(f"{served.url}/v1/ads/{mine}", timeout=BOUND_S).json()
+    with restarting(served, 2):
+        for method, path, body in (
+            ("GET", f"/v1/ads/{mine}", None),
+            ("PATCH", f"/v1/ads/{mine}", {"tags": ["changed"]}),
+            ("DELETE", f"/v1/ads/{mine}", None),
+            ("PUT", "/v1/ads", {"ads": [new_ad(new, "new")]}),
+        ):
+            r = httpx.request(method, f"{served.url}{path}", json=body, headers=AUTH,
+                              timeout=BOUND_S)  # fmt: skip
+            assert r.status_code == 503, (method, r.text)
+            assert "shard" in r.json()["detail"] and "2" in r.json()["detail"], (method, r.text)
+            assert r.headers["Retry-After"] == "1"
+        assert httpx.get(f"{served.url}/v1/ads/{other}", timeout=BOUND_S).status_code == 200
+        r = retrieve(served, 1500)
+        assert r.status_code == 503 and "shards [2]" in r.json()["detail"], r.text
+        r = retrieve(served, 1500, allow_partial=True)
+        assert r.status_code == 200 and r.json()["missing_shards"] == [2], r.text
+        r = httpx.get(f"{served.url}/health/ready", timeout=BOUND_S)
+        assert r.status_code == 503 and "shard 2" in r.json()["detail"], r.text
+        assert r.headers["Retry-After"] == "1"
+    whole(served)
+    after = httpx.get(f"{served.url}/v1/ads/{mine}", timeout=BOUND_S).json()
+    assert after["attributes"] == before["attributes"]
+    assert not present(served, new)
+
+
+def test_a_stopped_then_restarting_coordinator_answers_503(served):
+    """The coordinator stopped: reads and readiness answer 503 naming it (an ad still reads:
+    its shard answers alone); killed, it restarts, and nothing answers 500 meanwhile."""
+    coordinator = pid(served.cluster.coordinator)
+    os.kill(coordinator, signal.SIGSTOP)
+    try:
+        for partial in (False, True):
+            r = retrieve(served, 1500, allow_partial=partial)
+            assert r.status_code == 503 and "coordinator" in r.json()["detail"], r.text
+        r = httpx.get(f"{served.url}/health/ready", timeout=BOUND_S)
+        assert r.status_code == 503 and "coordinator" in r.json()["detail"], r.text
+        ad = int(served.ads[0])
+        assert httpx.get(f"{served.url}/v1/ads/{ad}", timeout=BOUND_S).status_code == 200
+    finally:
+        os.kill(coordinator, signal.SIGKILL)
+    seen: list[int] = []
+    whole(served, seen)
+    assert set(seen) <= {200, 503}, seen
+
+
+def test_a_batch_answers_its_partial_call_while_its_strict_call_waits(served):
+    """In one batch, with a shard stopped: the call that allows a partial answer is answered
+    (at its own deadline, without the shard), the strict one still waits, off the batch's
+    device call (a Future the batcher settles later), and is answered whole once the shard
+    goes on."""
+    service = ClusterService.load(served.config, served.cluster)
+    service.defer = True
+    prepared = service.retriever.prepare(
+        [AdRequest(u, int(time.time()), "feed", "ios") for u in served.users[:2]], [20, 20]
+    )
+    stopped = pid(served.cluster.shards[0])
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        now = time.monotonic()
+        strict, partial = service.retrieve_batch(
+            [[Ask(prepared[0], now + BOUND_S, False)], [Ask(prepared[1], now + 3, True)]]
+        )
+        assert isinstance(strict, concurrent.futures.Future)
+        if isinstance(partial, concurrent.futures.Future):
+            partial = partial.result(BOUND_S)
+        results, _, _, _, missing = partial
+        assert missing == [0] and len(results) == 1
+        assert not strict.done()
+    finally:
+        os.kill(stopped, signal.SIGCONT)
+    results, _, _, _, missing = strict.result(BOUND_S)
+    assert missing == [] and len(results[0].ad_ids) == 20
+
+
+@pytest.mark.skipif(
+    not getattr(DynamicBatcher, "deferred_results", False),
+    reason="needs a batcher that settles a chunk later (DynamicBatcher.deferred_results)",
+)
+def test_partial_calls_are_answered_while_a_strict_call_waits(served):
+    """Over HTTP, with a shard stopped: a strict call with a long deadline waits for it, and
+    meanwhile calls that allow a partial answer are answered without it, and strict calls
+    with short deadlines answer 503 naming it (not 504); the long one is answered whole once
+    the shard goes on."""
+    stopped = pid(served.cluster.shards[0])
+    os.kill(stopped, signal.SIGSTOP)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        try:
+            waiting = pool.submit(retrieve, served, 60_000)
+            for _ in range(3):
+                r = retrieve(served, 3000, allow_partial=True)
+                assert r.status_code == 200 and r.json()["missing_shards"] == [0], r.text
+            short = [pool.submit(retrieve, served, 2000) for _ in range(6)]
+            for f in short:
+                r = f.result()
+                assert r.status_code in (429, 503), r.text
+                if r.status_code == 503:
+                    assert "shards [0]" in r.json()["detail"], r.text
+            assert not waiting.done()
+        finally:
+            os.kill(stopped, signal.SIGCONT)
+        r = waiting.result()
+    assert r.status_code == 200 and r.json()["partial"] is False, r.text
