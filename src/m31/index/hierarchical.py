@@ -5,7 +5,7 @@ Shapes: B requests, N ads, C clusters, P clusters probed, E experts, G gate-key 
 A request first scores every cluster's representative (the centroid of its ads' g, x and b) with
 the same §2 scorer, then scores exhaustively only the ads of its P best clusters. With P = C it
 scores every ad and equals `score_topk` exactly (the ads are gathered in row order, so ties still
-go to the lower row); fewer probes trade recall for speed, which `m31 index hier-bench` measures.
+go to the lower row); fewer probes trade recall for speed, which `bench/hierarchical.py` measures.
 Exhaustive scoring stays the default everywhere.
 """
 
