@@ -6,7 +6,9 @@ to their processes.
   nothing acknowledged is lost;
 * no 500 while an actor restarts: reads, ad reads and writes answer 503 naming the shard (or
   the coordinator) with Retry-After, and /health/ready says what is down;
-* a call that allows a partial answer is answered while a strict call waits for a shard.
+* a call that allows a partial answer is answered while a strict call waits for a shard;
+* `m31 serve --ray` stopped by SIGTERM during start-up exits 0, and killed by SIGKILL leaves
+  no process of its Ray cluster behind.
 
 Nothing here waits on the clock: a shard is held "restarting" by taking its index folder's
 lock the moment its killed process lets go of it (its restarted actor then waits for the lock
@@ -19,6 +21,8 @@ import concurrent.futures
 import fcntl
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -355,3 +359,64 @@ def test_partial_calls_are_answered_while_a_strict_call_waits(served):
             os.kill(stopped, signal.SIGCONT)
         r = waiting.result()
     assert r.status_code == 200 and r.json()["partial"] is False, r.text
+
+
+def session_processes(driver: int) -> list[int]:
+    """Processes with files open in the Ray session the process `driver` started (Ray names
+    the session's folder after its pid)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            links = [
+                os.readlink(f"/proc/{entry}/fd/{fd}") for fd in os.listdir(f"/proc/{entry}/fd")
+            ]
+        except OSError:
+            continue
+        if any("/session_" in link and f"_{driver}/" in link for link in links):
+            found.append(int(entry))
+    return found
+
+
+def until(condition, what: str) -> None:
+    deadline = time.monotonic() + BOUND_S
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="finds processes in /proc")
+def test_serve_ray_stops_cleanly_and_leaves_nothing_behind(world, tmp_path):
+    """`m31 serve --ray` (its own local Ray cluster): SIGTERM while it starts (Ray up, not yet
+    serving) exits 0 with its Ray processes gone; SIGKILL once it serves leaves none of them
+    (Ray's two agents used to outlive it by a minute)."""
+    sock = free_socket()
+    port = sock.getsockname()[1]
+    sock.close()
+    args = [
+        sys.executable, "-m", "m31.cli", "serve", "--ray", "--shards", "2",
+        "--index", str(world.snapshot), "--state", str(tmp_path / "state"),
+        "--model", str(world.model), "--data", str(world.data), "--port", str(port),
+    ]  # fmt: skip
+    with (tmp_path / "serve.log").open("w") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            until(lambda: session_processes(proc.pid) or proc.poll() is not None, "no Ray")
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(BOUND_S) == 0, (tmp_path / "serve.log").read_text()[-3000:]
+        finally:
+            proc.kill()
+        until(lambda: not session_processes(proc.pid), "Ray processes left after SIGTERM")
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_ready(f"http://127.0.0.1:{port}", proc=proc)
+        finally:
+            proc.kill()
+            proc.wait()
+        # The agents of a raylet that was killed used to give up reaching the dead head after
+        # about a minute: the bound here is half that.
+        deadline = time.monotonic() + 30
+        while session_processes(proc.pid):
+            assert time.monotonic() < deadline, "Ray processes left after SIGKILL"
+            time.sleep(0.1)

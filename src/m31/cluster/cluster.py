@@ -27,6 +27,7 @@ only for the others. Never a silently partial answer.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ from m31.cluster.shard import Answer, Moved, Shard
 from m31.engine import Retrieved, merge
 from m31.serve.service import Unavailable
 
-__all__ = ["Cluster", "ClusterOptions", "Gathered", "Read", "Unavailable"]
+__all__ = ["Cancelled", "Cluster", "ClusterOptions", "Gathered", "Read", "Unavailable"]
 
 # Seconds a mutation may take before its caller gives up waiting (it may still commit): the
 # coordinator refuses one whose shards are down within `PREPARE_WAIT_S`, so this bounds only
@@ -69,6 +70,10 @@ class ClusterOptions:
     shard_cpus: float = 1.0
     shard_gpus: float = 0.0
     max_concurrency: int = 8  # calls a shard serves at once (searches beside a commit)
+
+
+class Cancelled(RuntimeError):
+    """A start-up stopped before its end."""
 
 
 def _actor_classes():
@@ -227,11 +232,22 @@ class Cluster:
         self.ads: int | None = None  # live ads after this handle's last mutation
 
     @classmethod
-    def start(cls, state: str | Path, options: ClusterOptions | None = None) -> Cluster:
+    def start(
+        cls,
+        state: str | Path,
+        options: ClusterOptions | None = None,
+        stop: threading.Event | None = None,
+    ) -> Cluster:
         """Start the shard actors and the coordinator of the cluster state folder `state`
         (`m31 cluster init` makes one) on the Ray cluster this process is connected to; returns
-        once every shard opened and the coordinator resolved them."""
+        once every shard opened and the coordinator resolved them (`Cancelled` if `stop` is
+        set first: the actors go with this process's connection)."""
         import ray
+
+        def wait(refs) -> None:
+            while ray.wait(refs, num_returns=len(refs), timeout=0.2)[1]:
+                if stop is not None and stop.is_set():
+                    raise Cancelled("stopped while the cluster started")
 
         options = options or ClusterOptions()
         state = Path(state).resolve()
@@ -247,13 +263,17 @@ class Cluster:
         ]
         # A shard whose folder cannot be opened fails here, with its error (a constructor that
         # fails is not restarted).
-        ray.get([s.pid.remote() for s in shards])
+        refs = [s.pid.remote() for s in shards]
+        wait(refs)
+        ray.get(refs)
         coordinator = coordinator_cls.options(max_concurrency=32).remote(
             str(coordinator_dir(state)), shards
         )
-        while ray.get(coordinator.read_point.remote(RECOVERY_POLL_S))[2]:
-            pass
-        return cls(shards, coordinator)
+        while True:
+            ref = coordinator.read_point.remote(RECOVERY_POLL_S)
+            wait([ref])
+            if not ray.get(ref)[2]:
+                return cls(shards, coordinator)
 
     def __reduce__(self):
         return (Cluster, (self.shards, self.coordinator))

@@ -13,6 +13,7 @@ per process in `m31 serve`. Ray Serve is told to pass every request on
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from m31.cluster.cluster import Cluster
 from m31.serve.config import ServeConfig
@@ -87,37 +88,106 @@ def run(
 ) -> None:
     """`m31 serve --ray`: join the Ray cluster at `address` (None: start a local one), start
     the shards and the coordinator of the cluster state `config.index`, deploy the API on
-    Ray Serve at http://host:port, and serve until interrupted."""
+    Ray Serve at http://host:port, and serve until SIGTERM or SIGINT (Ctrl-C). Either signal,
+    start-up included, stops it cleanly (exit status 0): Serve and Ray are shut down, and a
+    local cluster's processes with them — even after a SIGKILL of this process (the reaper)."""
     import signal
     import threading
+
+    stop = threading.Event()
+
+    def on_signal(signum, frame) -> None:
+        stop.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, on_signal)
 
     import ray
     from ray import serve
 
-    from m31.cluster.cluster import ClusterOptions
+    from m31.cluster.cluster import Cancelled, ClusterOptions
     from m31.cluster.layout import read_layout
 
-    ray.init(address=address, include_dashboard=False)
-    gpu = config.device.startswith("cuda")
-    options = options or IngressOptions()
-    # Every actor must be placeable at once: the shards and the most ingress replicas share
-    # the cluster's CPUs (a laptop's few cores included), at most one each.
-    actors = read_layout(config.index) + max(options.replicas, options.max_replicas or 0)
-    cpus = min(1.0, ray.cluster_resources().get("CPU", 1.0) / actors)
-    options.cpus = min(options.cpus, cpus)
-    cluster = Cluster.start(
-        config.index,
-        ClusterOptions(device=config.device, shard_cpus=cpus, shard_gpus=1.0 if gpu else 0.0),
-    )
-    serve.start(http_options={"host": host, "port": port})
-    deploy(config, cluster, options)
-    log(f"serving {len(cluster.shards)} shards on Ray at http://{host}:{port} (Ctrl-C stops)")
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    reaper = _start_reaper() if address is None else None
+    served = False
     try:
+        try:
+            ray.init(address=address, include_dashboard=False)
+        except SystemExit:
+            return  # SIGTERM, as ray.init's own handler (first thing it installs) answers it
+        # That handler exits from inside whatever call runs (a start-up then aborted with a
+        # stack dump); this one only asks to stop.
+        signal.signal(signal.SIGTERM, on_signal)
+        _watch(reaper)
+        if stop.is_set():
+            return
+        gpu = config.device.startswith("cuda")
+        options = options or IngressOptions()
+        # Every actor must be placeable at once: the shards and the most ingress replicas
+        # share the cluster's CPUs (a laptop's few cores included), at most one each.
+        actors = read_layout(config.index) + max(options.replicas, options.max_replicas or 0)
+        cpus = min(1.0, ray.cluster_resources().get("CPU", 1.0) / actors)
+        options.cpus = min(options.cpus, cpus)
+        try:
+            cluster = Cluster.start(
+                config.index,
+                ClusterOptions(
+                    device=config.device, shard_cpus=cpus, shard_gpus=1.0 if gpu else 0.0
+                ),
+                stop=stop,
+            )
+        except Cancelled:
+            return
+        if stop.is_set():
+            return
+        serve.start(http_options={"host": host, "port": port})
+        served = True
+        deploy(config, cluster, options)
+        _watch(reaper)
+        if stop.is_set():
+            return
+        log(f"serving {len(cluster.shards)} shards on Ray at http://{host}:{port} (Ctrl-C stops)")
         stop.wait()
-    except KeyboardInterrupt:
-        pass
     finally:
-        serve.shutdown()
+        if served:
+            serve.shutdown()
         ray.shutdown()
+        if reaper is not None:
+            _watch(reaper)  # what shut down slowly, or not at all
+            reaper.stdin.close()
+            reaper.wait()
+
+
+def _start_reaper():
+    """`m31.cluster.reaper` in its own session (a terminal's Ctrl-C does not reach it), or
+    None where there is no /proc."""
+    import subprocess
+    import sys
+
+    if not Path("/proc/self/stat").exists():
+        return None
+    return subprocess.Popen(
+        [sys.executable, "-m", "m31.cluster.reaper"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        text=True,
+    )
+
+
+def _watch(reaper) -> None:
+    """Tell the reaper every process below this one (Ray's, once it started them)."""
+    import os
+
+    from m31.cluster.reaper import descendants
+
+    if reaper is None:
+        return
+    try:
+        for pid, started in descendants(os.getpid()):
+            if pid != reaper.pid:
+                reaper.stdin.write(f"{pid} {started}\n")
+        reaper.stdin.flush()
+    except (BrokenPipeError, ValueError):
+        pass  # the reaper is gone: nothing to tell
