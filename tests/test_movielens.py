@@ -119,6 +119,7 @@ def test_round_trip_exact_values(tmp_path):
 
     assert ds.meta == {
         "source": "movielens",
+        "repeat_engagement": False,
         "path": str(tmp_path / "ml"),
         "topics": [{"id": i, "name": g, "category": i} for i, g in enumerate(STANDARD_GENRES)],
         "n_ratings": 6,
@@ -194,6 +195,7 @@ BAD = [
     ("unknown user", lambda f: _bad_data(f, "99\t2\t3\t4"), "u.data", "user_id 99"),
     ("unknown item", lambda f: _bad_data(f, "1\t99\t3\t4"), "u.data", "item_id 99"),
     ("no ratings", lambda f: (f / "u.data").write_text("\n"), "u.data", "no ratings"),
+    ("rated twice", lambda f: _bad_data(f, "1\t1\t2\t4"), "u.data", "line 3: user 1 rated item 1"),
     ("user field count", _edit("u.user", "|85711", ""), "u.user", "line 1"),
     ("user non-int id", _edit("u.user", "2|53", "two|53"), "u.user", "line 2"),
     ("user bad gender", _edit("u.user", "|53|F|", "|53|X|"), "u.user", "gender"),

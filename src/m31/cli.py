@@ -30,7 +30,11 @@ MaxUsersOption = Annotated[
     int | None, typer.Option(help="Evaluate a seeded sample of test requests.")
 ]
 ExcludeSeenOption = Annotated[
-    bool | None, typer.Option(help="Drop ads engaged before (default: on for MovieLens).")
+    bool | None,
+    typer.Option(
+        help="Drop ads engaged before (default: on where the dataset's meta says "
+        "repeat_engagement false)."
+    ),
 ]
 JsonOption = Annotated[Path | None, typer.Option("--json", help="Write the results as JSON.")]
 DeviceOption = Annotated[str, typer.Option(help="cpu or cuda.")]
@@ -200,6 +204,28 @@ def data_movielens(
     dataset.save(ds, out, overwrite=overwrite)
     typer.echo(f"loaded {path} and wrote {out} in {time.perf_counter() - start:.2f} s")
     print_summary(ds)
+
+
+@data_app.command("validate")
+@cli_errors
+def data_validate(
+    folder: Annotated[Path, typer.Argument(help="Dataset folder.")],
+    show: Annotated[
+        int, typer.Option(min=0, help="How many errors, and how many warnings, to name.")
+    ] = 10,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+) -> None:
+    """Check a dataset folder (files, meta.json, column types, duplicate ids, references,
+    vocabularies, numbers, time order), print what was found, and exit 1 on any error."""
+    from m31.data.validate import summary, validate
+
+    report = validate(folder)
+    if as_json:
+        typer.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        typer.echo(summary(report, show))
+    if not report.ok:
+        raise typer.Exit(1)
 
 
 @features_app.command("build")
@@ -504,6 +530,7 @@ def eval_cmd(
     import numpy as np
 
     from m31.data import dataset
+    from m31.data.dataset import repeat_engagement
     from m31.eval import evaluate, plot_recall_at_k
     from m31.eval.baselines import make_baselines
     from m31.eval.stats import (
@@ -544,7 +571,7 @@ def eval_cmd(
 
         truth = GroundTruth.from_arrays(dataset.load_truth(data))
     if exclude_seen is None:
-        exclude_seen = feats.meta.get("source") == "movielens"
+        exclude_seen = not repeat_engagement(feats.meta)
     try:
         base_fns = make_baselines(base_names, feats)
     except ValueError as e:
@@ -695,6 +722,7 @@ def ablate_cmd(
     """
     import numpy as np
 
+    from m31.data.dataset import repeat_engagement
     from m31.eval import evaluate
     from m31.eval.ablation import ablations
     from m31.eval.plot import plot_ablation
@@ -713,7 +741,7 @@ def ablate_cmd(
         _fail(f"--reference/--retrained: the name {sorted(clash)[0]!r} is taken")
     feats = features_for(data, split)
     if exclude_seen is None:
-        exclude_seen = feats.meta.get("source") == "movielens"
+        exclude_seen = not repeat_engagement(feats.meta)
     catalog = Catalog.from_features(feats).to(device)
     per_seed: dict[str, list[dict]] = {}
     ranks: dict[str, list[np.ndarray]] = {}

@@ -2,7 +2,8 @@
 
 Layout of a dataset folder::
 
-    meta.json          source, seed, topic names, time range, and anything the source adds
+    meta.json          source, repeat_engagement, seed, topic names, time range, and anything
+                       the source adds
     users.parquet      advertisers.parquet  ads.parquet  events.parquet  organic.parquet
     truth.npz          (synthetic worlds only) the ground-truth response model's parameters
 
@@ -16,14 +17,23 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from m31.data.schema import TABLES
+from m31.data.schema import (
+    FORMATS,
+    GENDERS,
+    OBJECTIVES,
+    ORGANIC_SURFACES,
+    PLATFORMS,
+    STATUSES,
+    SURFACES,
+    TABLES,
+)
 
 
 class DatasetError(ValueError):
@@ -53,6 +63,52 @@ class Dataset:
 
     def counts(self) -> dict[str, int]:
         return {name: self.table(name).num_rows for name in TABLES}
+
+
+def repeat_engagement(meta: Mapping) -> bool:
+    """Whether a user may engage with the same item again, from a dataset's or feature folder's
+    meta (`repeat_engagement`, set by the source at import).
+
+    It alone decides whether evaluation drops what a user engaged with before from the ranked
+    list (`exclude_seen = not repeat_engagement(meta)`), in training's validation and in
+    `m31 eval` alike: where nothing repeats, a seen item cannot be the next one and would only
+    crowd the list.
+
+    A folder written before the key existed has none. For it the rule of that time holds: only
+    MovieLens (one rating per user and movie) does not repeat.
+    """
+    if "repeat_engagement" not in meta:
+        return meta.get("source") != "movielens"
+    value = meta["repeat_engagement"]
+    if not isinstance(value, bool):
+        raise DatasetError(f"meta repeat_engagement: expected true or false, got {value!r}")
+    return value
+
+
+def vocabularies(meta: Mapping, countries: Iterable[str] = ()) -> dict[str, tuple]:
+    """The allowed values of a dataset's categorical columns, by vocabulary name.
+
+    Closed vocabularies are the constants of `m31.data.schema`; `country` is the countries its
+    users live in (`countries`, sorted); `topic` and `category` are the ids and categories that
+    meta's `topics` lists, and absent when it lists none. Every check of a categorical value
+    looks its vocabulary up here, so that vocabularies a dataset declares itself change this
+    function only.
+    """
+    vocab: dict[str, tuple] = {
+        "gender": GENDERS,
+        "platform": PLATFORMS,
+        "surface": SURFACES,
+        "format": FORMATS,
+        "objective": OBJECTIVES,
+        "status": STATUSES,
+        "organic_surface": ORGANIC_SURFACES,
+        "country": tuple(sorted(set(countries))),
+    }
+    topics = meta.get("topics") or []
+    if topics:
+        vocab["topic"] = tuple(sorted({int(t["id"]) for t in topics}))
+        vocab["category"] = tuple(sorted({int(t["category"]) for t in topics}))
+    return vocab
 
 
 def write_atomic(out: Path, fill: Callable[[Path], None], overwrite: bool = False) -> Path:

@@ -10,7 +10,8 @@ Input files, all Latin-1 text, one record per line (u.genre is optional)::
 Output: users (one per u.user line, cohort = dense id of (occupation, age bucket), created at
 their first rating), advertisers (one per genre, a "studio" stand-in), ads (one per movie,
 owned by and topic = its first genre), events (one per rating: click always, conversion =
-rating >= 4, sorted by ts, user, ad) and an empty organic table.
+rating >= 4, sorted by ts, user, ad) and an empty organic table. A user rates a movie at most
+once (meta `repeat_engagement` false).
 """
 
 from __future__ import annotations
@@ -90,6 +91,9 @@ def load_movielens(folder: Path | str) -> Dataset:
         organic=ORGANIC.empty_table(),
         meta={
             "source": "movielens",
+            # A user rates a movie once (`_read_ratings` refuses a second rating), so what they
+            # rated is never the next thing to find for them.
+            "repeat_engagement": False,
             "path": str(folder),
             "topics": [{"id": i, "name": g, "category": i} for i, g in enumerate(genres)],
             "n_ratings": len(ts),
@@ -266,6 +270,7 @@ def _read_ratings(
         ((rating < 1) | (rating > 5)).any()
         or not np.isin(user, user_ids).all()
         or not np.isin(item, item_ids).all()
+        or len(np.unique(np.stack([user, item]), axis=1)[0]) < len(user)
     ):
         _scan_ratings(path, data, user_ids, item_ids)
         raise DatasetError(f"{path}: invalid ratings")
@@ -275,6 +280,7 @@ def _read_ratings(
 def _scan_ratings(path: Path, data: bytes, user_ids: np.ndarray, item_ids: np.ndarray) -> None:
     """Raise a `DatasetError` for the first bad line of u.data, if there is one."""
     users, items = set(user_ids.tolist()), set(item_ids.tolist())
+    rated: dict[tuple[int, int], int] = {}
     for n, line in _lines(data):
         fields = line.split("\t")
         if len(fields) != 4:
@@ -291,6 +297,11 @@ def _scan_ratings(path: Path, data: bytes, user_ids: np.ndarray, item_ids: np.nd
             raise DatasetError(f"{path}: line {n}: user_id {user} is not in u.user")
         if item not in items:
             raise DatasetError(f"{path}: line {n}: item_id {item} is not in u.item")
+        first = rated.setdefault((user, item), n)
+        if first != n:
+            raise DatasetError(
+                f"{path}: line {n}: user {user} rated item {item} already on line {first}"
+            )
 
 
 # ---------------------------------------------------------------- tables

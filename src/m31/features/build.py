@@ -30,7 +30,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from m31.data.dataset import Dataset, DatasetError, write_atomic
+from m31.data.dataset import Dataset, DatasetError, repeat_engagement, write_atomic
 from m31.data.schema import (
     FORMATS,
     GENDERS,
@@ -275,6 +275,7 @@ def build_features(
 
     meta = {
         "source": ds.meta.get("source"),
+        "repeat_engagement": repeat_engagement(ds.meta),
         "split_rule": SPLIT_RULE,
         "n_users": n_u,
         "n_ads": n_a,

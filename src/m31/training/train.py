@@ -28,6 +28,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from m31.data.dataset import repeat_engagement
 from m31.eval import evaluate
 from m31.features import Features
 from m31.model.checkpoint import build_model, vocab_sizes
@@ -168,7 +169,7 @@ def train(
     n, n_ads = len(train_split["user"]), feats.n_ads
     if n == 0:
         raise ValueError("the train split is empty")
-    exclude_seen = feats.meta.get("source") == "movielens"
+    exclude_seen = not repeat_engagement(feats.meta)
     pop = np.bincount(train_split["item"], minlength=n_ads) / n  # in-batch sampling probability
     hard = None  # [n, pool] the hard negatives' pool of each example
     if (cfg.ranking_hard > 0) != (retriever is not None):

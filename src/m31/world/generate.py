@@ -280,6 +280,10 @@ def generate(
     )
     meta = {
         "source": "synthetic",
+        # The delivery policy draws each impression's candidates afresh and remembers nothing a
+        # user saw or clicked, so the same ad is shown and clicked again (in the tiny world 12%
+        # of clicks repeat an earlier click's user and ad): a seen ad stays a possible next one.
+        "repeat_engagement": True,
         "seed": seed,
         "config": cfg.to_dict(),
         "time_range": [EPOCH, EPOCH + span],
