@@ -211,9 +211,15 @@ def test_ad_encoder_matches_the_catalogue_encoding(world):
     got = encoder.encode(new)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b)
-    bad = dataclasses.replace(new[0], format="hologram")
-    with pytest.raises(ValueError, match=r"ads\[1\]\.format"):
-        encoder.encode([new[0], bad])
+    # A format the model's vocabulary does not hold is the unknown value, whose row is zero.
+    unknown = catalog.take(torch.tensor([0]))
+    unknown.format = torch.full_like(unknown.format, len(feats.meta["vocab"]["format"]))
+    with torch.no_grad():
+        want = model.encode_ads(unknown)
+    got = encoder.encode([dataclasses.replace(new[0], format="hologram")])
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+    assert not model.ads.item.format.weight[-1].any()
     with pytest.raises(ValueError, match=r"ads\[0\]\.topic"):
         encoder.encode([dataclasses.replace(new[0], topic=10**6)])
 

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from m31.data.dataset import VOCABULARIES
 from m31.features import FeatureConfig, build_features
 from m31.model import Catalog, ModelConfig, RankingModel, RetrievalModel, model_preset
 from m31.model.checkpoint import build_model, load_checkpoint, save_checkpoint, vocab_sizes
@@ -13,6 +14,9 @@ from m31.ops import score
 from m31.training.train import _retrieval_step, requests_for
 from m31.world.config import preset
 from m31.world.generate import generate
+
+# Each categorical vocabulary of two values, plus the unknown row (`vocab_sizes`).
+VOCAB_SIZES = dict.fromkeys(VOCABULARIES, 3)
 
 
 @pytest.fixture(scope="module")
@@ -267,7 +271,7 @@ def test_training_a_ranking_model_with_a_base(feats):
 
 
 def test_demo_ranking_model_costs_over_100x_the_moe_per_pair():
-    sizes = {"cohort": 3, "country": 3, "topic": 3, "category": 3}
+    sizes = {"cohort": 3, "country": 3, "topic": 3, "category": 3, **VOCAB_SIZES}
     moe = build_model(model_preset("demo", "moe"), sizes, 384, 32)
     ranking = build_model(model_preset("demo", "ranking"), sizes, 384, 32)
     assert moe.flops_per_pair() == 2 * 8 * (64 + 64) + 1
@@ -432,14 +436,14 @@ def test_bad_model_config():
     with pytest.raises(ValueError, match="RetrievalModel is moe or two-tower"):
         RetrievalModel(
             model_preset("tiny", "ranking"),
-            {"cohort": 2, "country": 2, "topic": 2, "category": 2},
+            {"cohort": 2, "country": 2, "topic": 2, "category": 2, **VOCAB_SIZES},
             4,
             4,
         )
     assert isinstance(
         build_model(
             model_preset("tiny", "ranking"),
-            {"cohort": 2, "country": 2, "topic": 2, "category": 2},
+            {"cohort": 2, "country": 2, "topic": 2, "category": 2, **VOCAB_SIZES},
             4,
             4,
         ),

@@ -120,6 +120,14 @@ def test_round_trip_exact_values(tmp_path):
     assert ds.meta == {
         "source": "movielens",
         "repeat_engagement": False,
+        "vocab": {
+            "surface": ["feed"],
+            "platform": ["web"],
+            "format": ["video"],
+            "objective": ["conversions"],
+            "gender": ["F", "M"],
+            "organic_surface": [],
+        },
         "path": str(tmp_path / "ml"),
         "topics": [{"id": i, "name": g, "category": i} for i, g in enumerate(STANDARD_GENRES)],
         "n_ratings": 6,

@@ -1183,6 +1183,7 @@ def loadtest_cmd(
     """Closed-loop load on a running server: QPS, p50/p99 latency, ads scored per second."""
     import pyarrow.parquet as pq
 
+    from m31.data.dataset import vocabularies
     from m31.serve import loadtest
 
     try:
@@ -1193,10 +1194,17 @@ def loadtest_cmd(
     if not users_file.is_file():
         raise FileNotFoundError(f"--data: {users_file} not found")
     user_ids = pq.read_table(users_file, columns=["user_id"]).column(0).to_numpy()
+    meta_file = data / "meta.json"
+    if not meta_file.is_file():
+        raise FileNotFoundError(f"--data: {meta_file} not found")
+    vocab = vocabularies(json.loads(meta_file.read_text()))
     rows = []
     for c in levels:
         typer.echo(f"concurrency {c}: {duration:.0f} s …", err=True)
-        rows.append(loadtest.run(url, user_ids, c, duration, k, token).row())
+        result = loadtest.run(
+            url, user_ids, c, vocab["surface"], vocab["platform"], duration, k, token
+        )
+        rows.append(result.row())
     typer.echo(loadtest.format_rows(rows))
     if out is not None:
         out.write_text(json.dumps(rows, indent=2) + "\n")

@@ -29,7 +29,6 @@ def run(
     from rich.table import Table
 
     from m31.data import dataset
-    from m31.data.schema import PLATFORMS, SURFACES
     from m31.engine import AdRequest, Retriever
     from m31.engine.build import build_index
     from m31.eval import (
@@ -114,8 +113,8 @@ def run(
         AdRequest(
             user_id=int(feats.users["user_id"][test["user"][i]]),
             ts=int(test["ts"][i]),
-            surface=SURFACES[test["surface"][i]],
-            platform=PLATFORMS[test["platform"][i]],
+            surface=feats.meta["vocab"]["surface"][test["surface"][i]],
+            platform=feats.meta["vocab"]["platform"][test["platform"][i]],
         )
         for i in picks
     ]

@@ -95,7 +95,6 @@ def run_engine(
     """One row per table dtype and batch size B: the median time of `Retriever.retrieve` on B
     random requests for K ads each, and the medians of the engine's own encode, mask and
     score·top-K times. Every dtype's index holds the same ads and answers the same requests."""
-    from m31.data.schema import PLATFORMS, SURFACES
     from m31.engine import AdRequest, Retriever
     from m31.features import FeatureConfig, build_features
     from m31.index.ad_index import _DTYPES
@@ -119,6 +118,7 @@ def run_engine(
     per_ad = 2 * (cfg.gate_dim + cfg.value_dim) + 2 + 850 + 2 * max(batches)
     fits(n * per_ad, device, f"an index of {n:,} ads and its masks")
     user_ids = feats.users["user_id"]
+    surfaces, platforms = feats.meta["vocab"]["surface"], feats.meta["vocab"]["platform"]
     ts = int(ds.meta["time_range"][1])  # the end of the log: every ad of the world is created
     rows = []
     for dtype in dtypes:
@@ -135,8 +135,8 @@ def run_engine(
                 AdRequest(
                     user_id=int(rng.choice(user_ids)),
                     ts=ts,
-                    surface=SURFACES[rng.integers(len(SURFACES))],
-                    platform=PLATFORMS[rng.integers(len(PLATFORMS))],
+                    surface=surfaces[rng.integers(len(surfaces))],
+                    platform=platforms[rng.integers(len(platforms))],
                 )
                 for _ in range(b)
             ]

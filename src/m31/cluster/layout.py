@@ -97,7 +97,15 @@ def _index_of(parts: dict, rows: np.ndarray, device: str) -> AdIndex:
     dtype = getattr(torch, meta["dtype"])
     base = AdIndex(0, 0, capacity=1).schema
     extra = {k: v for k, v in meta["fields"].items() if k not in base}
-    index = AdIndex(int(meta["dim_g"]), int(meta["dim_x"]), device, dtype, max(len(rows), 1), extra)
+    index = AdIndex(
+        int(meta["dim_g"]),
+        int(meta["dim_x"]),
+        device,
+        dtype,
+        max(len(rows), 1),
+        extra,
+        targeting=meta.get("targeting"),
+    )
     index.model_hash = meta.get("model_hash")
     if len(rows):
         take = pa.array(rows)

@@ -24,16 +24,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from m31.data.schema import (
-    FORMATS,
-    GENDERS,
-    OBJECTIVES,
-    ORGANIC_SURFACES,
-    PLATFORMS,
-    STATUSES,
-    SURFACES,
-    TABLES,
-)
+from m31.data.schema import BUILT_IN_VOCAB, STATUSES, TABLES
+
+# The categorical vocabularies a dataset declares in meta.json's `vocab` (`vocabularies`).
+VOCABULARIES = tuple(BUILT_IN_VOCAB)
 
 
 class DatasetError(ValueError):
@@ -88,22 +82,34 @@ def repeat_engagement(meta: Mapping) -> bool:
 def vocabularies(meta: Mapping, countries: Iterable[str] = ()) -> dict[str, tuple]:
     """The allowed values of a dataset's categorical columns, by vocabulary name.
 
-    Closed vocabularies are the constants of `m31.data.schema`; `country` is the countries its
-    users live in (`countries`, sorted); `topic` and `category` are the ids and categories that
-    meta's `topics` lists, and absent when it lists none. Every check of a categorical value
-    looks its vocabulary up here, so that vocabularies a dataset declares itself change this
-    function only.
+    Each of `VOCABULARIES` is what meta.json declares under `vocab` (a dataset's values are its
+    own data: a `watch` surface or a `story_ad` format needs no code; a name it leaves out has
+    no values), or, in a folder written before vocabularies were declared (no `vocab`), the
+    built-in marketplace's (`schema.BUILT_IN_VOCAB`).
+    `status` is the index's (`schema.STATUSES`); `country` is the countries its users live in
+    (`countries`, sorted); `topic` and `category` are the ids and categories that meta's
+    `topics` lists, and absent when it lists none. Every lookup of a dataset's vocabularies goes
+    through here. Raises `DatasetError` for a declared vocabulary that is not a list of distinct
+    non-empty strings.
     """
-    vocab: dict[str, tuple] = {
-        "gender": GENDERS,
-        "platform": PLATFORMS,
-        "surface": SURFACES,
-        "format": FORMATS,
-        "objective": OBJECTIVES,
-        "status": STATUSES,
-        "organic_surface": ORGANIC_SURFACES,
-        "country": tuple(sorted(set(countries))),
-    }
+    declared = meta.get("vocab", BUILT_IN_VOCAB)
+    if not isinstance(declared, Mapping):
+        raise DatasetError(f"meta.json: vocab must be an object of lists, got {declared!r}")
+    vocab: dict[str, tuple] = {}
+    for name in VOCABULARIES:
+        values = declared.get(name, ())
+        if (
+            not isinstance(values, list | tuple)
+            or not all(isinstance(v, str) and v for v in values)
+            or len(set(values)) != len(values)
+        ):
+            raise DatasetError(
+                f"meta.json: vocab.{name} must be a list of distinct non-empty strings, "
+                f"got {values!r}"
+            )
+        vocab[name] = tuple(values)
+    vocab["status"] = STATUSES
+    vocab["country"] = tuple(sorted(set(countries)))
     topics = meta.get("topics") or []
     if topics:
         vocab["topic"] = tuple(sorted({int(t["id"]) for t in topics}))

@@ -94,6 +94,16 @@ def load_movielens(folder: Path | str) -> Dataset:
             # A user rates a movie once (`_read_ratings` refuses a second rating), so what they
             # rated is never the next thing to find for them.
             "repeat_engagement": False,
+            # The values its columns hold: ratings carry no surface, platform or format, so
+            # each of those columns holds one value and tells the model nothing.
+            "vocab": {
+                "surface": ["feed"],
+                "platform": ["web"],
+                "format": ["video"],
+                "objective": ["conversions"],
+                "gender": list(GENDERS),
+                "organic_surface": [],
+            },
             "path": str(folder),
             "topics": [{"id": i, "name": g, "category": i} for i, g in enumerate(genres)],
             "n_ratings": len(ts),

@@ -10,13 +10,26 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
+# The built-in marketplace's values of each categorical column. A dataset declares its own in
+# meta.json (`vocab`: `m31.data.dataset.vocabularies`), and everything downstream reads them from
+# there, from the features or from the checkpoint; these are what the synthetic world declares,
+# and the values of dataset folders written before vocabularies were declared.
 SURFACES = ("feed", "stories", "reels", "marketplace", "search")
 PLATFORMS = ("ios", "android", "web")
 FORMATS = ("image", "video", "carousel")
 OBJECTIVES = ("clicks", "conversions", "app_installs")
-STATUSES = ("active", "paused", "budget_exhausted")
 GENDERS = ("F", "M")
 ORGANIC_SURFACES = ("feed", "reels", "stories", "search", "other")
+BUILT_IN_VOCAB = {
+    "surface": SURFACES,
+    "platform": PLATFORMS,
+    "format": FORMATS,
+    "objective": OBJECTIVES,
+    "gender": GENDERS,
+    "organic_surface": ORGANIC_SURFACES,
+}
+# An ad's status is the index's own vocabulary (what makes it eligible), not a dataset's.
+STATUSES = ("active", "paused", "budget_exhausted")
 AGE_EDGES = (18, 25, 35, 45, 55)  # lower edges of the buckets <18, 18-24, 25-34, 35-44, 45-54, 55+
 
 

@@ -6,7 +6,10 @@ An ad arriving after training has its creative text, advertiser, objective, form
 category and quality prior, but no co-engagement history: its co-engagement embedding is zero
 (the cold-start input the tower also sees for ads without engagements). Its text is embedded
 the way the training features were: with the sentence encoder (cached by content) when the
-features had text embeddings, as zeros when they were built without.
+features had text embeddings, as zeros when they were built without. An objective or format the
+model's vocabulary does not hold (a format first seen online) embeds as the unknown value, whose
+embedding is zero: the tower reads no objective or format for that ad until a model trained on
+it is served.
 """
 
 from __future__ import annotations
@@ -17,8 +20,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from m31.data.schema import FORMATS, OBJECTIVES
-from m31.engine.requests import one_of
 from m31.features import Features
 from m31.model import Catalog, RetrievalModel
 
@@ -45,6 +46,11 @@ class AdEncoder:
         self.with_text = bool(feats.config.text_embeddings)
         self.n_topics = int(feats.meta["n_topics"])
         self.n_categories = int(feats.meta["n_categories"])
+        vocab = feats.meta["vocab"]
+        self.codes = {
+            name: {value: i for i, value in enumerate(vocab[name])}
+            for name in ("objective", "format")
+        }
         self.cache_dir = cache_dir
 
     def load_text_encoder(self) -> None:
@@ -65,8 +71,6 @@ class AdEncoder:
     def check(self, ads: Sequence[NewAd], where: str = "ads") -> None:
         """Raise ValueError naming the first bad field (`where[i].field`)."""
         for i, a in enumerate(ads):
-            one_of(f"{where}[{i}].objective", a.objective, OBJECTIVES, ValueError)
-            one_of(f"{where}[{i}].format", a.format, FORMATS, ValueError)
             if not 0 <= a.topic < self.n_topics:
                 raise ValueError(f"{where}[{i}].topic: {a.topic} is outside 0..{self.n_topics - 1}")
             if not 0 <= a.category < self.n_categories:
@@ -75,6 +79,12 @@ class AdEncoder:
                 )
             if not np.isfinite(a.quality):
                 raise ValueError(f"{where}[{i}].quality: {a.quality} is not a finite number")
+
+    def code(self, name: str, value: str) -> int:
+        """`value`'s code in the model's vocabulary `name`; the unknown value's (one past the
+        last) for one it does not hold."""
+        codes = self.codes[name]
+        return codes.get(value, len(codes))
 
     @torch.no_grad()
     def encode(self, ads: Sequence[NewAd]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -95,8 +105,8 @@ class AdEncoder:
         catalog = Catalog(
             ad_id=t([a.ad_id for a in ads]),
             advertiser=t([a.advertiser_id for a in ads]),  # external ids: the tower hashes them
-            objective=t([OBJECTIVES.index(a.objective) for a in ads]),
-            format=t([FORMATS.index(a.format) for a in ads]),
+            objective=t([self.code("objective", a.objective) for a in ads]),
+            format=t([self.code("format", a.format) for a in ads]),
             topic=t([a.topic for a in ads]),
             category=t([a.category for a in ads]),
             quality=t([a.quality for a in ads], torch.float32),

@@ -15,6 +15,7 @@ import torch
 
 from m31.engine.load import load_model
 from m31.index import AdIndex
+from m31.index.ad_index import TARGETING_VOCAB
 from m31.model import Catalog, RetrievalModel, checkpoint_hash, encode_ads
 
 
@@ -23,7 +24,9 @@ def index_from_model(data: Path, model: RetrievalModel, feats, dtype=torch.bfloa
     ads = pq.read_table(Path(data) / "ads.parquet")
     catalog = Catalog.from_features(feats).to(next(model.parameters()).device)
     g, x, b = encode_ads(model, catalog)
-    return AdIndex.from_table(ads, g.cpu(), x.cpu(), b.cpu(), dtype=dtype)
+    vocab = feats.meta["vocab"]
+    targeting = {name: vocab[v] for name, v in TARGETING_VOCAB.items()}
+    return AdIndex.from_table(ads, g.cpu(), x.cpu(), b.cpu(), dtype=dtype, targeting=targeting)
 
 
 def build_index(

@@ -22,7 +22,7 @@ class RequestError(ValueError):
 
 
 def one_of(field: str, value, allowed: Sequence[str], error: type[Exception] = RequestError):
-    """Raise `error` naming `field` unless `value` is in the closed vocabulary `allowed`."""
+    """Raise `error` naming `field` unless `value` is in the vocabulary `allowed`."""
     if value not in allowed:
         raise error(f"{field}: {value!r} is not one of {', '.join(allowed)}")
 

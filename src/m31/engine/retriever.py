@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from m31.data.schema import GENDERS, PLATFORMS, SURFACES, age_bucket
+from m31.data.schema import age_bucket
 from m31.engine.requests import AdRequest, InlineUser, PreparedRequest, RequestError, one_of
 from m31.features import Features
 from m31.index import AdIndex, CompiledFilter, IndexView, RequestContext, compile_filter
@@ -60,11 +60,10 @@ class RetrievalResult:
 def request_context(request: AdRequest, targeting: Mapping) -> RequestContext:
     """What `request` is eligible against: the user's `targeting` (country, age, gender; what
     `Retriever.prepare` resolved) in the request's serving context, with its exclusions."""
-    gender = targeting.get("gender")
     return RequestContext(
         country=targeting.get("country"),
         age=targeting.get("age"),
-        gender=gender if gender in GENDERS else None,
+        gender=targeting.get("gender"),
         platform=request.platform,
         surface=request.surface,
         ts=request.ts,
@@ -162,6 +161,9 @@ class Retriever:
         self._targeting = [by_id.get(int(i)) for i in ids]  # [U] per feature row
         vocab = feats.meta["vocab"]
         self._countries = {c: i for i, c in enumerate(vocab["country"])}
+        # The model's values of each categorical field: a request naming another is refused.
+        self.vocab = {name: tuple(vocab[name]) for name in ("surface", "platform", "gender")}
+        self._codes = {name: {v: i for i, v in enumerate(vs)} for name, vs in self.vocab.items()}
         self._cohorts = {int(c): i for i, c in enumerate(vocab["cohort"])}
         # Default cohort of an inline user: the most common one among the country's users.
         u = feats.users
@@ -199,13 +201,13 @@ class Retriever:
             raise RequestError(
                 f"{where}.country: unknown country {u.country!r} (known: {known}, …)"
             )
-        one_of(f"{where}.gender", u.gender, GENDERS)
+        one_of(f"{where}.gender", u.gender, self.vocab["gender"])
         if not 0 <= u.age < 150:
             raise RequestError(f"{where}.age: {u.age} is not an age")
         if u.cohort is not None and u.cohort not in self._cohorts:
             raise RequestError(f"{where}.cohort: unknown cohort {u.cohort}")
         for j, e in enumerate(u.history):
-            one_of(f"{where}.history[{j}].surface", e.surface, SURFACES)
+            one_of(f"{where}.history[{j}].surface", e.surface, self.vocab["surface"])
         bad = [t for t in u.organic_topics if not 0 <= t < self._n_topics]
         if bad:
             raise RequestError(
@@ -223,7 +225,9 @@ class Retriever:
             histories.append(
                 (
                     rows[known],
-                    np.array([SURFACES.index(e.surface) for e in events], dtype=np.int64)[known],
+                    np.array([self._codes["surface"][e.surface] for e in events], dtype=np.int64)[
+                        known
+                    ],
                     np.array([e.ts for e in events], dtype=np.int64)[known],
                 )
             )
@@ -239,7 +243,7 @@ class Retriever:
                 ]
             ),
             age_bucket=age_bucket(np.array([u.age for u in users])),
-            gender=np.array([GENDERS.index(u.gender) for u in users]),
+            gender=np.array([self._codes["gender"][u.gender] for u in users]),
             country=country,
             histories=histories,
             organic=[np.array(u.organic_topics, dtype=np.int64) for u in users],
@@ -258,8 +262,8 @@ class Retriever:
         for i, (r, k_) in enumerate(zip(requests, ks, strict=True)):
             if isinstance(k_, bool) or not isinstance(k_, numbers.Integral) or k_ < 1:
                 raise RequestError(f"requests[{i}]: k must be positive, got {k_!r}")
-            one_of(f"requests[{i}].surface", r.surface, SURFACES)
-            one_of(f"requests[{i}].platform", r.platform, PLATFORMS)
+            one_of(f"requests[{i}].surface", r.surface, self.vocab["surface"])
+            one_of(f"requests[{i}].platform", r.platform, self.vocab["platform"])
             if r.hour is not None and not 0 <= r.hour < 24:
                 raise RequestError(f"requests[{i}].hour: {r.hour} is not an hour of day")
             if (r.user_id is None) == (r.user is None):
@@ -293,11 +297,11 @@ class Retriever:
         requests = [one.request for one in prepared]
         context = {
             "ts": np.array([r.ts for r in requests], dtype=np.int64),
-            "surface": np.array([SURFACES.index(r.surface) for r in requests]),
+            "surface": np.array([self._codes["surface"][r.surface] for r in requests]),
             "hour": np.array(
                 [r.hour if r.hour is not None else (r.ts % 86_400) // 3600 for r in requests]
             ),
-            "platform": np.array([PLATFORMS.index(r.platform) for r in requests]),
+            "platform": np.array([self._codes["platform"][r.platform] for r in requests]),
         }
         stored = [i for i, r in enumerate(requests) if r.user is None]
         inline = [i for i, r in enumerate(requests) if r.user is not None]

@@ -37,9 +37,9 @@ Progress = Callable[[str, int, int], None]
 class Requests:
     user: np.ndarray  # [n] user rows
     ts: np.ndarray  # [n] Unix seconds
-    surface: np.ndarray  # [n] index into schema.SURFACES
+    surface: np.ndarray  # [n] index into the features' vocab["surface"]
     hour: np.ndarray  # [n] hour of day
-    platform: np.ndarray  # [n] index into schema.PLATFORMS
+    platform: np.ndarray  # [n] index into the features' vocab["platform"]
 
     def __post_init__(self) -> None:
         n = len(self.user)

@@ -30,16 +30,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from m31.data.dataset import Dataset, DatasetError, repeat_engagement, write_atomic
-from m31.data.schema import (
-    FORMATS,
-    GENDERS,
-    OBJECTIVES,
-    ORGANIC_SURFACES,
-    PLATFORMS,
-    SURFACES,
-    age_bucket,
+from m31.data.dataset import (
+    VOCABULARIES,
+    Dataset,
+    DatasetError,
+    repeat_engagement,
+    vocabularies,
+    write_atomic,
 )
+from m31.data.schema import age_bucket
 from m31.features.cooc import cooc_embeddings
 from m31.features.sequences import EventSequences
 
@@ -208,21 +207,22 @@ def build_features(
             raise DatasetError(f"{name}: duplicate id {ids[1:][np.diff(ids) == 0][0]}")
 
     countries = tuple(sorted(set(users_t["country"].to_pylist())))
+    vocab = vocabularies(ds.meta, countries)
     advertiser_vocab, advertiser = np.unique(_col(ads_t, "advertiser_id"), return_inverse=True)
     cohort_vocab, cohort = np.unique(_col(users_t, "cohort"), return_inverse=True)
     users = {
         "user_id": user_ids,
         "cohort": cohort.astype(np.int64),
         "age_bucket": age_bucket(_col(users_t, "age")),
-        "gender": _codes(users_t["gender"], GENDERS, "users.gender"),
+        "gender": _codes(users_t["gender"], vocab["gender"], "users.gender"),
         "country": _codes(users_t["country"], countries, "users.country"),
-        "platform": _codes(users_t["platform"], PLATFORMS, "users.platform"),
+        "platform": _codes(users_t["platform"], vocab["platform"], "users.platform"),
     }
     ads = {
         "ad_id": ad_ids,
         "advertiser": advertiser.astype(np.int64),
-        "objective": _codes(ads_t["objective"], OBJECTIVES, "ads.objective"),
-        "format": _codes(ads_t["format"], FORMATS, "ads.format"),
+        "objective": _codes(ads_t["objective"], vocab["objective"], "ads.objective"),
+        "format": _codes(ads_t["format"], vocab["format"], "ads.format"),
         "topic": _col(ads_t, "topic").astype(np.int64),
         "category": _col(ads_t, "category").astype(np.int64),
         "quality": _col(ads_t, "quality").astype(np.float32),
@@ -233,9 +233,9 @@ def build_features(
         "user": _rows(_col(events_t, "user_id"), u_sorted, u_order, "events.user_id"),
         "item": _rows(_col(events_t, "ad_id"), a_sorted, a_order, "events.ad_id"),
         "ts": _col(events_t, "ts"),
-        "surface": _codes(events_t["surface"], SURFACES, "events.surface"),
+        "surface": _codes(events_t["surface"], vocab["surface"], "events.surface"),
         "hour": _col(events_t, "hour").astype(np.int64),
-        "platform": _codes(events_t["platform"], PLATFORMS, "events.platform"),
+        "platform": _codes(events_t["platform"], vocab["platform"], "events.platform"),
         "click": _col(events_t, "click"),
         "conversion": _col(events_t, "conversion"),
     }
@@ -258,7 +258,7 @@ def build_features(
         _col(org_t, "ts"),
         n_u,
         topic=_col(org_t, "topic").astype(np.int64),
-        surface=_codes(org_t["surface"], ORGANIC_SURFACES, "organic.surface"),
+        surface=_codes(org_t["surface"], vocab["organic_surface"], "organic.surface"),
     )
 
     tr = splits["train"]
@@ -285,12 +285,7 @@ def build_features(
             "country": list(countries),
             "advertiser": advertiser_vocab.tolist(),
             "cohort": cohort_vocab.tolist(),
-            "surface": list(SURFACES),
-            "platform": list(PLATFORMS),
-            "format": list(FORMATS),
-            "objective": list(OBJECTIVES),
-            "gender": list(GENDERS),
-            "organic_surface": list(ORGANIC_SURFACES),
+            **{name: list(vocab[name]) for name in VOCABULARIES},
         },
         "time_range": [int(ev["ts"].min()), int(ev["ts"].max())] if len(ev["ts"]) else None,
     }

@@ -48,7 +48,7 @@ import pyarrow.parquet as pq
 import torch
 
 from m31.data.dataset import DatasetError, write_atomic
-from m31.data.schema import GENDERS, PLATFORMS, STATUSES, SURFACES
+from m31.data.schema import BUILT_IN_VOCAB, STATUSES
 from m31.index.attributes import (
     KINDS,
     AttributeTable,
@@ -95,12 +95,13 @@ TABLE_EXTRA_FIELDS: dict[str, str] = {
     "topic": "int",
     "category": "int",
 }
-# Closed vocabularies: a typo here would silently make an ad ineligible everywhere.
-_ALLOWED: dict[str, tuple[str, ...]] = {
-    "status": STATUSES,
-    "target_genders": GENDERS,
-    "target_platforms": PLATFORMS,
-    "target_surfaces": SURFACES,
+# Targeting lists hold values of closed vocabularies, the model's (`AdIndex(targeting=...)`):
+# a typo would silently make an ad ineligible everywhere. Without one given, the built-in
+# marketplace's, which snapshots written before the vocabularies were recorded hold.
+TARGETING_VOCAB: dict[str, str] = {  # targeting list -> the vocabulary of its values
+    "target_genders": "gender",
+    "target_platforms": "platform",
+    "target_surfaces": "surface",
 }
 _DTYPES = {
     "bfloat16": torch.bfloat16,
@@ -295,7 +296,9 @@ class AdIndex:
         dtype: torch.dtype = torch.bfloat16,
         capacity: int = 1024,
         extra_fields: Mapping[str, str] | None = None,
+        targeting: Mapping[str, Sequence[str]] | None = None,
     ):
+        """`targeting`: the values each targeting list may hold (`TARGETING_VOCAB`'s keys)."""
         if dtype not in _DTYPES.values():
             raise AdIndexError(f"dtype {dtype} not supported (one of {list(_DTYPES)})")
         for name, dim in (("dim_g", dim_g), ("dim_x", dim_x), ("capacity", capacity - 1)):
@@ -309,6 +312,17 @@ class AdIndex:
             self._schema = check_schema({**BASE_FIELDS, **extra})
         except ValueError as e:
             raise AdIndexError(str(e)) from e
+        given = dict(targeting or {})
+        if set(given) - set(TARGETING_VOCAB):
+            raise AdIndexError(
+                f"targeting: {sorted(set(given) - set(TARGETING_VOCAB))} are not targeting lists "
+                f"(those are {', '.join(TARGETING_VOCAB)})"
+            )
+        self.targeting = {
+            name: tuple(given.get(name, BUILT_IN_VOCAB[vocab]))
+            for name, vocab in TARGETING_VOCAB.items()
+        }
+        self._allowed = {"status": STATUSES, **self.targeting}
         self.dim_g, self.dim_x, self.dtype = dim_g, dim_x, dtype
         self.quantized = dtype == torch.int8
         # what upserts are validated in, and b's dtype: an 8-bit table keeps b in float32
@@ -635,7 +649,7 @@ class AdIndex:
             "status",
             pc.fill_null(table.column("status"), "active"),
         )
-        for name, allowed in _ALLOWED.items():
+        for name, allowed in self._allowed.items():
             col = table.column(name)
             values = pc.list_flatten(col) if self._schema[name] == "str_list" else col
             bad = pc.invert(pc.is_in(values, value_set=pa.array(allowed)))
@@ -643,7 +657,7 @@ class AdIndex:
                 word = values.filter(bad)[0].as_py()
                 raise AdIndexError(f"attributes: {name} {word!r} is not one of {allowed}")
         for name, kind in self._schema.items():
-            if kind == "str_list" and name not in _ALLOWED:
+            if kind == "str_list" and name not in self._allowed:
                 _check_list(table.column(name).combine_chunks(), name, ids)
         return table
 
@@ -778,11 +792,12 @@ class AdIndex:
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.bfloat16,
         capacity: int = 1024,
+        targeting: Mapping[str, Sequence[str]] | None = None,
     ) -> AdIndex:
         """An index over the dataset's ads table (`m31.data.schema.ADS`), rows aligned with g, x, b.
 
         The schedule starts at `created_at` and never ends; `tags` and `target_surfaces` are
-        taken when the table has them and are empty otherwise.
+        taken when the table has them and are empty otherwise. `targeting`: as `AdIndex`'s.
         """
         renamed = {"schedule_start": "created_at"}  # index attribute -> ads table column
         kept = [
@@ -810,6 +825,7 @@ class AdIndex:
             dtype,
             max(capacity, ads.num_rows),
             extra_fields=TABLE_EXTRA_FIELDS,
+            targeting=targeting,
         )
         index.upsert(ads.column("ad_id"), g, x, b, pa.table(columns))
         return index
@@ -851,6 +867,7 @@ class AdIndex:
                 "count": len(live),
                 "model_hash": model_hash,
                 "fields": dict(self._schema),
+                "targeting": {name: list(values) for name, values in self.targeting.items()},
             }
 
         def fill(tmp: Path) -> None:
@@ -904,6 +921,7 @@ class AdIndex:
             _DTYPES[manifest["dtype"]],
             max(count, 1),
             extra_fields=extra,
+            targeting=manifest.get("targeting"),
         )
         try:
             if index.quantized:

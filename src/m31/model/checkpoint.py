@@ -17,17 +17,22 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from m31.data.dataset import VOCABULARIES
 from m31.features import Features
 from m31.model.config import ModelConfig
 from m31.model.ranking import RankingModel
 from m31.model.retrieval import RetrievalModel
 
-FORMAT = "m31-checkpoint-2"  # 2: records the training split
+# 2: records the training split; 3: categorical embeddings sized from the data's vocabularies
+FORMAT = "m31-checkpoint-3"
 
 
 def vocab_sizes(feats: Features) -> dict[str, int]:
     v = feats.meta["vocab"]
     return {
+        # One row more than the vocabulary: a value it does not hold (one first seen online, a
+        # new format on an upserted ad) embeds as that row, fixed at zero: no input.
+        **{name: len(v[name]) + 1 for name in VOCABULARIES},
         "cohort": len(v["cohort"]),
         "country": len(v["country"]),
         "topic": int(feats.meta["n_topics"]),
@@ -118,8 +123,8 @@ def load_checkpoint(path: Path, feats: Features | None = None, device: str | tor
         raise ValueError(f"{path}: not an m31 checkpoint")
     if blob["format"] != FORMAT:
         raise ValueError(
-            f"{path}: written by an older m31 ({blob['format']}), which did not record the split "
-            "it was trained on: retrain it"
+            f"{path}: written by an older m31 ({blob['format']}), whose embeddings do not follow "
+            "the data's vocabularies: retrain it"
         )
     if feats is not None:
         check_trained_on(blob, feats, path)

@@ -22,18 +22,17 @@ import itertools
 import torch
 from torch import nn
 
-from m31.data.schema import OBJECTIVES, SURFACES
 from m31.model.config import ModelConfig
 from m31.model.inputs import N_TIME_BUCKETS, Catalog, Requests
 from m31.model.retrieval import RetrievalModel
 from m31.model.towers import (
     N_AGE_BUCKETS,
-    N_GENDERS,
     ContextEncoder,
     ItemEncoder,
     hash_ids,
     masked_mean,
     mlp,
+    vocab_embedding,
 )
 from m31.ops import score
 
@@ -46,15 +45,15 @@ class RankingModel(nn.Module):
         self.cfg = cfg
         h = cfg.hidden
         self.item = ItemEncoder(cfg, sizes, text_dim, cooc_dim)
-        self.context = ContextEncoder(h)
-        self.hist_surface = nn.Embedding(len(SURFACES), h)
+        self.context = ContextEncoder(h, sizes)
+        self.hist_surface = vocab_embedding(sizes, "surface", h)
         self.hist_time = nn.Embedding(N_TIME_BUCKETS, h)
         self.advertiser = nn.Embedding(cfg.advertiser_buckets, h)
-        self.objective = nn.Embedding(len(OBJECTIVES), h)
+        self.objective = vocab_embedding(sizes, "objective", h)
         self.quality = nn.Linear(1, h)
         self.cohort = nn.Embedding(sizes["cohort"], h)
         self.age = nn.Embedding(N_AGE_BUCKETS, h)
-        self.gender = nn.Embedding(N_GENDERS, h)
+        self.gender = vocab_embedding(sizes, "gender", h)
         self.country = nn.Embedding(sizes["country"], h)
         self.organic = nn.Embedding(sizes["topic"], h)
         self.att_q = nn.Linear(h, h)

@@ -33,7 +33,7 @@ class RetrievalModel(nn.Module):
         self.E, self.G, self.D = cfg.n_experts, cfg.effective_gate_dim, d
         item = ItemEncoder(cfg, sizes, text_dim, cooc_dim)
         self.user = UserFeatures(cfg, sizes, item, text_dim, cooc_dim)
-        self.ads = AdTower(cfg, item)
+        self.ads = AdTower(cfg, sizes, item)
         out = self.G + self.D + 1
         if cfg.kind == "moe":
             self.head_w = nn.Parameter(torch.randn(self.E, h, out) * h**-0.5)

@@ -11,11 +11,10 @@ import itertools
 import torch
 from torch import nn
 
-from m31.data.schema import AGE_EDGES, FORMATS, OBJECTIVES, PLATFORMS, SURFACES
+from m31.data.schema import AGE_EDGES
 from m31.model.inputs import N_TIME_BUCKETS, Catalog, Requests
 
 N_AGE_BUCKETS = len(AGE_EDGES) + 1
-N_GENDERS = 2
 
 _HASH_MULT = 0x5DEECE66D  # odd multiplier: spreads consecutive ids across buckets
 
@@ -23,6 +22,12 @@ _HASH_MULT = 0x5DEECE66D  # odd multiplier: spreads consecutive ids across bucke
 def hash_ids(ids: torch.Tensor, buckets: int, salt: int) -> torch.Tensor:
     """Ids (any int64, also unseen ones) -> [0, buckets)."""
     return torch.remainder((ids + salt) * _HASH_MULT + (ids >> 17), buckets)
+
+
+def vocab_embedding(sizes: dict[str, int], name: str, h: int) -> nn.Embedding:
+    """The embedding of a categorical vocabulary (`checkpoint.vocab_sizes`): its last row is
+    the unknown value's, zero and never trained, so an unknown value adds nothing."""
+    return nn.Embedding(sizes[name], h, padding_idx=sizes[name] - 1)
 
 
 def mlp(dims: list[int], last_activation: bool = False) -> nn.Sequential:
@@ -44,7 +49,7 @@ class ItemEncoder(nn.Module):
         self.id = nn.Embedding(cfg.id_buckets, h)
         self.topic = nn.Embedding(sizes["topic"], h)
         self.category = nn.Embedding(sizes["category"], h)
-        self.format = nn.Embedding(len(FORMATS), h)
+        self.format = vocab_embedding(sizes, "format", h)
         self.text = nn.Linear(text_dim, h)
         self.cooc = nn.Linear(cooc_dim, h)
         self.norm = nn.LayerNorm(h)
@@ -65,11 +70,11 @@ class ItemEncoder(nn.Module):
 class ContextEncoder(nn.Module):
     """Serving context (surface, hour, platform) -> [B, h]."""
 
-    def __init__(self, h: int) -> None:
+    def __init__(self, h: int, sizes: dict[str, int]) -> None:
         super().__init__()
-        self.surface = nn.Embedding(len(SURFACES), h)
+        self.surface = vocab_embedding(sizes, "surface", h)
         self.hour = nn.Embedding(24, h)
-        self.platform = nn.Embedding(len(PLATFORMS), h)
+        self.platform = vocab_embedding(sizes, "platform", h)
 
     def forward(self, r: Requests) -> torch.Tensor:
         return self.surface(r.surface) + self.hour(r.hour) + self.platform(r.platform)
@@ -120,8 +125,8 @@ class UserFeatures(nn.Module):
         h = cfg.hidden
         self.slots = {name: k for name, k in cfg.experts.items() if k > 0}
         self.item = item
-        self.context = ContextEncoder(h)
-        self.hist_surface = nn.Embedding(len(SURFACES), h)
+        self.context = ContextEncoder(h, sizes)
+        self.hist_surface = vocab_embedding(sizes, "surface", h)
         self.hist_time = nn.Embedding(N_TIME_BUCKETS, h)
         pools, trunks, offsets = {}, {}, {}
         for name, k in self.slots.items():
@@ -140,7 +145,7 @@ class UserFeatures(nn.Module):
         if "cohort" in self.slots:
             self.cohort = nn.Embedding(sizes["cohort"], h)
             self.age = nn.Embedding(N_AGE_BUCKETS, h)
-            self.gender = nn.Embedding(N_GENDERS, h)
+            self.gender = vocab_embedding(sizes, "gender", h)
             self.country = nn.Embedding(sizes["country"], h)
         if "coengagement" in self.slots:
             self.organic = nn.Embedding(sizes["topic"], h)
@@ -183,14 +188,14 @@ class UserFeatures(nn.Module):
 class AdTower(nn.Module):
     """Ad features -> (g [N, G], x [N, D], b [N])."""
 
-    def __init__(self, cfg, item: ItemEncoder) -> None:
+    def __init__(self, cfg, sizes: dict[str, int], item: ItemEncoder) -> None:
         super().__init__()
         h = cfg.hidden
         self.gate_dim, self.value_dim = cfg.effective_gate_dim, cfg.value_dim
         self.adv_buckets = cfg.advertiser_buckets
         self.item = item
         self.advertiser = nn.Embedding(cfg.advertiser_buckets, h)
-        self.objective = nn.Embedding(len(OBJECTIVES), h)
+        self.objective = vocab_embedding(sizes, "objective", h)
         self.quality = nn.Linear(1, h)
         self.net = mlp([h, 2 * h, self.gate_dim + self.value_dim + 1])
         nn.init.normal_(self.advertiser.weight, std=0.02)

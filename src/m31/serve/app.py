@@ -37,6 +37,7 @@ from m31.serve.errors import CheckedJSONRoute, describe, error
 from m31.serve.metrics import Metrics
 from m31.serve.middleware import BodyGuard, Counted, HeadAsGet
 from m31.serve.routes import add_routes
+from m31.serve.schemas import vocab_schema
 from m31.serve.service import Service
 
 __all__ = ["ServeConfig", "Service", "create_app"]
@@ -83,6 +84,19 @@ def create_app(
         redirect_slashes=False,
     )
     app.router.route_class = CheckedJSONRoute
+    openapi = app.openapi
+
+    def openapi_with_vocabularies() -> dict:
+        """The schema, with the served model's values once it is loaded (they are data)."""
+        schema = openapi()
+        svc = app.state.service if app.state.batcher is not None else None
+        if svc is not None and not getattr(app.state, "vocab_listed", False):
+            vocab = {**svc.retriever.vocab, **{k: list(v) for k, v in svc.encoder.codes.items()}}
+            vocab_schema(schema, vocab, closed=set(svc.retriever.vocab))
+            app.state.vocab_listed = True
+        return schema
+
+    app.openapi = openapi_with_vocabularies
     app.state.config = config
     app.state.service = service
     app.state.batcher = None

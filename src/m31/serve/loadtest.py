@@ -2,7 +2,7 @@
 
 `concurrency` clients each send one retrieve call, wait for the answer, and send the next,
 for `duration` seconds. Requests are drawn from the dataset's users (stored user ids) with
-random surfaces and platforms at the current time. Server-side figures (device calls, ads
+random surfaces and platforms of its vocabularies at the current time. Server-side figures (device calls, ads
 scored) are read from /metrics before and after, so batching shows as requests per device call.
 """
 
@@ -11,12 +11,11 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import httpx
 import numpy as np
-
-from m31.data.schema import PLATFORMS, SURFACES
 
 
 @dataclass
@@ -63,6 +62,8 @@ async def _run(
     k: int,
     token: str | None,
     seed: int,
+    surfaces: Sequence[str],
+    platforms: Sequence[str],
 ) -> LoadResult:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     async with httpx.AsyncClient(base_url=url, timeout=30) as http:
@@ -81,8 +82,8 @@ async def _run(
                     "requests": [
                         {
                             "user_id": int(rng.choice(user_ids)),
-                            "surface": SURFACES[rng.integers(len(SURFACES))],
-                            "platform": PLATFORMS[rng.integers(len(PLATFORMS))],
+                            "surface": surfaces[rng.integers(len(surfaces))],
+                            "platform": platforms[rng.integers(len(platforms))],
                             "k": k,
                         }
                     ]
@@ -112,16 +113,21 @@ def run(
     url: str,
     user_ids: np.ndarray,
     concurrency: int,
+    surfaces: Sequence[str],
+    platforms: Sequence[str],
     duration: float = 10.0,
     k: int = 100,
     token: str | None = None,
     seed: int = 0,
 ) -> LoadResult:
+    """`surfaces` and `platforms`: the values requests draw from (the dataset's vocabularies)."""
     if concurrency < 1 or duration <= 0 or k < 1:
         raise ValueError("concurrency and k must be >= 1 and duration > 0")
-    if not len(user_ids):
-        raise ValueError("no user ids to send")
-    return asyncio.run(_run(url, np.asarray(user_ids), concurrency, duration, k, token, seed))
+    if not len(user_ids) or not surfaces or not platforms:
+        raise ValueError("no user ids, surfaces or platforms to send")
+    return asyncio.run(
+        _run(url, np.asarray(user_ids), concurrency, duration, k, token, seed, surfaces, platforms)
+    )
 
 
 def format_rows(rows: list[dict]) -> str:

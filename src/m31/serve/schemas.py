@@ -10,7 +10,7 @@ tags; `status` cannot be null.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
 
 from fastapi import Path as PathParam
@@ -23,7 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from m31.data.schema import FORMATS, GENDERS, OBJECTIVES, PLATFORMS, STATUSES, SURFACES
+from m31.data.schema import STATUSES
 from m31.index.filters import check_size
 
 MAX_K = 4096  # results per request
@@ -35,9 +35,20 @@ MAX_ADS = 10_000  # ads per upsert call
 MAX_LIST = 10_000  # history, exclusions, targeting lists
 I64_MAX = 2**63 - 1
 
-Surface = Literal[SURFACES]  # type: ignore[valid-type]
-Platform = Literal[PLATFORMS]  # type: ignore[valid-type]
-Gender = Literal[GENDERS]  # type: ignore[valid-type]
+# A value of one of the served model's vocabularies: checked against them once it is loaded
+# (422 naming the accepted values), and listed in the OpenAPI schema then (`vocab_schema`).
+VOCAB_KEY = "x-m31-vocabulary"
+
+
+def _vocab_value(name: str) -> Any:
+    return Annotated[str, Field(min_length=1, max_length=64, json_schema_extra={VOCAB_KEY: name})]
+
+
+Surface = _vocab_value("surface")
+Platform = _vocab_value("platform")
+Gender = _vocab_value("gender")
+Objective = _vocab_value("objective")
+Format = _vocab_value("format")
 Status = Literal[STATUSES]  # type: ignore[valid-type]
 # Every integer that reaches an array or a column is an int64: larger ones are a 422, not an
 # overflow deep inside.
@@ -240,8 +251,8 @@ class AdIn(Attributes):
     ad_id: Id
     advertiser_id: Id
     campaign_id: Id | None = None
-    objective: Literal[OBJECTIVES]  # type: ignore[valid-type]
-    format: Literal[FORMATS]  # type: ignore[valid-type]
+    objective: Objective
+    format: Format
     topic: int = Field(ge=0, le=2**31)
     category: int = Field(ge=0, le=2**31)
     quality: float = Field(0.0, ge=-100, le=100, allow_inf_nan=False)
@@ -314,3 +325,23 @@ def _plain_decimal(value: Any) -> Any:
 AdIdPath = Annotated[
     int, PathParam(ge=0, le=I64_MAX, description="the ad's id"), BeforeValidator(_plain_decimal)
 ]
+
+
+def vocab_schema(schema: dict, vocab: Mapping[str, Sequence[str]], closed: set[str]) -> None:
+    """List the served model's values in an OpenAPI schema, in place: `enum` for a vocabulary
+    in `closed` (other values are refused), a description otherwise (other values are taken as
+    unknown: an ad's new format or objective)."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            name = node.pop(VOCAB_KEY, None)
+            if name in vocab:
+                if name in closed:
+                    node["enum"] = list(vocab[name])
+                else:
+                    known = ", ".join(vocab[name])
+                    node["description"] = f"known {name}s: {known}; another is taken as unknown"
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)

@@ -20,6 +20,7 @@ from m31.data.schema import (
     ADS,
     ADVERTISERS,
     AGE_EDGES,
+    BUILT_IN_VOCAB,
     EVENTS,
     FORMATS,
     GENDERS,
@@ -284,6 +285,7 @@ def generate(
         # user saw or clicked, so the same ad is shown and clicked again (in the tiny world 12%
         # of clicks repeat an earlier click's user and ad): a seen ad stays a possible next one.
         "repeat_engagement": True,
+        "vocab": {name: list(values) for name, values in BUILT_IN_VOCAB.items()},
         "seed": seed,
         "config": cfg.to_dict(),
         "time_range": [EPOCH, EPOCH + span],
