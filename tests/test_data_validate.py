@@ -155,13 +155,14 @@ def age_over_150(folder):
     set_values(folder, "users", "age", {4: 200})
 
 
-def null_country(folder):
-    path = folder / "users.parquet"
+def null_status(folder):
+    """A null in a required column (users' country may be null: no country)."""
+    path = folder / "ads.parquet"
     t = pq.read_table(path)
-    values = t["country"].to_pylist()
+    values = t["status"].to_pylist()
     values[8] = None
-    i = t.schema.get_field_index("country")
-    pq.write_table(t.set_column(i, pa.field("country", pa.string()), pa.array(values)), path)
+    i = t.schema.get_field_index("status")
+    pq.write_table(t.set_column(i, pa.field("status", pa.string()), pa.array(values)), path)
 
 
 def event_outside_time_range(folder):
@@ -190,7 +191,7 @@ BROKEN = [
     (unknown_target_gender, "vocabularies", "ads.parquet", 2, "target_genders", "'X'"),
     (nan_quality, "numbers", "ads.parquet", 6, "quality", "nan is not a finite number"),
     (age_over_150, "numbers", "users.parquet", 4, "age", "200 is outside 0..150"),
-    (null_country, "types", "users.parquet", 8, "country", "null"),
+    (null_status, "types", "ads.parquet", 8, "status", "null (a required column)"),
     (event_outside_time_range, "time", "events.parquet", 13, "ts", "outside meta.json's"),
     (unreadable_meta, "meta", "meta.json", 2, None, "not valid JSON"),
     (repeat_engagement_not_a_bool, "meta", "meta.json", None, "repeat_engagement", "'no'"),

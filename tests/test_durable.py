@@ -233,7 +233,9 @@ def test_corruption_in_the_middle_is_an_error(fresh):
         lambda d: d.upsert([7], [[0.0, float("nan"), 0.0]], torch.zeros(1, D), [0], [{}]),
         lambda d: d.upsert([7, 7], torch.zeros(2, G), torch.zeros(2, D), [0, 0], [{}] * 2),
         lambda d: d.upsert([7], torch.zeros(1, G), torch.zeros(1, D), [0], [{"colour": 1}]),
-        lambda d: d.upsert([7], torch.zeros(1, G), torch.zeros(1, D), [0], [{"tags": ["a"]}]),
+        lambda d: d.upsert(
+            [7], torch.zeros(1, G), torch.zeros(1, D), [0], [{"target_genders": ["X"]}]
+        ),
         lambda d: d.update_attributes(99, tags=["a"]),
         lambda d: d.update_attributes(1, colour="red"),
         lambda d: d.update_attributes(1, status="sleeping"),

@@ -192,10 +192,6 @@ def _attrs(**kw):
             "attribute column 'advertiser_id': type double does not fit kind int",
         ),
         (_with(4, pa.table({"advertiser_id": [1, 2], "colour": ["r", "g"]})), "column 'colour'"),
-        (
-            _with(4, [{"advertiser_id": 4}, {"tags": ["a"]}]),
-            "attributes: row 1 has no advertiser_id",
-        ),
     ],
 )
 def test_rejected_upsert_leaves_index_unchanged(args, message):

@@ -271,7 +271,7 @@ def test_training_a_ranking_model_with_a_base(feats):
 
 
 def test_demo_ranking_model_costs_over_100x_the_moe_per_pair():
-    sizes = {"cohort": 3, "country": 3, "topic": 3, "category": 3, **VOCAB_SIZES}
+    sizes = {"cohort": 3, "country": 3, "age": 7, "topic": 3, "category": 3, **VOCAB_SIZES}
     moe = build_model(model_preset("demo", "moe"), sizes, 384, 32)
     ranking = build_model(model_preset("demo", "ranking"), sizes, 384, 32)
     assert moe.flops_per_pair() == 2 * 8 * (64 + 64) + 1
@@ -436,14 +436,14 @@ def test_bad_model_config():
     with pytest.raises(ValueError, match="RetrievalModel is moe or two-tower"):
         RetrievalModel(
             model_preset("tiny", "ranking"),
-            {"cohort": 2, "country": 2, "topic": 2, "category": 2, **VOCAB_SIZES},
+            {"cohort": 2, "country": 2, "age": 7, "topic": 2, "category": 2, **VOCAB_SIZES},
             4,
             4,
         )
     assert isinstance(
         build_model(
             model_preset("tiny", "ranking"),
-            {"cohort": 2, "country": 2, "topic": 2, "category": 2, **VOCAB_SIZES},
+            {"cohort": 2, "country": 2, "age": 7, "topic": 2, "category": 2, **VOCAB_SIZES},
             4,
             4,
         ),

@@ -2,10 +2,18 @@
 
 Layout of a dataset folder::
 
-    meta.json          source, repeat_engagement, seed, topic names, time range, and anything
-                       the source adds
+    meta.json          source, repeat_engagement, vocab, seed, topic names, time range,
+                       item_attributes, and anything the source adds
     users.parquet      advertisers.parquet  ads.parquet  events.parquet  organic.parquet
     truth.npz          (synthetic worlds only) the ground-truth response model's parameters
+
+A table holds the columns of its schema (`m31.data.schema`), each of exactly its arrow type. A
+required column (`schema.required`) holds no null; an optional one may (null means absent, see
+`m31.data.schema`), and a table without an optional column reads as if it held one of nulls.
+ads.parquet may carry extra attribute columns, which meta.json names under `item_attributes`
+(`item_attributes`: name -> "str", "str_list", "int" or "float"); they come after the schema's
+columns, and other extra columns are not read. `Dataset` and `load` refuse anything else
+(`DatasetError` naming the file or table and the column): nothing is cast or filled in.
 
 Writes are atomic: everything goes to a temporary sibling folder that is renamed into place
 only when complete, so a folder that exists is always a whole dataset.
@@ -22,16 +30,92 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from m31.data.schema import BUILT_IN_VOCAB, STATUSES, TABLES
+from m31.data.schema import ADS, BUILT_IN_VOCAB, ITEM_ATTRIBUTE_TYPES, STATUSES, TABLES
 
 # The categorical vocabularies a dataset declares in meta.json's `vocab` (`vocabularies`).
 VOCABULARIES = tuple(BUILT_IN_VOCAB)
 
 
+# Names the index gives attributes of its own (`m31.index.ad_index.BASE_FIELDS`) that are not
+# columns of the ads table: an item attribute may not take them, but it may feed the index's
+# `tags` and `target_surfaces`, which are sets of strings.
+INDEX_FIELDS = {"schedule_start": None, "schedule_end": None, "tags": "str_list",
+                "target_surfaces": "str_list"}  # fmt: skip
+
+
 class DatasetError(ValueError):
     """A dataset folder or file that cannot be used; the message names the file or field."""
+
+
+def item_attributes(meta: Mapping) -> dict[str, str]:
+    """The extra attribute columns of the ads table that meta.json declares (`item_attributes`:
+    column name -> kind, one of `schema.ITEM_ATTRIBUTE_TYPES`); none when it declares none.
+    Raises `DatasetError` for a malformed declaration, or a name that is a column of the ads
+    table or an attribute the index gives itself."""
+    declared = meta.get("item_attributes", {})
+    if not isinstance(declared, Mapping):
+        raise DatasetError(
+            f"meta.json: item_attributes must be an object of column name -> kind, got {declared!r}"
+        )
+    kinds = ", ".join(ITEM_ATTRIBUTE_TYPES)
+    for name, kind in declared.items():
+        if not isinstance(name, str) or not name:
+            raise DatasetError(f"meta.json: item_attributes: {name!r} is not a column name")
+        if kind not in ITEM_ATTRIBUTE_TYPES:
+            raise DatasetError(
+                f"meta.json: item_attributes.{name}: kind {kind!r} is not one of {kinds}"
+            )
+        if name in ADS.names:
+            raise DatasetError(
+                f"meta.json: item_attributes.{name}: a column of the ads schema, not an extra one"
+            )
+        if name in INDEX_FIELDS and INDEX_FIELDS[name] != kind:
+            allowed = f"only as {INDEX_FIELDS[name]}" if INDEX_FIELDS[name] else "not"
+            raise DatasetError(
+                f"meta.json: item_attributes.{name}: the index's own attribute, which an item "
+                f"attribute may feed {allowed}"
+            )
+    return dict(declared)
+
+
+def conform(name: str, table: pa.Table, attributes: Mapping[str, str] | None = None) -> pa.Table:
+    """`table` as table `name` of the schema: the schema's columns in its order (an optional
+    one the table lacks as nulls), then, for the ads, the extra columns `attributes` declares
+    (`item_attributes`); other columns are dropped. Raises `DatasetError` naming the column for
+    a required column missing or holding a null, a column of another type (nothing is cast),
+    a list holding a null, or a declared extra column missing or of another kind."""
+    schema = TABLES[name]
+    wanted = [(f, True) for f in schema]
+    wanted += [
+        (pa.field(a, ITEM_ATTRIBUTE_TYPES[kind]), False) for a, kind in (attributes or {}).items()
+    ]
+    fields, columns = [], []
+    for f, in_schema in wanted:
+        what = f"column {f.name!r}" if in_schema else f"item attribute {f.name!r}"
+        found = table.schema.get_all_field_indices(f.name)
+        if len(found) > 1:
+            raise DatasetError(f"{what}: {len(found)} columns so named")
+        if not found:
+            if in_schema and f.nullable:
+                fields.append(f)
+                columns.append(pa.chunked_array([pa.nulls(table.num_rows, f.type)]))
+                continue
+            expected = "required" if in_schema else "declared in meta.json's item_attributes"
+            raise DatasetError(f"{what}: missing ({expected}, {f.type})")
+        col = table.column(found[0])
+        if not col.type.equals(f.type):
+            raise DatasetError(f"{what}: {col.type}, expected {f.type}")
+        if not f.nullable and col.null_count:
+            row = pc.index(col.is_null(), True).as_py()
+            raise DatasetError(f"{what}: null in row {row} (a required column)")
+        if pa.types.is_list(f.type) and pc.list_flatten(col).null_count:
+            raise DatasetError(f"{what}: a list holds a null")
+        fields.append(f)
+        columns.append(col)
+    return pa.Table.from_arrays(columns, schema=pa.schema(fields))
 
 
 @dataclass
@@ -44,13 +128,15 @@ class Dataset:
     meta: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name, schema in TABLES.items():
-            table = getattr(self, name)
-            if not table.schema.equals(schema, check_metadata=False):
-                raise DatasetError(
-                    f"table {name!r} does not match its schema:\n"
-                    f"expected {schema}\ngot {table.schema}"
-                )
+        """Conform each table to its schema (`conform`): the ads with the item attributes meta
+        declares."""
+        attributes = item_attributes(self.meta)
+        for name in TABLES:
+            try:
+                table = conform(name, getattr(self, name), attributes if name == "ads" else None)
+            except DatasetError as e:
+                raise DatasetError(f"table {name!r}: {e}") from None
+            setattr(self, name, table)
 
     def table(self, name: str) -> pa.Table:
         return getattr(self, name)
@@ -175,6 +261,8 @@ def save(ds: Dataset, out: Path, overwrite: bool = False, extra: dict | None = N
 
 
 def load(folder: Path) -> Dataset:
+    """The dataset in `folder`; each table checked as `conform` does (`DatasetError` naming the
+    file and column)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise DatasetError(f"{folder}: no such dataset folder")
@@ -185,15 +273,24 @@ def load(folder: Path) -> Dataset:
         meta = json.loads(meta_path.read_text())
     except json.JSONDecodeError as e:
         raise DatasetError(f"{meta_path}: not valid JSON ({e})") from e
+    if not isinstance(meta, dict):
+        raise DatasetError(f"{meta_path}: expected a JSON object")
+    attributes = item_attributes(meta)
     tables = {}
     for name, schema in TABLES.items():
         path = folder / f"{name}.parquet"
         if not path.is_file():
             raise DatasetError(f"{path}: missing")
+        wanted = [*schema.names, *(attributes if name == "ads" else ())]
         try:
-            tables[name] = pq.read_table(path, schema=schema)
-        except (pa.ArrowInvalid, pa.ArrowTypeError, OSError) as e:
-            raise DatasetError(f"{path}: unreadable or wrong schema ({e})") from e
+            names = pq.ParquetFile(path).schema_arrow.names
+            table = pq.read_table(path, columns=[c for c in names if c in wanted])
+        except (pa.ArrowException, OSError) as e:
+            raise DatasetError(f"{path}: unreadable ({e})") from e
+        try:
+            tables[name] = conform(name, table, attributes if name == "ads" else None)
+        except DatasetError as e:
+            raise DatasetError(f"{path}: {e}") from None
     return Dataset(**tables, meta=meta)
 
 

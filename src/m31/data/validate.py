@@ -9,21 +9,31 @@ report and exits 1 on any error.
 
 Every check runs over whole columns (pyarrow compute, numpy) and reports one issue per file,
 column and kind of problem: its first row, the value there, and how many rows share it. A column
-that is missing, of another type or holding nulls is reported once (check `types`) and left out
-of the other checks, which could only repeat it.
+that is missing, of another type or holding nulls where it may not is reported once (check
+`types`) and left out of the other checks, which could only repeat it.
+
+Nulls. A required column (`m31.data.schema.required`) holds no null; an optional column may
+(null means absent, never a value: `m31.data.schema`), and the other checks skip its nulls (a
+null is in every vocabulary, in range, and names no row). An optional column a table lacks
+reads as nulls (a warning). The advertisers and organic tables may be empty, and meta's
+`topics` may be an empty list (no topic vocabulary).
 
 Checks, in the order they run (`CHECKS`):
 
     files         meta.json and the five tables present and readable
     meta          meta.json an object: source (text), repeat_engagement (true or false; absent in
-                  folders written before it existed, a warning), topics and time_range well formed
-    types         every column of `m31.data.schema` there with its arrow type, no nulls
-    empty         users, advertisers, ads and events hold rows (organic may be empty); some event
-                  is an engagement (click)
+                  folders written before it existed, a warning), topics, time_range and
+                  item_attributes well formed (`m31.data.dataset.item_attributes`)
+    types         every required column of `m31.data.schema` there with its arrow type and no
+                  nulls, every optional one of its type (absent: a warning), no list holding a
+                  null; each column meta's item_attributes declares in ads.parquet, of its kind
+    empty         users, ads and events hold rows (advertisers and organic may be empty); some
+                  event is an engagement (click)
     duplicates    users.user_id, ads.ad_id, advertisers.advertiser_id unique; with
                   repeat_engagement false, no user engaging with one ad twice (a warning)
-    references    events.user_id in users, events.ad_id in ads, ads.advertiser_id in advertisers,
-                  organic.user_id in users
+    references    events.user_id in users, events.ad_id in ads, organic.user_id in users,
+                  ads.advertiser_id in advertisers (unless that table is empty: a source without
+                  advertisers, whose ads' advertiser ids stand alone)
     vocabularies  categorical values in their vocabulary (`m31.data.dataset.vocabularies`)
     numbers       ids, topics, users' and events' times >= 0, ages in 0..150, hour in 0..23,
                   floats finite, daily_budget >= 0; target_age_min above target_age_max (an
@@ -46,8 +56,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from m31.data.dataset import DatasetError, repeat_engagement, vocabularies
-from m31.data.schema import TABLES
+from m31.data.dataset import DatasetError, item_attributes, repeat_engagement, vocabularies
+from m31.data.schema import ITEM_ATTRIBUTE_TYPES, TABLES
 
 ERROR, WARNING = "error", "warning"
 CHECKS = (
@@ -62,7 +72,7 @@ CHECKS = (
     "time",
 )
 META = "meta.json"
-REQUIRED_ROWS = ("users", "advertisers", "ads", "events")
+REQUIRED_ROWS = ("users", "ads", "events")
 UNIQUE = {"users": "user_id", "ads": "ad_id", "advertisers": "advertiser_id"}
 REFERENCES = (  # (table, column) -> (table, column) it must name a row of
     (("events", "user_id"), ("users", "user_id")),
@@ -219,8 +229,10 @@ class _Validator:
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         self.report = Report(folder)
-        self.tables: dict[str, pa.Table] = {}  # the columns of the right type, without nulls
+        # The columns of the right type, without nulls where they are required.
+        self.tables: dict[str, pa.Table] = {}
         self.meta: dict | None = None
+        self.item_attributes: dict[str, str] = {}  # meta's, when well formed
         self.time_range: tuple[int, int] | None = None  # meta's, when well formed
         self.topics_ok = False
 
@@ -246,7 +258,16 @@ class _Validator:
         return t is not None and all(c in t.column_names for c in columns)
 
     def col(self, table: str, column: str) -> np.ndarray:
-        return self.tables[table][column].to_numpy()
+        """The column's values [n], a null read as 0 (see `valid`)."""
+        c = self.tables[table][column]
+        return (pc.fill_null(c, 0) if c.null_count else c).to_numpy()
+
+    def valid(self, table: str, column: str) -> np.ndarray:
+        """[n] bool: the rows where the column holds a value."""
+        c = self.tables[table][column]
+        if not c.null_count:
+            return np.ones(len(c), bool)
+        return c.is_valid().to_numpy(zero_copy_only=False)
 
     def run(self) -> None:
         self.read_meta()
@@ -324,6 +345,11 @@ class _Validator:
             )
         self.read_topics(meta.get("topics"))
         self.read_time_range(meta.get("time_range"))
+        try:
+            self.item_attributes = item_attributes(meta)
+        except DatasetError as e:
+            message = str(e).removeprefix("meta.json: ")
+            self.add(ERROR, "meta", META, None, "item_attributes", message)
 
     def read_topics(self, topics) -> None:
         if topics is None:
@@ -388,45 +414,67 @@ class _Validator:
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
             self.add(ERROR, "files", file, None, None, f"not a readable parquet file ({reason})")
             return
+        extras = self.item_attributes if name == "ads" else {}
+        fields = list(TABLES[name])
+        fields += [pa.field(a, ITEM_ATTRIBUTE_TYPES[kind]) for a, kind in extras.items()]
         good = []
-        for f in TABLES[name]:
+        for f in fields:
+            declared = f.name in extras
             same_name = got.get_all_field_indices(f.name)
             i = same_name[0] if len(same_name) == 1 else -1
             if len(same_name) > 1:
                 self.add(ERROR, "types", file, None, f.name, f"{len(same_name)} columns so named")
+            elif i < 0 and declared:
+                self.add(
+                    ERROR,
+                    "types",
+                    file,
+                    None,
+                    f.name,
+                    f"missing (meta.json's item_attributes declares it, {extras[f.name]})",
+                )
+            elif i < 0 and f.nullable:
+                self.add(WARNING, "types", file, None, f.name, f"absent: read as null ({f.type})")
             elif i < 0:
                 self.add(ERROR, "types", file, None, f.name, f"missing (expected {f.type})")
             elif not got.field(i).type.equals(f.type):
+                kind = f" (item_attributes: {extras[f.name]})" if declared else ""
                 self.add(
-                    ERROR, "types", file, None, f.name, f"{got.field(i).type}, expected {f.type}"
+                    ERROR,
+                    "types",
+                    file,
+                    None,
+                    f.name,
+                    f"{got.field(i).type}, expected {f.type}{kind}",
                 )
             else:
-                good.append(f.name)
-        for extra in sorted(set(got.names) - set(TABLES[name].names)):
-            self.add(WARNING, "types", file, None, extra, "not in the schema (ignored)")
+                good.append(f)
+        ignored = "not in the schema (ignored)"
+        if name == "ads":
+            ignored = "not in the schema nor meta.json's item_attributes (ignored)"
+        for extra in sorted(set(got.names) - {f.name for f in fields}):
+            self.add(WARNING, "types", file, None, extra, ignored)
         try:
-            table = pq.read_table(path, columns=good)
+            table = pq.read_table(path, columns=[f.name for f in good])
         except (pa.ArrowException, OSError) as e:
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
             self.add(ERROR, "files", file, None, None, f"unreadable ({reason})")
             return
         table = table.combine_chunks()
         keep = []
-        for column in good:
-            c = table[column]
-            nulls = c.is_null().to_numpy(zero_copy_only=False)
-            if pa.types.is_list(c.type) and not nulls.any():
+        for f in good:
+            c = table[f.name]
+            if pa.types.is_list(c.type) and pc.list_flatten(c).null_count:
                 flat = pc.list_flatten(c)
-                if flat.null_count:
-                    parents = pc.list_parent_indices(c).to_numpy()
-                    nulls = np.zeros(len(table), bool)
-                    nulls[parents[flat.is_null().to_numpy(zero_copy_only=False)]] = True
-            if nulls.any():
-                self.flag(
-                    ERROR, "types", name, column, nulls, lambda _: "null (the schema has none)"
-                )
+                parents = pc.list_parent_indices(c).to_numpy()
+                held = np.zeros(len(table), bool)
+                held[parents[flat.is_null().to_numpy(zero_copy_only=False)]] = True
+                self.flag(ERROR, "types", name, f.name, held, lambda _: "a list holds a null")
+            elif not f.nullable and c.null_count:
+                nulls = c.is_null().to_numpy(zero_copy_only=False)
+                self.flag(ERROR, "types", name, f.name, nulls, lambda _: "null (a required column)")
             else:
-                keep.append(column)
+                keep.append(f.name)
         self.tables[name] = table.select(keep)
 
     # empty, duplicates, references
@@ -493,15 +541,18 @@ class _Validator:
         for (table, column), (other, key) in REFERENCES:
             if not (self.has(table, column) and self.has(other, key)):
                 continue
-            values = self.col(table, column)
+            if other == "advertisers" and not self.tables[other].num_rows:
+                continue  # a source without advertisers: its ads' advertiser ids stand alone
+            values, valid = self.col(table, column), self.valid(table, column)
             hit, row_of = _lookup(values, self.col(other, key))
+            hit &= valid  # a null names no row, and needs none
             found[(table, column)] = (hit, row_of)
             self.flag(
                 ERROR,
                 "references",
                 table,
                 column,
-                ~hit,
+                ~hit & valid,
                 lambda row, values=values, other=other, key=key: (
                     f"{key} {values[row]} is not in {other}.parquet"
                 ),
@@ -519,10 +570,10 @@ class _Validator:
                 "vocabularies",
                 "users",
                 "country",
-                pc.equal(country, "").to_numpy(zero_copy_only=False),
+                pc.fill_null(pc.equal(country, ""), False).to_numpy(zero_copy_only=False),
                 lambda _: "empty country",
             )
-            countries = [c for c in pc.unique(country).to_pylist() if c]
+            countries = [c for c in pc.unique(pc.drop_null(country)).to_pylist() if c]
         meta = self.meta if self.meta is not None and self.topics_ok else {}
         vocab = vocabularies(meta, countries)
         for (table, column), name in CATEGORICAL.items():
@@ -543,13 +594,15 @@ class _Validator:
                 bad[pc.list_parent_indices(c).to_numpy()[bad_entry]] = True
                 unknown = pc.unique(pc.filter(flat, bad_entry)).to_pylist()
             elif pa.types.is_integer(c.type):
-                values = c.to_numpy()
+                values = self.col(table, column)
                 bad = ~np.isin(values, np.asarray(allowed, dtype=values.dtype)) & (values >= 0)
+                bad &= self.valid(table, column)
                 unknown = np.unique(values[bad]).tolist()
             else:
                 bad = pc.invert(pc.is_in(c, pa.array(allowed, c.type))).to_numpy(
                     zero_copy_only=False
                 )
+                bad &= self.valid(table, column)
                 unknown = pc.unique(pc.filter(c, bad)).to_pylist()
             if name in ("topic", "category"):
                 expected = f"the {name}s meta.json's topics list"
@@ -576,7 +629,7 @@ class _Validator:
                         "numbers",
                         table,
                         column,
-                        values < 0,
+                        (values < 0) & self.valid(table, column),
                         lambda row, values=values: f"{values[row]} is negative",
                     )
         for (table, column), (lo, hi) in RANGES.items():
@@ -587,7 +640,7 @@ class _Validator:
                     "numbers",
                     table,
                     column,
-                    (values < lo) | (values > hi),
+                    ((values < lo) | (values > hi)) & self.valid(table, column),
                     lambda row, values=values, lo=lo, hi=hi: f"{values[row]} is outside {lo}..{hi}",
                 )
         if self.has("ads", "target_age_min", "target_age_max"):
@@ -595,12 +648,13 @@ class _Validator:
             # 34 happen), so 2-3% of its ads have an empty range and are never shown. They are
             # harmless offline, but the serving API refuses such a range in an upsert.
             lo, hi = self.col("ads", "target_age_min"), self.col("ads", "target_age_max")
+            both = self.valid("ads", "target_age_min") & self.valid("ads", "target_age_max")
             self.flag(
                 WARNING,
                 "numbers",
                 "ads",
                 "target_age_min",
-                lo > hi,
+                (lo > hi) & both,
                 lambda row: (
                     f"{lo[row]} is above target_age_max {hi[row]}: an empty age range, the ad "
                     "reaches no one"
@@ -614,7 +668,7 @@ class _Validator:
                     "numbers",
                     table,
                     column,
-                    ~np.isfinite(values),
+                    ~np.isfinite(values) & self.valid(table, column),
                     lambda row, values=values: f"{values[row]} is not a finite number",
                 )
         if self.has("ads", "daily_budget"):
@@ -624,7 +678,7 @@ class _Validator:
                 "numbers",
                 "ads",
                 "daily_budget",
-                budget < 0,
+                (budget < 0) & self.valid("ads", "daily_budget"),
                 lambda row: f"{budget[row]} is negative",
             )
 
@@ -647,6 +701,7 @@ class _Validator:
                 continue
             hit, row_of = found[("events", column)]
             created = self.col(other, "created_at")[row_of]
+            hit = hit & self.valid(other, "created_at")[row_of]
             self.flag(
                 WARNING,
                 "time",

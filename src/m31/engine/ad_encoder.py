@@ -10,6 +10,11 @@ features had text embeddings, as zeros when they were built without. An objectiv
 model's vocabulary does not hold (a format first seen online) embeds as the unknown value, whose
 embedding is zero: the tower reads no objective or format for that ad until a model trained on
 it is served.
+
+What an ad lacks (None) is no input, as a null is in the training catalogue
+(`m31.features.build`): no advertiser (a zero advertiser embedding), the unknown objective,
+format, topic or category (zero rows), no text (a zero text embedding; the encoder never sees a
+made-up sentence), quality 0 (the prior's mean).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 
 from m31.features import Features
 from m31.model import Catalog, RetrievalModel
+from m31.model.inputs import NO_ADVERTISER
 
 
 @dataclass(frozen=True)
@@ -29,13 +35,14 @@ class NewAd:
     """What the ad tower reads of an ad; the index's attributes are given beside it."""
 
     ad_id: int
-    advertiser_id: int
-    objective: str
-    format: str
-    topic: int
-    category: int
-    text: str
-    quality: float = 0.0  # prior quality score, about N(0, 1) like the training catalogue's
+    advertiser_id: int | None  # None: an ad without an advertiser
+    objective: str | None
+    format: str | None
+    topic: int | None
+    category: int | None
+    text: str | None
+    quality: float | None = 0.0  # prior quality score, about N(0, 1) like the training
+    # catalogue's; None: unknown, read as 0
 
 
 class AdEncoder:
@@ -71,18 +78,17 @@ class AdEncoder:
     def check(self, ads: Sequence[NewAd], where: str = "ads") -> None:
         """Raise ValueError naming the first bad field (`where[i].field`)."""
         for i, a in enumerate(ads):
-            if not 0 <= a.topic < self.n_topics:
-                raise ValueError(f"{where}[{i}].topic: {a.topic} is outside 0..{self.n_topics - 1}")
-            if not 0 <= a.category < self.n_categories:
-                raise ValueError(
-                    f"{where}[{i}].category: {a.category} is outside 0..{self.n_categories - 1}"
-                )
-            if not np.isfinite(a.quality):
+            for name, n in (("topic", self.n_topics), ("category", self.n_categories)):
+                value = getattr(a, name)
+                if value is not None and not 0 <= value < n:
+                    known = f"0..{n - 1}" if n else f"none: the model has no {name}s"
+                    raise ValueError(f"{where}[{i}].{name}: {value} is outside {known}")
+            if a.quality is not None and not np.isfinite(a.quality):
                 raise ValueError(f"{where}[{i}].quality: {a.quality} is not a finite number")
 
-    def code(self, name: str, value: str) -> int:
+    def code(self, name: str, value: str | None) -> int:
         """`value`'s code in the model's vocabulary `name`; the unknown value's (one past the
-        last) for one it does not hold."""
+        last) for None or one it does not hold."""
         codes = self.codes[name]
         return codes.get(value, len(codes))
 
@@ -91,12 +97,12 @@ class AdEncoder:
         """(g [n, G], x [n, D], b [n]) fp32 on the model's device."""
         self.check(ads)
         n = len(ads)
-        if self.with_text and n:
+        text = np.zeros((n, self.text_dim), dtype=np.float32)  # [n, H]: no text is zeros
+        has_text = [i for i, a in enumerate(ads) if a.text is not None]
+        if self.with_text and has_text:
             from m31.features.embedding_cache import embed_texts
 
-            text = embed_texts([a.text for a in ads], self.cache_dir)  # [n, H]
-        else:
-            text = np.zeros((n, self.text_dim), dtype=np.float32)
+            text[has_text] = embed_texts([ads[i].text for i in has_text], self.cache_dir)
         device = next(self.model.parameters()).device
 
         def t(values, dtype=torch.int64) -> torch.Tensor:
@@ -104,12 +110,15 @@ class AdEncoder:
 
         catalog = Catalog(
             ad_id=t([a.ad_id for a in ads]),
-            advertiser=t([a.advertiser_id for a in ads]),  # external ids: the tower hashes them
+            # external ids: the tower hashes them
+            advertiser=t(
+                [NO_ADVERTISER if a.advertiser_id is None else a.advertiser_id for a in ads]
+            ),
             objective=t([self.code("objective", a.objective) for a in ads]),
             format=t([self.code("format", a.format) for a in ads]),
-            topic=t([a.topic for a in ads]),
-            category=t([a.category for a in ads]),
-            quality=t([a.quality for a in ads], torch.float32),
+            topic=t([self.n_topics if a.topic is None else a.topic for a in ads]),
+            category=t([self.n_categories if a.category is None else a.category for a in ads]),
+            quality=t([a.quality or 0.0 for a in ads], torch.float32),
             text_emb=t(text, torch.float32).reshape(n, self.text_dim),
             cooc_emb=torch.zeros(n, self.cooc_dim, device=device),
         )

@@ -31,7 +31,7 @@ def one_of(field: str, value, allowed: Sequence[str], error: type[Exception] = R
 class Engagement:
     ad_id: int
     ts: int  # Unix seconds
-    surface: str
+    surface: str | None  # None: unknown
 
 
 @dataclass(frozen=True)
@@ -39,13 +39,16 @@ class InlineUser:
     """A user the feature store does not hold (a new user, or features computed elsewhere).
 
     Ads of `history` that the model's catalogue does not know are skipped (the model has no
-    features for them); only engagements strictly before the request time are read.
+    features for them); only engagements strictly before the request time are read. A
+    demographic left None is unknown, as a null is for a stored user: no input from it, and
+    targeting on it reaches the user only through ads without that restriction.
     """
 
-    country: str
-    age: int
-    gender: str
-    cohort: int | None = None  # default: the most common cohort of the country's stored users
+    country: str | None = None
+    age: int | None = None
+    gender: str | None = None
+    # default: the most common cohort of the country's stored users (none without a country)
+    cohort: int | None = None
     history: Sequence[Engagement] = ()  # engaged ads, any order
     organic_topics: Sequence[int] = ()  # topics of organic engagement, most recent last
 
@@ -54,8 +57,10 @@ class InlineUser:
 class AdRequest:
     user_id: int | None  # a stored user; None when `user` is given inline
     ts: int  # Unix seconds: history is read strictly before it, schedules are checked at it
-    surface: str
-    platform: str
+    # None: unknown (a dataset without surfaces or platforms): no context input from it, and
+    # only ads that do not target surfaces (platforms) are eligible
+    surface: str | None
+    platform: str | None
     hour: int | None = None  # of day; default: from ts (UTC)
     exclude_ads: Sequence[int] = ()
     exclude_advertisers: Sequence[int] = ()

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from m31.data.schema import age_bucket
+from m31.data.schema import N_AGE_BUCKETS, age_bucket
 from m31.engine.requests import AdRequest, InlineUser, PreparedRequest, RequestError, one_of
 from m31.features import Features
 from m31.index import AdIndex, CompiledFilter, IndexView, RequestContext, compile_filter
@@ -140,7 +140,8 @@ def merge(parts: Sequence[Retrieved], k: int) -> Retrieved:
 
 class Retriever:
     def __init__(self, model: RetrievalModel, feats: Features, index: AdIndex, users) -> None:
-        """`users`: the dataset's users table (pyarrow), for targeting (country, age, gender)."""
+        """`users`: the dataset's users table (pyarrow), for targeting (country, age, gender;
+        a null one is unknown, which only ads without that restriction accept)."""
         if not isinstance(model, RetrievalModel):
             raise TypeError(
                 "the engine serves retrieval models (moe, two-tower), not ranking models"
@@ -165,16 +166,24 @@ class Retriever:
         self.vocab = {name: tuple(vocab[name]) for name in ("surface", "platform", "gender")}
         self._codes = {name: {v: i for i, v in enumerate(vs)} for name, vs in self.vocab.items()}
         self._cohorts = {int(c): i for i, c in enumerate(vocab["cohort"])}
-        # Default cohort of an inline user: the most common one among the country's users.
+        # Default cohort of an inline user: the most common one among the stored users of its
+        # country who have one; none (the unknown cohort) for a user without a country, or of
+        # a country whose users have none.
         u = feats.users
-        self._country_cohort = {
-            c: int(np.bincount(u["cohort"][u["country"] == c]).argmax())
-            for c in np.unique(u["country"])
-        }
+        n_cohorts = len(self._cohorts)
+        self._country_cohort = {}
+        for c in range(len(self._countries)):
+            held = u["cohort"][(u["country"] == c) & (u["cohort"] < n_cohorts)]
+            self._country_cohort[c] = int(np.bincount(held).argmax()) if len(held) else n_cohorts
         ad_ids = feats.ads["ad_id"]
         self._ad_order = np.argsort(ad_ids, kind="stable")
         self._ad_sorted = ad_ids[self._ad_order]
         self._n_topics = int(feats.meta["n_topics"])
+
+    def _code(self, name: str, value: str | None) -> int:
+        """The code of a checked `value` of vocabulary `name`; None is the unknown value's."""
+        codes = self._codes[name]
+        return len(codes) if value is None else codes[value]
 
     def _user_rows(self, ids: np.ndarray, where: list[int]) -> np.ndarray:
         if not len(self._user_sorted):
@@ -196,23 +205,26 @@ class Retriever:
 
     def _check_inline(self, i: int, u: InlineUser) -> None:
         where = f"requests[{i}].user"
-        if u.country not in self._countries:
-            known = ", ".join(sorted(self._countries)[:8])
+        if u.country is not None and u.country not in self._countries:
+            known = ", ".join(sorted(self._countries)[:8]) or "none: the users have no country"
             raise RequestError(
                 f"{where}.country: unknown country {u.country!r} (known: {known}, …)"
             )
-        one_of(f"{where}.gender", u.gender, self.vocab["gender"])
-        if not 0 <= u.age < 150:
+        if u.gender is not None:
+            one_of(f"{where}.gender", u.gender, self.vocab["gender"])
+        if u.age is not None and not 0 <= u.age < 150:
             raise RequestError(f"{where}.age: {u.age} is not an age")
         if u.cohort is not None and u.cohort not in self._cohorts:
             raise RequestError(f"{where}.cohort: unknown cohort {u.cohort}")
         for j, e in enumerate(u.history):
-            one_of(f"{where}.history[{j}].surface", e.surface, self.vocab["surface"])
+            if e.surface is not None:
+                one_of(f"{where}.history[{j}].surface", e.surface, self.vocab["surface"])
         bad = [t for t in u.organic_topics if not 0 <= t < self._n_topics]
         if bad:
-            raise RequestError(
-                f"{where}.organic_topics: topic {bad[0]} is outside 0..{self._n_topics - 1}"
+            known = (
+                f"0..{self._n_topics - 1}" if self._n_topics else "none: the model has no topics"
             )
+            raise RequestError(f"{where}.organic_topics: topic {bad[0]} is outside {known}")
 
     def _inline_inputs(self, requests: Sequence[AdRequest], context: dict[str, np.ndarray]):
         users = [r.user for r in requests]
@@ -225,25 +237,27 @@ class Retriever:
             histories.append(
                 (
                     rows[known],
-                    np.array([self._codes["surface"][e.surface] for e in events], dtype=np.int64)[
+                    np.array([self._code("surface", e.surface) for e in events], dtype=np.int64)[
                         known
                     ],
                     np.array([e.ts for e in events], dtype=np.int64)[known],
                 )
             )
-        country = np.array([self._countries[u.country] for u in users])
+        # What a user leaves out (None) is the unknown value: no input from it.
+        unknown = len(self._countries)
+        country = np.array([self._countries.get(u.country, unknown) for u in users])
+        cohort = [
+            self._cohorts[u.cohort]
+            if u.cohort is not None
+            else self._country_cohort.get(c, len(self._cohorts))
+            for u, c in zip(users, country.tolist(), strict=True)
+        ]
+        age = np.array([-1 if u.age is None else u.age for u in users])
         return inline_requests(
             self.feats,
-            cohort=np.array(
-                [
-                    self._cohorts[u.cohort]
-                    if u.cohort is not None
-                    else self._country_cohort.get(c, 0)
-                    for u, c in zip(users, country, strict=True)
-                ]
-            ),
-            age_bucket=age_bucket(np.array([u.age for u in users])),
-            gender=np.array([self._codes["gender"][u.gender] for u in users]),
+            cohort=np.array(cohort),
+            age_bucket=np.where(age >= 0, age_bucket(age), N_AGE_BUCKETS),
+            gender=np.array([self._code("gender", u.gender) for u in users]),
             country=country,
             histories=histories,
             organic=[np.array(u.organic_topics, dtype=np.int64) for u in users],
@@ -262,8 +276,9 @@ class Retriever:
         for i, (r, k_) in enumerate(zip(requests, ks, strict=True)):
             if isinstance(k_, bool) or not isinstance(k_, numbers.Integral) or k_ < 1:
                 raise RequestError(f"requests[{i}]: k must be positive, got {k_!r}")
-            one_of(f"requests[{i}].surface", r.surface, self.vocab["surface"])
-            one_of(f"requests[{i}].platform", r.platform, self.vocab["platform"])
+            for name in ("surface", "platform"):
+                if getattr(r, name) is not None:
+                    one_of(f"requests[{i}].{name}", getattr(r, name), self.vocab[name])
             if r.hour is not None and not 0 <= r.hour < 24:
                 raise RequestError(f"requests[{i}].hour: {r.hour} is not an hour of day")
             if (r.user_id is None) == (r.user is None):
@@ -297,11 +312,11 @@ class Retriever:
         requests = [one.request for one in prepared]
         context = {
             "ts": np.array([r.ts for r in requests], dtype=np.int64),
-            "surface": np.array([self._codes["surface"][r.surface] for r in requests]),
+            "surface": np.array([self._code("surface", r.surface) for r in requests]),
             "hour": np.array(
                 [r.hour if r.hour is not None else (r.ts % 86_400) // 3600 for r in requests]
             ),
-            "platform": np.array([self._codes["platform"][r.platform] for r in requests]),
+            "platform": np.array([self._code("platform", r.platform) for r in requests]),
         }
         stored = [i for i, r in enumerate(requests) if r.user is None]
         inline = [i for i, r in enumerate(requests) if r.user is not None]

@@ -10,6 +10,16 @@ held-out engagement. Everything learnt from the log as a whole (co-engagement em
 ranking-model impressions) uses only events before that cutoff, and every sequence is taken
 strictly before its example's time, so no held-out event leaks into the features.
 
+Nulls (the optional columns of `m31.data.schema`) become no input, never a made-up value: a
+null gender, country, platform, cohort, surface, format or objective is its vocabulary's
+unknown value (code `len(vocab)`), a null age the unknown age bucket (`N_AGE_BUCKETS`), a null
+topic or category the unknown one (`n_topics`, `n_categories`); the models embed each of them
+as a zero row. An ad without an advertiser has advertiser -1 (no advertiser input), a null text
+embeds as zeros (only the non-null texts go to the text encoder), a null quality is 0 (the
+prior's mean), a null created_at is `OPEN_START` (eligible from any time); a null event hour is
+the hour of its time, UTC. The country and cohort vocabularies are the non-null values the users
+hold; `n_topics` and `n_categories` count every id meta's topics list or a table holds.
+
 Folder layout (`Features.save`)::
 
     meta.json                  config, vocabularies, counts
@@ -28,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from m31.data.dataset import (
@@ -38,15 +49,17 @@ from m31.data.dataset import (
     vocabularies,
     write_atomic,
 )
-from m31.data.schema import age_bucket
+from m31.data.schema import N_AGE_BUCKETS, age_bucket
 from m31.features.cooc import cooc_embeddings
 from m31.features.sequences import EventSequences
+from m31.features.text_encoder import EMBED_DIM
 
 Progress = Callable[[str, int, int], None]
 SPLITS = ("leave-last-out", "time")
 # Bumped whenever the rule that assigns engagements to splits changes, so that feature folders
 # built under an older rule are rebuilt (2: same-second ties, `_split`).
 SPLIT_RULE = 2
+OPEN_START = np.iinfo(np.int64).min  # the created_at of an ad without one: no start
 EXAMPLE_COLUMNS = ("user", "item", "ts", "surface", "hour", "platform", "click", "conversion")
 
 
@@ -72,17 +85,35 @@ class FeatureConfig:
             )
 
 
-def _codes(values: pa.ChunkedArray | np.ndarray, vocab: tuple[str, ...], field: str) -> np.ndarray:
-    arr = np.asarray(
-        values.to_numpy(zero_copy_only=False) if hasattr(values, "to_numpy") else values
-    )
-    lookup = {v: i for i, v in enumerate(vocab)}
-    try:
-        return np.array([lookup[v] for v in arr.tolist()], dtype=np.int64)
-    except KeyError as e:
+def _codes(values: pa.ChunkedArray, vocab: tuple[str, ...], field: str) -> np.ndarray:
+    """Codes [n] of categorical values in `vocab`: a null is the unknown value, len(vocab)."""
+    codes = pc.index_in(values, value_set=pa.array(vocab, pa.string()))
+    unknown = pc.and_(values.is_valid(), codes.is_null())
+    if pc.any(unknown).as_py():
         raise DatasetError(
-            f"{field}: unknown value {e.args[0]!r} (expected one of {', '.join(vocab)})"
-        ) from None
+            f"{field}: unknown value {pc.filter(values, unknown)[0].as_py()!r} "
+            f"(expected one of {', '.join(vocab)})"
+        )
+    return pc.fill_null(codes, len(vocab)).to_numpy().astype(np.int64)
+
+
+def _ids(values: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
+    """(vocabulary: the distinct non-null values, sorted; codes [n] into it, null: its length)."""
+    valid = values.is_valid().to_numpy(zero_copy_only=False)
+    vocab, codes = np.unique(pc.drop_null(values).to_numpy(), return_inverse=True)
+    out = np.full(len(values), len(vocab), dtype=np.int64)
+    out[valid] = codes.reshape(-1)
+    return vocab, out
+
+
+def _count(*ids: int | None) -> int:
+    """1 + the largest of `ids` (None: no id), 0 when there is none: an id vocabulary's size."""
+    return 1 + max((int(i) for i in ids if i is not None), default=-1)
+
+
+def _filled(values: pa.ChunkedArray, fill) -> np.ndarray:
+    """The values [n] with each null replaced by `fill`."""
+    return pc.fill_null(values, fill).to_numpy()
 
 
 def _rows(ids: np.ndarray, sorted_ids: np.ndarray, order: np.ndarray, field: str) -> np.ndarray:
@@ -206,35 +237,55 @@ def build_features(
         if len(ids) > 1 and (np.diff(ids) == 0).any():
             raise DatasetError(f"{name}: duplicate id {ids[1:][np.diff(ids) == 0][0]}")
 
-    countries = tuple(sorted(set(users_t["country"].to_pylist())))
+    countries = tuple(sorted(set(pc.drop_null(users_t["country"]).to_pylist())))
     vocab = vocabularies(ds.meta, countries)
-    advertiser_vocab, advertiser = np.unique(_col(ads_t, "advertiser_id"), return_inverse=True)
-    cohort_vocab, cohort = np.unique(_col(users_t, "cohort"), return_inverse=True)
+    advertiser_vocab, advertiser = _ids(ads_t["advertiser_id"])
+    advertiser[advertiser == len(advertiser_vocab)] = -1  # no advertiser
+    cohort_vocab, cohort = _ids(users_t["cohort"])
+    age = users_t["age"]
     users = {
         "user_id": user_ids,
-        "cohort": cohort.astype(np.int64),
-        "age_bucket": age_bucket(_col(users_t, "age")),
+        "cohort": cohort,
+        "age_bucket": np.where(
+            age.is_valid().to_numpy(zero_copy_only=False),
+            age_bucket(_filled(age, 0)),
+            N_AGE_BUCKETS,
+        ).astype(np.int64),
         "gender": _codes(users_t["gender"], vocab["gender"], "users.gender"),
         "country": _codes(users_t["country"], countries, "users.country"),
         "platform": _codes(users_t["platform"], vocab["platform"], "users.platform"),
     }
+    topics = ds.meta.get("topics") or []
+    org_t = ds.organic
+    organic_topic = _col(org_t, "topic").astype(np.int64)
+    # Topic and category ids index embeddings: every id meta lists or a table holds has a row,
+    # and one more row (n_topics, n_categories) is the unknown value of a null.
+    n_topics = _count(
+        *(t["id"] for t in topics), pc.max(ads_t["topic"]).as_py(), pc.max(org_t["topic"]).as_py()
+    )
+    n_categories = _count(*(t["category"] for t in topics), pc.max(ads_t["category"]).as_py())
     ads = {
         "ad_id": ad_ids,
-        "advertiser": advertiser.astype(np.int64),
+        "advertiser": advertiser,
         "objective": _codes(ads_t["objective"], vocab["objective"], "ads.objective"),
         "format": _codes(ads_t["format"], vocab["format"], "ads.format"),
-        "topic": _col(ads_t, "topic").astype(np.int64),
-        "category": _col(ads_t, "category").astype(np.int64),
-        "quality": _col(ads_t, "quality").astype(np.float32),
-        "created_at": _col(ads_t, "created_at"),
+        "topic": _filled(ads_t["topic"], n_topics).astype(np.int64),
+        "category": _filled(ads_t["category"], n_categories).astype(np.int64),
+        "quality": _filled(ads_t["quality"], 0.0).astype(np.float32),
+        "created_at": _filled(ads_t["created_at"], OPEN_START).astype(np.int64),
     }
 
+    ts = _col(events_t, "ts")
     ev = {
         "user": _rows(_col(events_t, "user_id"), u_sorted, u_order, "events.user_id"),
         "item": _rows(_col(events_t, "ad_id"), a_sorted, a_order, "events.ad_id"),
-        "ts": _col(events_t, "ts"),
+        "ts": ts,
         "surface": _codes(events_t["surface"], vocab["surface"], "events.surface"),
-        "hour": _col(events_t, "hour").astype(np.int64),
+        "hour": np.where(
+            events_t["hour"].is_valid().to_numpy(zero_copy_only=False),
+            _filled(events_t["hour"], 0),
+            (ts % 86_400) // 3600,
+        ).astype(np.int64),
         "platform": _codes(events_t["platform"], vocab["platform"], "events.platform"),
         "click": _col(events_t, "click"),
         "conversion": _col(events_t, "conversion"),
@@ -252,12 +303,11 @@ def build_features(
     engagements = EventSequences.from_events(
         eng["user"], eng["ts"], n_u, item=eng["item"], surface=eng["surface"]
     )
-    org_t = ds.organic
     organic = EventSequences.from_events(
         _rows(_col(org_t, "user_id"), u_sorted, u_order, "organic.user_id"),
         _col(org_t, "ts"),
         n_u,
-        topic=_col(org_t, "topic").astype(np.int64),
+        topic=organic_topic,
         surface=_codes(org_t["surface"], vocab["organic_surface"], "organic.surface"),
     )
 
@@ -266,12 +316,13 @@ def build_features(
         tr["user"], tr["item"], tr["ts"], n_a, config.cooc_dim, config.cooc_window
     )
 
-    if config.text_embeddings:
+    text_emb = np.zeros((n_a, EMBED_DIM), dtype=np.float32)  # [A, H]: a null text is zeros
+    has_text = ads_t["text"].is_valid().to_numpy(zero_copy_only=False)
+    if config.text_embeddings and has_text.any():
         from m31.features.embedding_cache import embed_texts
 
-        text_emb = embed_texts(ads_t["text"].to_pylist(), cache_dir, progress=progress)
-    else:
-        text_emb = np.zeros((n_a, 384), dtype=np.float32)
+        texts = pc.drop_null(ads_t["text"]).to_pylist()
+        text_emb[has_text] = embed_texts(texts, cache_dir, progress=progress)
 
     meta = {
         "source": ds.meta.get("source"),
@@ -279,8 +330,8 @@ def build_features(
         "split_rule": SPLIT_RULE,
         "n_users": n_u,
         "n_ads": n_a,
-        "n_topics": max(len(ds.meta.get("topics", [])), int(ads["topic"].max()) + 1),
-        "n_categories": int(ads["category"].max()) + 1,
+        "n_topics": n_topics,
+        "n_categories": n_categories,
         "vocab": {
             "country": list(countries),
             "advertiser": advertiser_vocab.tolist(),

@@ -73,7 +73,8 @@ FORMAT_VERSION = 1
 
 # Attributes every index has. Schedule and age bounds are nullable (null = open) and may be
 # empty (min > max targets nobody, as the synthetic world draws some); a targeting list that is
-# empty means "no restriction".
+# empty means "no restriction". A null advertiser_id is an ad without an advertiser: no
+# advertiser filter or exclusion ever matches it.
 BASE_FIELDS: dict[str, str] = {
     "advertiser_id": "int",
     "status": "str",
@@ -535,7 +536,8 @@ class AdIndex:
             blocked = torch.tensor(
                 [int(a) for a in request.exclude_advertisers], dtype=torch.int64, device=self.device
             )
-            mask &= ~torch.isin(attrs.numeric("advertiser_id")[0], blocked)
+            advertiser, has_advertiser = attrs.numeric("advertiser_id")
+            mask &= ~(has_advertiser & torch.isin(advertiser, blocked))
         if filter_fn is not None:
             mask &= filter_fn(attrs)
         return mask
@@ -640,10 +642,6 @@ class AdIndex:
             raise AdIndexError(f"attributes: {e}") from e
         if table.num_rows != n:
             raise AdIndexError(f"attributes: {table.num_rows} rows for {n} ads")
-        advertiser = table.column("advertiser_id")
-        if advertiser.null_count:
-            first = int(pc.index(advertiser.is_null(), True).as_py())
-            raise AdIndexError(f"attributes: row {first} has no advertiser_id")
         table = table.set_column(
             table.schema.get_field_index("status"),
             "status",
@@ -652,7 +650,7 @@ class AdIndex:
         for name, allowed in self._allowed.items():
             col = table.column(name)
             values = pc.list_flatten(col) if self._schema[name] == "str_list" else col
-            bad = pc.invert(pc.is_in(values, value_set=pa.array(allowed)))
+            bad = pc.invert(pc.is_in(values, value_set=pa.array(allowed, pa.string())))
             if pc.any(bad).as_py():
                 word = values.filter(bad)[0].as_py()
                 raise AdIndexError(f"attributes: {name} {word!r} is not one of {allowed}")
@@ -793,11 +791,16 @@ class AdIndex:
         dtype: torch.dtype = torch.bfloat16,
         capacity: int = 1024,
         targeting: Mapping[str, Sequence[str]] | None = None,
+        extra_fields: Mapping[str, str] | None = None,
     ) -> AdIndex:
         """An index over the dataset's ads table (`m31.data.schema.ADS`), rows aligned with g, x, b.
 
-        The schedule starts at `created_at` and never ends; `tags` and `target_surfaces` are
-        taken when the table has them and are empty otherwise. `targeting`: as `AdIndex`'s.
+        The schedule starts at `created_at` (null: open) and never ends; `tags` and
+        `target_surfaces` are taken when the table has them and are empty otherwise. Nulls are
+        kept as nulls (an open age bound, an ad without an advertiser, a filter that never
+        matches). `targeting`: as `AdIndex`'s. `extra_fields`: more columns of the table to keep
+        as filter fields, name -> kind (a dataset's `item_attributes`); one named `tags` or
+        `target_surfaces` feeds that attribute.
         """
         renamed = {"schedule_start": "created_at"}  # index attribute -> ads table column
         kept = [
@@ -810,11 +813,20 @@ class AdIndex:
             "target_platforms",
         ]
         optional = ["target_surfaces", "tags", *TABLE_EXTRA_FIELDS]
-        missing = [c for c in ["ad_id", *renamed.values(), *kept] if c not in ads.column_names]
+        extra = dict(extra_fields or {})
+        taken = sorted(set(extra) & {"ad_id", *renamed.values(), *kept, *TABLE_EXTRA_FIELDS})
+        if taken:
+            raise AdIndexError(f"extra field {taken[0]!r} is a column the index reads already")
+        # Any other built-in attribute an extra field names is refused by the constructor.
+        fed = {k for k, v in extra.items() if k in optional[:2] and v == "str_list"}
+        fields = {**TABLE_EXTRA_FIELDS, **{k: v for k, v in extra.items() if k not in fed}}
+        missing = [
+            c for c in ["ad_id", *renamed.values(), *kept, *extra] if c not in ads.column_names
+        ]
         if missing:
             raise AdIndexError(f"ads table: missing column {missing[0]!r}")
         columns = {name: ads.column(col) for name, col in renamed.items()}
-        columns |= {c: ads.column(c) for c in [*kept, *optional] if c in ads.column_names}
+        columns |= {c: ads.column(c) for c in [*kept, *optional, *extra] if c in ads.column_names}
         g_shape, x_shape = _shape(g), _shape(x)
         if len(g_shape) != 2 or len(x_shape) != 2:
             raise AdIndexError(f"g and x must be 2-d, got shapes {list(g_shape)}, {list(x_shape)}")
@@ -824,7 +836,7 @@ class AdIndex:
             device,
             dtype,
             max(capacity, ads.num_rows),
-            extra_fields=TABLE_EXTRA_FIELDS,
+            extra_fields=fields,
             targeting=targeting,
         )
         index.upsert(ads.column("ad_id"), g, x, b, pa.table(columns))

@@ -18,25 +18,32 @@ import numpy as np
 import torch
 
 from m31.data.dataset import VOCABULARIES
+from m31.data.schema import N_AGE_BUCKETS
 from m31.features import Features
 from m31.model.config import ModelConfig
 from m31.model.ranking import RankingModel
 from m31.model.retrieval import RetrievalModel
 
-# 2: records the training split; 3: categorical embeddings sized from the data's vocabularies
-FORMAT = "m31-checkpoint-3"
+# 2: records the training split; 3: categorical embeddings sized from the data's vocabularies;
+# 4: cohort, country, age bucket, topic and category embeddings have an unknown row too
+FORMAT = "m31-checkpoint-4"
 
 
 def vocab_sizes(feats: Features) -> dict[str, int]:
+    """The number of rows of each categorical embedding, the one place they are sized from.
+
+    One row more than the vocabulary: a null (an optional column the data leaves empty) or a
+    value the vocabulary does not hold (one first seen online, a new format on an upserted ad)
+    embeds as that last row, fixed at zero: no input (`towers.vocab_embedding`).
+    """
     v = feats.meta["vocab"]
     return {
-        # One row more than the vocabulary: a value it does not hold (one first seen online, a
-        # new format on an upserted ad) embeds as that row, fixed at zero: no input.
         **{name: len(v[name]) + 1 for name in VOCABULARIES},
-        "cohort": len(v["cohort"]),
-        "country": len(v["country"]),
-        "topic": int(feats.meta["n_topics"]),
-        "category": int(feats.meta["n_categories"]),
+        "cohort": len(v["cohort"]) + 1,
+        "country": len(v["country"]) + 1,
+        "age": N_AGE_BUCKETS + 1,
+        "topic": int(feats.meta["n_topics"]) + 1,
+        "category": int(feats.meta["n_categories"]) + 1,
     }
 
 
@@ -123,8 +130,8 @@ def load_checkpoint(path: Path, feats: Features | None = None, device: str | tor
         raise ValueError(f"{path}: not an m31 checkpoint")
     if blob["format"] != FORMAT:
         raise ValueError(
-            f"{path}: written by an older m31 ({blob['format']}), whose embeddings do not follow "
-            "the data's vocabularies: retrain it"
+            f"{path}: written by an older m31 ({blob['format']}), whose embeddings lack the "
+            f"rows this one reads ({FORMAT}): retrain it"
         )
     if feats is not None:
         check_trained_on(blob, feats, path)

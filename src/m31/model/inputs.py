@@ -16,6 +16,7 @@ import torch
 
 from m31.features import Features
 
+NO_ADVERTISER = -1  # the advertiser of an ad without one (advertiser ids are >= 0)
 N_TIME_BUCKETS = 24  # log2 buckets of (request time - engagement time) in minutes, plus padding
 
 
@@ -31,7 +32,7 @@ class Catalog:
     """Per-ad features, one row per ad of the training catalogue."""
 
     ad_id: torch.Tensor  # [A] int64
-    advertiser: torch.Tensor  # [A] int64 (external advertiser id, hashed by the model)
+    advertiser: torch.Tensor  # [A] int64 external advertiser id (hashed by the model), -1: none
     objective: torch.Tensor  # [A]
     format: torch.Tensor  # [A]
     topic: torch.Tensor  # [A]
@@ -44,9 +45,12 @@ class Catalog:
     def from_features(cls, feats: Features) -> Catalog:
         ads = feats.ads
         adv_vocab = np.asarray(feats.meta["vocab"]["advertiser"], dtype=np.int64)
+        has = ads["advertiser"] >= 0  # [A]
+        advertiser = np.full(len(has), NO_ADVERTISER, dtype=np.int64)  # [A]
+        advertiser[has] = adv_vocab[ads["advertiser"][has]]
         return cls(
             ad_id=torch.from_numpy(ads["ad_id"].astype(np.int64)),
-            advertiser=torch.from_numpy(adv_vocab[ads["advertiser"]]),
+            advertiser=torch.from_numpy(advertiser),
             objective=torch.from_numpy(ads["objective"].astype(np.int64)),
             format=torch.from_numpy(ads["format"].astype(np.int64)),
             topic=torch.from_numpy(ads["topic"].astype(np.int64)),

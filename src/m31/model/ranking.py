@@ -26,10 +26,9 @@ from m31.model.config import ModelConfig
 from m31.model.inputs import N_TIME_BUCKETS, Catalog, Requests
 from m31.model.retrieval import RetrievalModel
 from m31.model.towers import (
-    N_AGE_BUCKETS,
     ContextEncoder,
     ItemEncoder,
-    hash_ids,
+    advertiser_embedding,
     masked_mean,
     mlp,
     vocab_embedding,
@@ -51,11 +50,13 @@ class RankingModel(nn.Module):
         self.advertiser = nn.Embedding(cfg.advertiser_buckets, h)
         self.objective = vocab_embedding(sizes, "objective", h)
         self.quality = nn.Linear(1, h)
-        self.cohort = nn.Embedding(sizes["cohort"], h)
-        self.age = nn.Embedding(N_AGE_BUCKETS, h)
+        self.cohort = vocab_embedding(sizes, "cohort", h)
+        self.age = vocab_embedding(sizes, "age", h)
         self.gender = vocab_embedding(sizes, "gender", h)
-        self.country = nn.Embedding(sizes["country"], h)
-        self.organic = nn.Embedding(sizes["topic"], h)
+        self.country = vocab_embedding(sizes, "country", h)
+        self.organic = vocab_embedding(sizes, "topic", h)
+        # The codes of an unknown topic and category: two ads without one share nothing.
+        self.unknown_topic, self.unknown_category = sizes["topic"] - 1, sizes["category"] - 1
         self.att_q = nn.Linear(h, h)
         self.att_k = nn.Linear(h, h)
         self.att_v = nn.Linear(h, h)
@@ -89,7 +90,7 @@ class RankingModel(nn.Module):
     def candidates(self, ads: Catalog) -> torch.Tensor:
         return (
             self.item(ads)
-            + self.advertiser(hash_ids(ads.advertiser, self.cfg.advertiser_buckets, 2))
+            + advertiser_embedding(self.advertiser, ads.advertiser, 2)
             + self.objective(ads.objective)
             + self.quality(ads.quality[..., None])
         )
@@ -127,24 +128,20 @@ class RankingModel(nn.Module):
 
         vf = valid.float()
         n_hist = vf.sum(1).clamp_min(1.0)[:, None]  # [B, 1]
+        same_topic = (cand_feats.topic[:, :, None] == hist.topic[:, None, :]) & (
+            cand_feats.topic != self.unknown_topic
+        )[:, :, None]  # [B, C, L]
+        same_category = (cand_feats.category[:, :, None] == hist.category[:, None, :]) & (
+            cand_feats.category != self.unknown_category
+        )[:, :, None]
         hist_text = masked_mean(hist.text_emb, valid)  # [B, H]
         hist_cooc = masked_mean(hist.cooc_emb, valid)
         cross = torch.stack(
             [
                 torch.einsum("bch,bh->bc", cand_feats.text_emb, hist_text),
                 torch.einsum("bch,bh->bc", cand_feats.cooc_emb, hist_cooc),
-                torch.einsum(
-                    "bcl,bl->bc",
-                    (cand_feats.topic[:, :, None] == hist.topic[:, None, :]).float(),
-                    vf,
-                )
-                / n_hist,
-                torch.einsum(
-                    "bcl,bl->bc",
-                    (cand_feats.category[:, :, None] == hist.category[:, None, :]).float(),
-                    vf,
-                )
-                / n_hist,
+                torch.einsum("bcl,bl->bc", same_topic.float(), vf) / n_hist,
+                torch.einsum("bcl,bl->bc", same_category.float(), vf) / n_hist,
                 (cand_feats.topic[:, :, None] == r.organic[:, None, :]).float().mean(-1),
             ],
             dim=-1,

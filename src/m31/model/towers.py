@@ -11,10 +11,7 @@ import itertools
 import torch
 from torch import nn
 
-from m31.data.schema import AGE_EDGES
 from m31.model.inputs import N_TIME_BUCKETS, Catalog, Requests
-
-N_AGE_BUCKETS = len(AGE_EDGES) + 1
 
 _HASH_MULT = 0x5DEECE66D  # odd multiplier: spreads consecutive ids across buckets
 
@@ -26,8 +23,16 @@ def hash_ids(ids: torch.Tensor, buckets: int, salt: int) -> torch.Tensor:
 
 def vocab_embedding(sizes: dict[str, int], name: str, h: int) -> nn.Embedding:
     """The embedding of a categorical vocabulary (`checkpoint.vocab_sizes`): its last row is
-    the unknown value's, zero and never trained, so an unknown value adds nothing."""
+    the unknown value's (a null, or a value the vocabulary does not hold), zero and never
+    trained, so an unknown value adds nothing."""
     return nn.Embedding(sizes[name], h, padding_idx=sizes[name] - 1)
+
+
+def advertiser_embedding(table: nn.Embedding, advertiser: torch.Tensor, salt: int) -> torch.Tensor:
+    """[.., h] the hashed embedding of external advertiser ids; zero for an ad without one (a
+    negative id, `inputs.NO_ADVERTISER`): no advertiser input."""
+    rows = hash_ids(advertiser.clamp_min(0), table.num_embeddings, salt)
+    return table(rows) * (advertiser >= 0).unsqueeze(-1).to(table.weight.dtype)
 
 
 def mlp(dims: list[int], last_activation: bool = False) -> nn.Sequential:
@@ -47,8 +52,8 @@ class ItemEncoder(nn.Module):
         h = cfg.hidden
         self.id_buckets = cfg.id_buckets
         self.id = nn.Embedding(cfg.id_buckets, h)
-        self.topic = nn.Embedding(sizes["topic"], h)
-        self.category = nn.Embedding(sizes["category"], h)
+        self.topic = vocab_embedding(sizes, "topic", h)
+        self.category = vocab_embedding(sizes, "category", h)
         self.format = vocab_embedding(sizes, "format", h)
         self.text = nn.Linear(text_dim, h)
         self.cooc = nn.Linear(cooc_dim, h)
@@ -143,12 +148,12 @@ class UserFeatures(nn.Module):
         if "semantic" in self.slots:
             self.sem_text = nn.Linear(text_dim, h)
         if "cohort" in self.slots:
-            self.cohort = nn.Embedding(sizes["cohort"], h)
-            self.age = nn.Embedding(N_AGE_BUCKETS, h)
+            self.cohort = vocab_embedding(sizes, "cohort", h)
+            self.age = vocab_embedding(sizes, "age", h)
             self.gender = vocab_embedding(sizes, "gender", h)
-            self.country = nn.Embedding(sizes["country"], h)
+            self.country = vocab_embedding(sizes, "country", h)
         if "coengagement" in self.slots:
-            self.organic = nn.Embedding(sizes["topic"], h)
+            self.organic = vocab_embedding(sizes, "topic", h)
             self.cooc = nn.Linear(cooc_dim, h)
 
     def forward(self, r: Requests, catalog: Catalog) -> dict[str, torch.Tensor]:
@@ -192,7 +197,6 @@ class AdTower(nn.Module):
         super().__init__()
         h = cfg.hidden
         self.gate_dim, self.value_dim = cfg.effective_gate_dim, cfg.value_dim
-        self.adv_buckets = cfg.advertiser_buckets
         self.item = item
         self.advertiser = nn.Embedding(cfg.advertiser_buckets, h)
         self.objective = vocab_embedding(sizes, "objective", h)
@@ -203,7 +207,7 @@ class AdTower(nn.Module):
     def forward(self, ads: Catalog) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         e = (
             self.item(ads)
-            + self.advertiser(hash_ids(ads.advertiser, self.adv_buckets, 2))
+            + advertiser_embedding(self.advertiser, ads.advertiser, 2)
             + self.objective(ads.objective)
             + self.quality(ads.quality[..., None])
         )
