@@ -283,8 +283,14 @@ def test_a_restarting_shard_answers_503_naming_it(served):
 
 
 def test_a_stopped_then_restarting_coordinator_answers_503(served):
-    """The coordinator stopped: reads and readiness answer 503 naming it (an ad still reads:
-    its shard answers alone); killed, it restarts, and nothing answers 500 meanwhile."""
+    """A write, then the coordinator stopped: reads (the shards' answers no longer fit the last
+    read point, so they need it) and readiness answer 503 naming it, while an ad still reads
+    (its shard answers alone); killed, it restarts, nothing answers 500 meanwhile, and the
+    write is there."""
+    new = on_shard(np.arange(70_000_000, 70_000_100), 1)[0]
+    r = httpx.put(f"{served.url}/v1/ads", headers=AUTH, timeout=BOUND_S,
+                  json={"ads": [new_ad(new, "before the stop")]})  # fmt: skip
+    assert r.status_code == 200, r.text
     coordinator = pid(served.cluster.coordinator)
     os.kill(coordinator, signal.SIGSTOP)
     try:
@@ -293,13 +299,45 @@ def test_a_stopped_then_restarting_coordinator_answers_503(served):
             assert r.status_code == 503 and "coordinator" in r.json()["detail"], r.text
         r = httpx.get(f"{served.url}/health/ready", timeout=BOUND_S)
         assert r.status_code == 503 and "coordinator" in r.json()["detail"], r.text
-        ad = int(served.ads[0])
-        assert httpx.get(f"{served.url}/v1/ads/{ad}", timeout=BOUND_S).status_code == 200
+        assert httpx.get(f"{served.url}/v1/ads/{new}", timeout=BOUND_S).status_code == 200
     finally:
         os.kill(coordinator, signal.SIGKILL)
     seen: list[int] = []
     whole(served, seen)
     assert set(seen) <= {200, 503}, seen
+    assert present(served, new)
+
+
+def test_reads_need_the_coordinator_only_after_a_change(served):
+    """A handle keeps its last read point: while every shard answers at it, a read needs no
+    coordinator (it may be stopped); a write acknowledged through another handle (another
+    ingress replica) changes a shard it touched, so the next read takes a new read point and
+    sees it."""
+    reader, writer = Cluster(served.cluster.shards, served.cluster.coordinator), served.cluster
+    info = served.cluster.info()[0]
+    rng = np.random.default_rng(11)
+    e = 3
+    query = tuple(
+        rng.normal(size=shape).astype(np.float32)
+        for shape in ((1, e, info["dim_g"]), (1, e, info["dim_x"]), (1, e))
+    )
+    requests = [(AdRequest(None, 0, "feed", "ios"), {})]
+    first = reader.search(query, requests, [10], time.monotonic() + BOUND_S)
+    assert not first.missing and reader.last_point[0] == first.version
+    coordinator = pid(served.cluster.coordinator)
+    os.kill(coordinator, signal.SIGSTOP)
+    try:
+        again = reader.search(query, requests, [10], time.monotonic() + BOUND_S)
+    finally:
+        os.kill(coordinator, signal.SIGCONT)
+    assert again.version == first.version and not again.missing
+    assert again.results[0].ad_ids.tolist() == first.results[0].ad_ids.tolist()
+    top = int(first.results[0].ad_ids[0])
+    version = writer.delete([top])
+    after = reader.search(query, requests, [10], time.monotonic() + BOUND_S)
+    assert after.version == version and reader.last_point[0] == version
+    assert top not in after.results[0].ad_ids.tolist()
+    assert after.results[0].ad_ids.tolist()[:9] == first.results[0].ad_ids.tolist()[1:]
 
 
 def test_a_batch_answers_its_partial_call_while_its_strict_call_waits(served):

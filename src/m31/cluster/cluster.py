@@ -48,6 +48,8 @@ __all__ = ["Cancelled", "Cluster", "ClusterOptions", "Gathered", "Read", "Unavai
 # coordinator refuses one whose shards are down within `PREPARE_WAIT_S`, so this bounds only
 # a coordinator that does not answer at all.
 MUTATION_TIMEOUT_S = 120.0
+# A query this large (bytes of q, v, p) goes to several shards through the object store.
+PUT_BYTES = 32 << 10
 # How long one read-point call waits in the coordinator for recovering shards: reads waiting
 # for them ask again, so this bounds how long a coordinator thread is held.
 RECOVERY_POLL_S = 0.5
@@ -94,14 +96,18 @@ class Read:
         self.cluster, self.payload = cluster, payload
         self.n = len(cluster.shards)
         self.calls: dict[Any, int] = {}
-        self.point: tuple[int, list[int]] | None = None
+        # The handle's last read point, until an answer does not fit it: answers that all fit
+        # the last point need no call to the coordinator (see `Cluster.last_point`).
+        self.point: tuple[int, list[int]] | None = cluster.last_point
+        self.cached = self.point is not None
         self.recovering: set[int] = set()  # per the last read point
         self.answers: dict[int, Answer] = {}
         self.failed: set[int] = set()  # shards whose last call in this read failed
         self.coordinator_failed = False  # the last read-point call failed (no point yet)
         for s in range(self.n):
             self._ask(s)
-        self._ask_point()
+        if not self.cached:
+            self._ask_point()
 
     def _ask(self, s: int, at: int | None = None) -> None:
         self.calls[self.cluster.shards[s].search.remote(self.payload, at)] = s
@@ -133,6 +139,8 @@ class Read:
             version, touched, recovering = got
             self.point, self.recovering = (version, touched), set(recovering)
             self.coordinator_failed = False
+            if not recovering:
+                self.cluster.saw(self.point)
             if self.recovering and -1 not in self.calls.values():
                 self._ask_point(RECOVERY_POLL_S)
             self._refresh()
@@ -146,9 +154,15 @@ class Read:
                 self._ask_point(0.0 if got.version > self.point[1][s] else RECOVERY_POLL_S)
             return
         self.answers[s] = got
-        if self.point is not None and s not in self.recovering and got.version != self.point[1][s]:
-            del self.answers[s]
-            self._ask(s, self.point[1][s])
+        if self.cached and got.version != self.point[1][s]:
+            # Something changed since the last read point (maybe acknowledged before this read
+            # began): only the coordinator says at which version to read now.
+            self.point, self.cached = None, False
+            self._ask_point()
+        elif self.point is not None and s not in self.recovering:
+            if got.version != self.point[1][s]:
+                del self.answers[s]
+                self._ask(s, self.point[1][s])
 
     def _refresh(self) -> None:
         """Ask each shard whose answer does not fit the read point again, at it."""
@@ -230,6 +244,10 @@ class Cluster:
         # unanswered; cleared by any answer. Set operations are atomic, and reads share it.
         self.down: set[int] = set()
         self.ads: int | None = None  # live ads after this handle's last mutation
+        # The newest read point this handle was given (None after its own mutations): shards
+        # answering at its touched versions are the whole index at its version, since a
+        # mutation acknowledged before a read began shows in the answer of a shard it touched.
+        self.last_point: tuple[int, list[int]] | None = None
 
     @classmethod
     def start(
@@ -277,6 +295,12 @@ class Cluster:
 
     def __reduce__(self):
         return (Cluster, (self.shards, self.coordinator))
+
+    def saw(self, point: tuple[int, list[int]]) -> None:
+        """Keep `point` as the last read point if it is the newest seen."""
+        last = self.last_point
+        if last is None or point[0] >= last[0]:
+            self.last_point = point
 
     def info(self) -> list[dict]:
         import ray
@@ -376,11 +400,15 @@ class Cluster:
         requests: Sequence[tuple[Any, Mapping]],
         ks: Sequence[int],
     ) -> Read:
-        """Start a read: the query and requests into the object store once, every shard and the
-        coordinator asked."""
+        """Start a read: every shard and the coordinator asked. The query and requests travel
+        in the calls, or, for several shards and a large query, through the object store once
+        (a put costs about a millisecond, more than a few small copies)."""
         import ray
 
-        return Read(self, ray.put((query, list(requests), list(ks))))
+        payload = (query, list(requests), list(ks))
+        if len(self.shards) > 1 and sum(a.nbytes for a in query) >= PUT_BYTES:
+            payload = ray.put(payload)
+        return Read(self, payload)
 
     def search(
         self,
@@ -456,6 +484,7 @@ class Cluster:
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError
 
+        self.last_point = None  # the next read asks the coordinator (reads its own writes)
         try:
             out = ray.get(self.coordinator.mutate.remote(ops), timeout=MUTATION_TIMEOUT_S)
         except (RayActorError, GetTimeoutError) as e:

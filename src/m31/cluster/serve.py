@@ -123,10 +123,13 @@ def run(
             return
         gpu = config.device.startswith("cuda")
         options = options or IngressOptions()
+        here = options.replicas == 1 and (options.max_replicas or 1) <= 1
         # Every actor must be placeable at once: the shards and the most ingress replicas
-        # share the cluster's CPUs (a laptop's few cores included), at most one each.
-        actors = read_layout(config.index) + max(options.replicas, options.max_replicas or 0)
-        cpus = min(1.0, ray.cluster_resources().get("CPU", 1.0) / actors)
+        # share the cluster's CPUs (a laptop's few cores included); a shard's kernel runs as
+        # many threads as it has CPUs (Ray sets OMP_NUM_THREADS), a replica takes at most one.
+        replicas = 0 if here else max(options.replicas, options.max_replicas or 0)
+        actors = read_layout(config.index) + replicas
+        cpus = ray.cluster_resources().get("CPU", 1.0) / actors
         options.cpus = min(options.cpus, cpus)
         try:
             cluster = Cluster.start(
@@ -139,6 +142,9 @@ def run(
         except Cancelled:
             return
         if stop.is_set():
+            return
+        if here:
+            _serve_here(config, cluster, host, port, stop, reaper, log)
             return
         serve.start(http_options={"host": host, "port": port})
         served = True
@@ -156,6 +162,35 @@ def run(
             _watch(reaper)  # what shut down slowly, or not at all
             reaper.stdin.close()
             reaper.wait()
+
+
+def _serve_here(config: ServeConfig, cluster: Cluster, host, port, stop, reaper, log) -> None:
+    """One ingress: the API served by this process (uvicorn in a thread, as `m31 serve` serves
+    it) over the cluster's actors, until `stop`. Ray Serve's proxy would add a hop (HTTP to the
+    proxy, an actor call to the replica, the body and answer streamed between them) that costs
+    more than the whole scatter-gather on a few cores (docs/SCALING.md)."""
+    import threading
+
+    import uvicorn
+
+    from m31.cluster.service import ClusterService
+    from m31.serve.app import create_app
+
+    app = create_app(config, load=lambda cfg: ClusterService.load(cfg, cluster))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False)
+    )
+    thread = threading.Thread(target=server.run, name="m31-http", daemon=True)
+    thread.start()
+    _watch(reaper)
+    log(f"serving {len(cluster.shards)} shards on Ray at http://{host}:{port} (Ctrl-C stops)")
+    try:
+        while not stop.wait(0.5):
+            if not thread.is_alive():
+                raise RuntimeError(f"the HTTP server on {host}:{port} stopped (see above)")
+    finally:
+        server.should_exit = True
+        thread.join(120)
 
 
 def _start_reaper():
