@@ -206,6 +206,95 @@ def data_movielens(
     print_summary(ds)
 
 
+@data_app.command("import")
+@cli_errors
+def data_import(
+    out: Annotated[Path, typer.Option(help="Dataset folder to create.")],
+    interactions: Annotated[
+        Path | None,
+        typer.Option(help="Engagements: CSV, TSV, Parquet or JSON lines, a row per engagement."),
+    ] = None,
+    sequences: Annotated[
+        Path | None, typer.Option(help="`user item item ...` per line, oldest first.")
+    ] = None,
+    items: Annotated[
+        Path | None,
+        typer.Option(help="Catalogue (CSV, TSV, Parquet, JSON lines) or item -> ids JSON map."),
+    ] = None,
+    users: Annotated[Path | None, typer.Option(help="Users and their attributes.")] = None,
+    user_col: Annotated[str | None, typer.Option(help="Interactions' user id column.")] = None,
+    item_col: Annotated[str | None, typer.Option(help="Interactions' item id column.")] = None,
+    time_col: Annotated[
+        str | None, typer.Option(help="Interactions' time column; 'none': the file's order.")
+    ] = None,
+    time_unit: Annotated[str, typer.Option(help="Of integer times: s or ms.")] = "s",
+    surface_col: Annotated[str | None, typer.Option(help="Interactions' surface column.")] = None,
+    platform_col: Annotated[str | None, typer.Option(help="Interactions' platform column.")] = None,
+    event_col: Annotated[str | None, typer.Option(help="Interactions' event type column.")] = None,
+    weight_col: Annotated[str | None, typer.Option(help="Interactions' weight column.")] = None,
+    conversion_events: Annotated[
+        str | None, typer.Option(help="Comma-separated event types that are conversions.")
+    ] = None,
+    conversion_min: Annotated[
+        float | None, typer.Option(help="A weight at least this is a conversion.")
+    ] = None,
+    sort: Annotated[
+        bool, typer.Option(help="Sort each user's events by time instead of refusing disorder.")
+    ] = False,
+    item_id_col: Annotated[str | None, typer.Option(help="Catalogue's item id column.")] = None,
+    text_col: Annotated[str | None, typer.Option(help="Catalogue's text column.")] = None,
+    list_cols: Annotated[
+        str | None, typer.Option(help="Comma-separated catalogue columns holding lists.")
+    ] = None,
+    list_sep: Annotated[str, typer.Option(help="Separator inside a list column.")] = "|",
+    user_id_col: Annotated[str | None, typer.Option(help="Users file's id column.")] = None,
+    repeat_engagement: Annotated[
+        bool | None,
+        typer.Option(
+            "--repeat-engagement/--no-repeat-engagement",
+            help="Whether a user may engage with an item again (default: whether the files "
+            "show it).",
+        ),
+    ] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing folder.")] = False,
+) -> None:
+    """Import a team's files into an m31 dataset folder: nothing a source lacks is invented
+    (docs: README, "Your own data")."""
+    from m31.data.importer import Interactions, Items, Users, import_dataset
+
+    def names(text: str | None) -> tuple[str, ...]:
+        return tuple(n.strip() for n in text.split(",") if n.strip()) if text else ()
+
+    report = import_dataset(
+        out,
+        interactions=None
+        if interactions is None
+        else Interactions(
+            interactions,
+            user_col,
+            item_col,
+            None if time_col == "none" else time_col,
+            time_unit,
+            surface_col,
+            platform_col,
+            event_col,
+            weight_col,
+            names(conversion_events),
+            conversion_min,
+            sort,
+            no_time=time_col == "none",
+        ),
+        sequences=sequences,
+        items=None
+        if items is None
+        else Items(items, item_id_col, text_col, names(list_cols), list_sep),
+        users=None if users is None else Users(users, user_id_col),
+        repeat_engagement=repeat_engagement,
+        overwrite=overwrite,
+    )
+    typer.echo(report.summary())
+
+
 @data_app.command("validate")
 @cli_errors
 def data_validate(
