@@ -129,6 +129,11 @@ def test_requests_name_the_models_values(world):
                      [{"advertiser_id": 1, "target_platforms": ["web"]}])  # fmt: skip
 
 
+def values(prop: dict) -> dict:
+    """The string schema of a property that may also be null (`anyOf` [string, null])."""
+    return next(p for p in prop.get("anyOf", [prop]) if p.get("type") == "string")
+
+
 def serving_folder(root, snapshot):
     state = root / "serving"
     DurableIndex.create(state, AdIndex.load(snapshot)).close()
@@ -143,9 +148,9 @@ def test_the_server_lists_and_checks_the_models_values(world):
     with ThreadServer(create_app(config)) as s:
         schema = httpx.get(f"{s.url}/openapi.json").json()["components"]["schemas"]
         request = schema["RetrieveRequest"]["properties"]
-        assert request["surface"]["enum"] == feats.meta["vocab"]["surface"]
-        assert request["platform"]["enum"] == feats.meta["vocab"]["platform"]
-        assert "story_ad" in schema["AdIn"]["properties"]["format"]["description"]
+        assert values(request["surface"])["enum"] == feats.meta["vocab"]["surface"]
+        assert values(request["platform"])["enum"] == feats.meta["vocab"]["platform"]
+        assert "story_ad" in values(schema["AdIn"]["properties"]["format"])["description"]
         user = int(feats.users["user_id"][0])
         ok = {"user_id": user, "surface": "watch", "platform": "tv", "k": 5}
         r = httpx.post(f"{s.url}/v1/retrieve", json={"requests": [ok]})

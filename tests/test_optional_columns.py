@@ -95,10 +95,8 @@ def own_data(demographics: bool = False, texts: bool = False) -> dataset.Dataset
         conversion=np.zeros(len(user), bool),
     )
     vocab = {name: [] for name in VOCABULARIES}
-    # The server's request schema needs a surface and a platform to name; the events hold none.
-    vocab |= {"surface": ["app"], "platform": ["web"]}
     if demographics:
-        vocab["gender"] = ["F", "M"]
+        vocab |= {"gender": ["F", "M"], "platform": ["web"]}
     meta = {
         "source": "import",
         "repeat_engagement": True,
@@ -141,16 +139,17 @@ def trained(tmp_path_factory):
 
 @pytest.fixture
 def recorded_texts(monkeypatch):
-    """What the text encoder is asked to embed (a stand-in encoder: one-hot rows)."""
+    """What the text encoder is asked to embed: the real encoder, its calls recorded."""
+    from m31.features import embedding_cache
+
+    real = embedding_cache.embed_texts
     asked: list[list[str]] = []
 
-    def embed_texts(texts, cache_dir=None, **_):
+    def embed_texts(texts, *args, **kwargs):
         asked.append(list(texts))
-        out = np.zeros((len(texts), 384), dtype=np.float32)
-        out[np.arange(len(texts)), np.arange(len(texts)) % 384] = 1.0
-        return out
+        return real(texts, *args, **kwargs)
 
-    monkeypatch.setattr("m31.features.embedding_cache.embed_texts", embed_texts)
+    monkeypatch.setattr(embedding_cache, "embed_texts", embed_texts)
     return asked
 
 
@@ -184,7 +183,7 @@ def test_features_invent_nothing(recorded_texts):
     # A null hour is the hour of the event's time (UTC); a null surface the unknown value.
     seen = feats.splits["impressions"]
     assert (seen["hour"] == (seen["ts"] % 86_400) // 3600).all()
-    assert (feats.splits["train"]["surface"] == 1).all()  # vocab surface ["app"]: unknown is 1
+    assert (feats.splits["train"]["surface"] == 0).all()  # no surfaces: unknown is code 0
 
 
 def test_the_text_encoder_sees_only_the_texts_there_are(recorded_texts):
@@ -192,7 +191,8 @@ def test_the_text_encoder_sees_only_the_texts_there_are(recorded_texts):
     assert recorded_texts == [[f"item {j}" for j in range(0, N_ADS, 2)]]
     has_text = np.arange(N_ADS) % 2 == 0
     assert not feats.text_emb[~has_text].any()
-    assert (np.linalg.norm(feats.text_emb[has_text], axis=1) == 1).all()
+    # The sentence encoder's embeddings are unit vectors.
+    np.testing.assert_allclose(np.linalg.norm(feats.text_emb[has_text], axis=1), 1, rtol=1e-5)
 
 
 def test_trained_model_answers_without_inventing(trained):
@@ -223,8 +223,8 @@ def test_trained_model_answers_without_inventing(trained):
         ts = T0 + 10**7
         stored = AdRequest(105, ts, None, None)
         inline = AdRequest(
-            None, ts, "app", "web",
-            user=InlineUser(history=(Engagement(1003, ts - 60, None), Engagement(1004, ts - 30, "app"))),
+            None, ts, None, None,
+            user=InlineUser(history=(Engagement(1003, ts - 60, None), Engagement(1004, ts - 30, None))),
         )  # fmt: skip
         bare = AdRequest(None, ts, None, None, user=InlineUser())
         out = retriever.retrieve([stored, inline, bare], k=10)
@@ -232,11 +232,11 @@ def test_trained_model_answers_without_inventing(trained):
             assert len(r.ad_ids) == 10 and np.isfinite(r.scores).all()
         # A filter on an item attribute.
         acme = {"eq": ["brand", "acme"]}
-        out = retriever.retrieve([AdRequest(105, ts, "app", "web", filter=acme)], k=N_ADS)
+        out = retriever.retrieve([AdRequest(105, ts, None, None, filter=acme)], k=N_ADS)
         got = sorted(out.results[0].ad_ids.tolist())
         assert got == [1000 + j for j in range(0, N_ADS, 3)]
         sale = {"contains": ["categories", "sale"]}
-        out = retriever.retrieve([AdRequest(105, ts, "app", "web", filter=sale)], k=N_ADS)
+        out = retriever.retrieve([AdRequest(105, ts, None, None, filter=sale)], k=N_ADS)
         assert sorted(out.results[0].ad_ids.tolist()) == [1000 + j for j in range(0, N_ADS, 5)]
         # A new ad may lack everything the tower reads but its id.
         g, x, b = engine.encoder.encode([NewAd(5000, None, None, None, None, None, None, None)])
@@ -280,10 +280,19 @@ def test_the_server_answers(trained):
     DurableIndex.create(state, AdIndex.load(snapshot)).close()
     config = ServeConfig(index=state, model=ckpt, data=data)
     with ThreadServer(create_app(config)) as s:
-        body = {"user_id": 101, "surface": "app", "platform": "web", "k": 5}
+        # No surface or platform: the data has none, and a request need not name one.
+        body = {"user_id": 101, "k": 5}
         r = httpx.post(f"{s.url}/v1/retrieve", json={"requests": [body]})
         assert r.status_code == 200, r.text
         assert len(r.json()["results"][0]["ad_ids"]) == 5
+        # An inline user with nothing but a history.
+        history = [{"ad_id": 1003, "ts": T0}, {"ad_id": 1007, "ts": T0 + 60}]
+        inline = {"user": {"history": history}, "k": 5}
+        r = httpx.post(f"{s.url}/v1/retrieve", json={"requests": [inline]})
+        assert r.status_code == 200, r.text
+        assert len(r.json()["results"][0]["ad_ids"]) == 5
+        r = httpx.post(f"{s.url}/v1/retrieve", json={"requests": [{**body, "surface": "x"}]})
+        assert r.status_code == 422, r.text
         body["filter"] = {"eq": ["brand", "globex"]}
         r = httpx.post(f"{s.url}/v1/retrieve", json={"requests": [body]})
         assert r.status_code == 200, r.text
@@ -306,18 +315,16 @@ def test_a_given_gender_moves_the_users_vector(tmp_path, recorded_texts):
     assert (u["age_bucket"][half:] == N_AGE_BUCKETS).all()
     retriever = Retriever(model, feats, index, ds.users)
     ts = T0 + 10**7
-    history = (Engagement(1003, ts - 60, "app"),)
+    history = (Engagement(1003, ts - 60, None),)
 
     def query(**who):
-        request = AdRequest(None, ts, "app", "web", user=InlineUser(history=history, **who))
+        request = AdRequest(None, ts, None, None, user=InlineUser(history=history, **who))
         return retriever.encode(retriever.prepare([request], 10))
 
     given, unknown = query(gender="F", country="DE"), query(country="DE")
     assert not torch.allclose(given[1], unknown[1])
     # A stored user without demographics and a stored one with them answer alike in shape.
-    out = retriever.retrieve(
-        [AdRequest(100, ts, "app", "web"), AdRequest(139, ts, "app", "web")], 5
-    )
+    out = retriever.retrieve([AdRequest(100, ts, None, None), AdRequest(139, ts, None, None)], 5)
     assert all(len(r.ad_ids) == 5 for r in out.results)
     # Targeting: a user with no gender is reached only by ads that do not target a gender.
     z = torch.zeros(1, index.dim_g), torch.zeros(1, index.dim_x), torch.zeros(1)

@@ -85,19 +85,24 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+_UNKNOWN = "null or left out: unknown (no input; targeting on it reaches only unrestricted ads)"
+
+
 class EngagementIn(Strict):
     ad_id: Id
     ts: int = Field(ge=0, le=2**62, description="Unix seconds")
-    surface: Surface
+    surface: Surface | None = Field(None, description=_UNKNOWN)
 
 
 class UserIn(Strict):
     """A user given inline instead of by id."""
 
-    country: str = Field(max_length=64)
-    age: int = Field(ge=0, lt=150)
-    gender: Gender
-    cohort: Id | None = Field(None, description="default: the country's most common cohort")
+    country: str | None = Field(None, max_length=64, description=_UNKNOWN)
+    age: int | None = Field(None, ge=0, lt=150, description=_UNKNOWN)
+    gender: Gender | None = Field(None, description=_UNKNOWN)
+    cohort: Id | None = Field(
+        None, description="default: the country's most common cohort (none without a country)"
+    )
     history: list[EngagementIn] = Field(default_factory=list, max_length=MAX_LIST)
     organic_topics: list[I64] = Field(default_factory=list, max_length=MAX_LIST)
 
@@ -110,8 +115,8 @@ class RetrieveRequest(Strict):
     ts: int | None = Field(
         None, ge=0, le=2**62, description="Unix seconds; default: now on the server"
     )
-    surface: Surface
-    platform: Platform
+    surface: Surface | None = Field(None, description=_UNKNOWN)
+    platform: Platform | None = Field(None, description=_UNKNOWN)
     hour: int | None = Field(None, ge=0, le=23, description="hour of day; default: from ts (UTC)")
     k: int = Field(100, ge=1, le=MAX_K)
     filter: dict[str, Any] | None = Field(
@@ -249,14 +254,16 @@ class AdIn(Attributes):
     """A new or replaced ad: what the ad tower reads, and its attributes."""
 
     ad_id: Id
-    advertiser_id: Id
+    advertiser_id: Id | None = Field(None, description="null: an ad without an advertiser")
     campaign_id: Id | None = None
-    objective: Objective
-    format: Format
-    topic: int = Field(ge=0, le=2**31)
-    category: int = Field(ge=0, le=2**31)
-    quality: float = Field(0.0, ge=-100, le=100, allow_inf_nan=False)
-    text: str = Field(max_length=4000)
+    objective: Objective | None = Field(None, description="null: unknown")
+    format: Format | None = Field(None, description="null: unknown")
+    topic: int | None = Field(None, ge=0, le=2**31, description="null: unknown")
+    category: int | None = Field(None, ge=0, le=2**31, description="null: unknown")
+    quality: float | None = Field(
+        0.0, ge=-100, le=100, allow_inf_nan=False, description="null: unknown (read as 0)"
+    )
+    text: str | None = Field(None, max_length=4000, description="null: no semantic input")
 
 
 class UpsertBody(Strict):
