@@ -752,10 +752,10 @@ def import_dataset(
     if repeat_engagement is None:
         pairs = uid.astype(np.int64) * (int(item_ids.max()) + 1 if m else 1) + iid
         repeat_engagement = bool(len(np.unique(pairs)) < len(pairs))
+        shown = "some user engages" if repeat_engagement else "no user engages"
         notes.append(
-            f"repeat_engagement: {str(repeat_engagement).lower()} (a user "
-            f"{'does' if repeat_engagement else 'never does'} engage with an item twice in the "
-            "files; set it with --repeat-engagement / --no-repeat-engagement)"
+            f"repeat_engagement: {str(repeat_engagement).lower()} ({shown} with an item twice in "
+            "the files; say so with --repeat-engagement / --no-repeat-engagement)"
         )
     vocab = {name: [] for name in VOCABULARIES}
     for name, cols in (
