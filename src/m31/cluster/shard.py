@@ -34,6 +34,7 @@ the next prepare.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -47,6 +48,7 @@ import torch
 from m31.cluster.records import RecordLog
 from m31.engine import eligible_masks, request_context, search
 from m31.index import AdIndexError, DurableIndex, DurableIndexError, compile_filter
+from m31.ops.threads import single_threaded
 
 # Views of older versions a shard keeps for reads that started before its last commit.
 KEEP_VIEWS = 2
@@ -171,14 +173,19 @@ class Shard:
         view, version = got
         t0 = time.perf_counter()
         schema = self._store.index.schema
-        masks = eligible_masks(
-            view,
-            [
-                (request_context(r, who), compile_filter(r.filter, schema) if r.filter else None)
-                for r, who in requests
-            ],
-        )  # [B, N]
-        query = tuple(torch.tensor(t, device=self.device) for t in (q, v, p))  # [B, E, *]
+        # Masks are small ops: on one core, as the engine builds them (`m31.ops.threads`).
+        with single_threaded() if self.device == "cpu" else contextlib.nullcontext():
+            masks = eligible_masks(
+                view,
+                [
+                    (
+                        request_context(r, who),
+                        compile_filter(r.filter, schema) if r.filter else None,
+                    )
+                    for r, who in requests
+                ],
+            )  # [B, N]
+            query = tuple(torch.tensor(t, device=self.device) for t in (q, v, p))  # [B, E, *]
         t1 = time.perf_counter()
         found = search(query, view, masks, ks)
         t2 = time.perf_counter()
