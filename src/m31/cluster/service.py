@@ -191,8 +191,6 @@ class _Waiter:
             self._wake.notify()
 
     def _run(self) -> None:
-        import ray
-
         batches: list[_Batch] = []
         while True:
             with self._wake:
@@ -200,25 +198,37 @@ class _Waiter:
                     self._wake.wait()
                 batches += self._new
                 self._new.clear()
-            owner = {ref: b for b in batches for ref in b.read.calls}
-            wake = min(b.next_deadline() for b in batches)
-            timeout = max(min(wake - time.monotonic(), WAITER_POLL_S), 0.0)
-            if owner:
-                ready, _ = ray.wait(list(owner), num_returns=1, timeout=timeout)
-                if ready:
-                    rest = [r for r in owner if r != ready[0]]
-                    ready += ray.wait(rest, num_returns=len(rest), timeout=0)[0] if rest else []
-                for ref in ready:
-                    try:
-                        owner[ref].read.take(ref)
-                    except Exception as e:  # a shard's bug: the batch's calls fail with it
-                        owner[ref].settle(e)
-            else:
-                time.sleep(timeout)
-            for b in batches:
-                if b.open:
-                    b.settle()
+            try:
+                self._step(batches)
+            except Exception as e:  # not a shard's: its calls fail with it, the thread goes on
+                for b in batches:
+                    b.settle(e)
             batches = [b for b in batches if b.open]
+
+    @staticmethod
+    def _step(batches: list[_Batch]) -> None:
+        """Take what came for any batch (waiting up to the next deadline, or the poll for new
+        batches), then answer what can be."""
+        import ray
+
+        owner = {ref: b for b in batches for ref in b.read.calls}
+        wake = min(b.next_deadline() for b in batches)
+        timeout = max(min(wake - time.monotonic(), WAITER_POLL_S), 0.0)
+        if owner:
+            ready, _ = ray.wait(list(owner), num_returns=1, timeout=timeout)
+            if ready:
+                rest = [r for r in owner if r != ready[0]]
+                ready += ray.wait(rest, num_returns=len(rest), timeout=0)[0] if rest else []
+            for ref in ready:
+                try:
+                    owner[ref].read.take(ref)
+                except Exception as e:  # a shard's bug: the batch's calls fail with it
+                    owner[ref].settle(e)
+        else:
+            time.sleep(timeout)
+        for b in batches:
+            if b.open:
+                b.settle()
 
 
 class ClusterService(Service):
