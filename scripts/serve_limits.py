@@ -76,7 +76,7 @@ def users(root: Path) -> list[int]:
 
 
 class Server:
-    def __init__(self, root: Path, checkout: Path | None, port: int) -> None:
+    def __init__(self, root: Path, checkout: Path | None, port: int, extra: list[str]) -> None:
         self.state = Path(tempfile.mkdtemp()) / "serving"
         env = dict(os.environ)
         if checkout is not None:
@@ -86,7 +86,7 @@ class Server:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "m31.cli", "serve", "--index", str(root / "index"),
              "--state", str(self.state), "--model", str(root / "runs" / "moe.pt"),
-             "--data", str(root / "world"), "--port", str(port)],
+             "--data", str(root / "world"), "--port", str(port), *extra],
             env=env, stdout=self.log, stderr=self.log,
         )  # fmt: skip
         while True:
@@ -225,12 +225,14 @@ def admission(url: str, ids: list[int], small_calls: int = 300) -> dict:
     }
 
 
-def run(root: Path, checkout: Path | None, port: int) -> dict:
+def run(root: Path, checkout: Path | None, port: int, extra: list[str], only: list[str]) -> dict:
     ids = users(root)
     out = {}
     for name, measure in (("admission", admission), ("fairness", fairness),
                           ("filter_storm", filter_storm)):  # fmt: skip
-        server = Server(root, checkout, port)  # a fresh server each: nothing carried over
+        if only and name not in only:
+            continue
+        server = Server(root, checkout, port, extra)  # a fresh server each: nothing carried over
         try:
             out[name] = measure(server.url, ids)
         finally:
@@ -250,11 +252,16 @@ def main() -> None:
     r.add_argument("--checkout", type=Path, help="another checkout's root (default: this one)")
     r.add_argument("--port", type=int, default=8741)
     r.add_argument("--out", type=Path)
+    r.add_argument("--only", default="", help="comma-separated measurements (default: all)")
+    r.add_argument(
+        "--serve", default="", help="extra `m31 serve` options, e.g. '--max-slice-ms 50'"
+    )
     args = parser.parse_args()
     if args.command == "build":
         build(args.dir, args.ads)
         return
-    out = run(args.dir, args.checkout, args.port)
+    only = [m for m in args.only.split(",") if m]
+    out = run(args.dir, args.checkout, args.port, args.serve.split(), only)
     if args.out is not None:
         args.out.write_text(json.dumps(out, indent=1))
 
