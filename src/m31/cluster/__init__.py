@@ -8,7 +8,8 @@ shard.py        Shard: one shard's DurableIndex, its search and its side of the 
 coordinator.py  Coordinator: global versions, read points, the two-phase commit
 cluster.py      Cluster: the ingress's handle: start the actors, scatter-gather, mutations
 service.py      ClusterService: what the HTTP routes drive, over a Cluster
-serve.py        the Ray Serve deployment of the HTTP API (`m31 serve --ray`)
+serve.py        `m31 serve --ray`: the HTTP API in this process or on Ray Serve replicas
+reaper.py       kills what is left of a local Ray cluster once its server is gone
 bench.py        scatter-gather overhead against the single-process engine
 
 Needs the `ray` extra (`pip install m31[ray]`); nothing outside this package imports Ray.

@@ -133,7 +133,9 @@ class Read:
                 return
             self.failed.add(s)
             self.cluster.down.add(s)
-            self._ask(s, None if self.point is None else self.point[1][s])
+            # At the read point's version, but the latest against a kept point: an old view
+            # would hide a write the shard took since.
+            self._ask(s, None if self.point is None or self.cached else self.point[1][s])
             return
         if s < 0:
             version, touched, recovering = got
@@ -151,7 +153,8 @@ class Read:
             # The view asked for is gone (the shard moved on: a newer read point), or the shard
             # is behind it (recovering): either way the next read point says what to ask.
             if -1 not in self.calls.values():
-                self._ask_point(0.0 if got.version > self.point[1][s] else RECOVERY_POLL_S)
+                behind = self.point is not None and got.version < self.point[1][s]
+                self._ask_point(RECOVERY_POLL_S if behind else 0.0)
             return
         self.answers[s] = got
         if self.cached and got.version != self.point[1][s]:

@@ -1,7 +1,12 @@
-"""The HTTP API on Ray Serve (`m31 serve --ray`): the routes of `m31.serve` over a
-`ClusterService`, in ingress replicas that Ray Serve starts, balances and autoscales.
+"""The HTTP API on Ray (`m31 serve --ray`): the routes of `m31.serve` over a `ClusterService`,
+served by this process (one ingress, the default) or by ingress replicas that Ray Serve
+starts, balances and autoscales (`--replicas N`, `--max-replicas`).
 
-Each replica builds the same FastAPI app as `m31 serve` (`m31.serve.app.create_app`) at its
+One ingress is uvicorn in the server's own process, as `m31 serve` runs it: Ray Serve's proxy
+would add a hop (HTTP to the proxy, an actor call to the replica, the body and the answer
+streamed between them) that costs more than the scatter-gather itself (docs/SCALING.md).
+
+On Ray Serve, each replica builds the same FastAPI app (`m31.serve.app.create_app`) at its
 start (`__serve_build_asgi_app__`, so nothing unpicklable travels: metrics registries,
 locks), and runs its lifespan as uvicorn would: the model loads in a thread while
 /health/live answers, then the dynamic batcher runs inside the replica. So batching,
@@ -125,11 +130,12 @@ def run(
         options = options or IngressOptions()
         here = options.replicas == 1 and (options.max_replicas or 1) <= 1
         # Every actor must be placeable at once: the shards and the most ingress replicas
-        # share the cluster's CPUs (a laptop's few cores included); a shard's kernel runs as
-        # many threads as it has CPUs (Ray sets OMP_NUM_THREADS), a replica takes at most one.
+        # share the cluster's CPUs (a laptop's few cores included), at most one each. A shard's
+        # kernel runs one thread per CPU it has (Ray sets OMP_NUM_THREADS): more leave the
+        # ingress no core on one machine (measured at S = 1 on 2 cores: B = 1 calls slower).
         replicas = 0 if here else max(options.replicas, options.max_replicas or 0)
         actors = read_layout(config.index) + replicas
-        cpus = ray.cluster_resources().get("CPU", 1.0) / actors
+        cpus = min(1.0, ray.cluster_resources().get("CPU", 1.0) / actors)
         options.cpus = min(options.cpus, cpus)
         try:
             cluster = Cluster.start(
