@@ -39,34 +39,11 @@ BIG = 1024
 
 
 def build(root: Path, ads: int) -> None:
-    import torch
+    # The serving tests' builder (tests/serve_helpers.py), at the demo preset's shape.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from serve_helpers import build_world
 
-    from m31.data import dataset
-    from m31.index import AdIndex
-    from m31.model import (
-        Catalog,
-        build_model,
-        encode_ads,
-        model_preset,
-        save_checkpoint,
-        vocab_sizes,
-    )
-    from m31.pipeline import features_for
-    from m31.world.config import preset
-    from m31.world.generate import generate
-
-    cfg = preset("demo").with_overrides(n_ads=ads, n_impressions=200_000)
-    ds, _ = generate(cfg, seed=0)
-    dataset.save(ds, root / "world")
-    feats = features_for(root / "world")
-    torch.manual_seed(0)
-    sizes = vocab_sizes(feats)
-    model = build_model(
-        model_preset("demo", "moe"), sizes, feats.text_emb.shape[1], feats.cooc_emb.shape[1]
-    ).eval()
-    save_checkpoint(root / "runs" / "moe.pt", model, feats, [])
-    g, x, b = encode_ads(model, Catalog.from_features(feats))
-    AdIndex.from_table(ds.ads, g, x, b).save(root / "index")
+    build_world(root, world="demo", model="demo", seed=0, n_ads=ads, n_impressions=200_000)
 
 
 def users(root: Path) -> list[int]:

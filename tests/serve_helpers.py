@@ -27,8 +27,11 @@ class World:
     snapshot: Path  # index snapshot the serving folders start from
 
 
-def build_world(root: Path) -> World:
-    """Tiny marketplace, features with real text embeddings, an untrained tiny moe, an index."""
+def build_world(
+    root: Path, world: str = "tiny", model: str = "tiny", seed: int = 7, **overrides
+) -> World:
+    """A marketplace (the `world` preset, 10,000 impressions unless `overrides` say), features
+    with real text embeddings, an untrained moe of the `model` preset, an index."""
     from m31.data import dataset
     from m31.index import AdIndex
     from m31.model import (
@@ -44,16 +47,17 @@ def build_world(root: Path) -> World:
     from m31.world.generate import generate
 
     data = root / "world"
-    ds, _ = generate(preset("tiny").with_overrides(n_impressions=10_000), seed=7)
+    cfg = preset(world).with_overrides(**{"n_impressions": 10_000, **overrides})
+    ds, _ = generate(cfg, seed=seed)
     dataset.save(ds, data)
     feats = features_for(data)
     torch.manual_seed(0)
     sizes = vocab_sizes(feats)
-    model = build_model(
-        model_preset("tiny", "moe"), sizes, feats.text_emb.shape[1], feats.cooc_emb.shape[1]
+    net = build_model(
+        model_preset(model, "moe"), sizes, feats.text_emb.shape[1], feats.cooc_emb.shape[1]
     ).eval()
-    ckpt = save_checkpoint(root / "runs" / "moe.pt", model, feats, [])
-    g, x, b = encode_ads(model, Catalog.from_features(feats))
+    ckpt = save_checkpoint(root / "runs" / "moe.pt", net, feats, [])
+    g, x, b = encode_ads(net, Catalog.from_features(feats))
     snapshot = AdIndex.from_table(ds.ads, g, x, b).save(root / "index")
     return World(root, data, ckpt, snapshot)
 
