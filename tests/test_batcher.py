@@ -12,6 +12,7 @@ deadlines of `submit` are only a bound against hangs, generous on any machine.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 
 import pytest
@@ -247,6 +248,47 @@ def test_a_bad_call_fails_alone_and_its_later_chunks_are_dropped():
         assert await b.submit([9], HANG) == [[90]]
 
     run(test, max_batch_size=4)
+
+
+def test_a_chunk_settled_later_frees_the_device_for_the_calls_behind_it():
+    later: dict[int, tuple[list, concurrent.futures.Future]] = {}
+
+    def run(chunks):
+        # A chunk holding a negative request is answered later, as a sharded index answers a
+        # chunk that waits for a shard that is down.
+        out = []
+        for c in chunks:
+            if min(c) < 0:
+                later[min(c)] = (list(c), concurrent.futures.Future())
+                out.append(later[min(c)][1])
+            else:
+                out.append([10 * x for x in c])
+        return out
+
+    async def main():
+        b = DynamicBatcher(run, max_batch_size=2, max_queue_delay_ms=0, max_slice_ms=1e9)
+        b.start()
+        try:
+            waiting = asyncio.create_task(b.submit([1, 2, -3, 4], HANG))
+            failing = asyncio.create_task(b.submit([-5], HANG))
+            for _ in range(HANG * 100):  # the device calls run on the batcher's thread
+                if -3 in later and -5 in later:
+                    break
+                await asyncio.sleep(0.01)
+            # The device went on: a call behind them is answered while they wait.
+            assert await b.submit([6], HANG) == [[60]]
+            assert not waiting.done() and not failing.done()
+            chunk, future = later[-3]
+            future.set_result([10 * x for x in chunk])
+            later[-5][1].set_exception(ValueError("shard down"))
+            # The call's chunks in order, the one settled later included.
+            assert [x for part in await waiting for x in part] == [10, 20, -30, 40]
+            with pytest.raises(ValueError, match="shard down"):
+                await failing
+        finally:
+            await b.stop()
+
+    asyncio.run(main())
 
 
 def test_bounds_of_a_call():

@@ -42,6 +42,7 @@ a call with a failed chunk fails, and its chunks still queued are dropped.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import math
 import time
 from collections import deque
@@ -151,7 +152,8 @@ class _Call:
     future: asyncio.Future
     enqueued: float  # clock() seconds
     taken: int = 0  # requests handed to device calls so far
-    parts: list = field(default_factory=list)  # the run function's results, one per chunk
+    parts: dict = field(default_factory=dict)  # chunk start -> the run function's result
+    settled: int = 0  # requests whose chunk's result is in `parts`
 
     @property
     def left(self) -> int:
@@ -171,11 +173,16 @@ class _Chunk:
 
 class DynamicBatcher:
     """`run(chunks) -> results` is called off the loop with the chunks of one batch (each a
-    slice of one call's requests) and returns one result (or exception) per chunk.
+    slice of one call's requests) and returns one result (or exception) per chunk, or a
+    `concurrent.futures.Future` of it for a chunk that settles later (a sharded index waiting
+    for a shard): the device is free for the next batch meanwhile, and the chunk's call is
+    answered once all its chunks are in.
 
     `clock` (seconds, monotonic) times deadlines, device calls and idleness; tests pass a clock
     they advance themselves.
     """
+
+    deferred_results = True  # `run` may answer a chunk with a Future (see above)
 
     def __init__(
         self,
@@ -387,12 +394,33 @@ class DynamicBatcher:
         if self.on_batch is not None:
             self.on_batch(size, end - start)
         for chunk, result in zip(batch, results, strict=True):
-            call = chunk.call
-            if call.future.done():  # its handler gave up at the deadline
-                continue
-            if isinstance(result, BaseException):
-                call.future.set_exception(result)
+            if isinstance(result, concurrent.futures.Future):
+                result.add_done_callback(lambda f, chunk=chunk: self._later(loop, chunk, f))
             else:
-                call.parts.append(result)
-                if chunk.stop == len(call.requests):
-                    call.future.set_result(call.parts)
+                self._settle(chunk, result)
+
+    def _later(self, loop, chunk: _Chunk, done: concurrent.futures.Future) -> None:
+        """A deferred chunk's result, from whatever thread settled it, onto the loop."""
+        if done.cancelled():
+            result: Any = DeadlineExceeded("the deferred answer was cancelled")
+        else:
+            result = done.exception() or done.result()
+        try:
+            loop.call_soon_threadsafe(self._settle, chunk, result)
+        except RuntimeError:  # the loop is closed: the server stopped, nobody waits
+            pass
+
+    @staticmethod
+    def _settle(chunk: _Chunk, result: Any) -> None:
+        """A chunk's result into its call, which is answered (its chunks' results in order)
+        once every chunk is in, or failed by the first that failed."""
+        call = chunk.call
+        if call.future.done():  # its handler gave up at the deadline, or a chunk failed
+            return
+        if isinstance(result, BaseException):
+            _fail(call.future, result)
+            return
+        call.parts[chunk.start] = result
+        call.settled += chunk.stop - chunk.start
+        if call.settled == len(call.requests):
+            call.future.set_result([call.parts[start] for start in sorted(call.parts)])
