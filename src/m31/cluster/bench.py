@@ -5,12 +5,14 @@ Shapes: N ads, B requests per batch, E experts, G gate-key dim, D value dim, K r
 
 Both sides get the same encoded queries (q [B, E, G], v [B, E, D], p [B, E]; encoding is the
 same work on both, done once by the ingress) and the same requests (targeting and a filter
-that keeps about half the ads). The single process builds the masks and runs `search` over
-the whole index; the cluster puts the query into Ray's object store once, each shard builds
-its masks and runs `search` over its rows, and the ingress merges. Every cluster answer is
-checked against the single process's (ids and order). The shards share this machine's cores:
-each gets cores / S (so at S = 4 on 2 cores the shards take turns), and the ratio is the price
-of the split and of Ray's calls on one machine — on a cluster each shard has its own device.
+that keeps about half the ads), in turn, so that whatever else loads the machine weighs on
+both. The single process builds the masks and runs `search` over the whole index; the cluster
+sends the query to each shard (`Cluster.scatter`), each builds its masks and runs `search`
+over its rows, and the ingress merges. Every cluster answer is checked against the single
+process's (ids and order). The shards share this machine's cores as `m31 serve --ray` places
+them (cores / S, at most one each; so at S = 4 on 2 cores the shards take turns), and the
+ratio is the price of the split and of Ray's calls on one machine — on a cluster each shard
+has its own device.
 """
 
 from __future__ import annotations
@@ -72,14 +74,19 @@ def single(index, query, requests, ks):
     return search(tuple(torch.tensor(t) for t in query), view, eligible_masks(view, ctx), ks)
 
 
-def timed(fn, repeat: int) -> tuple[float, object]:
-    fn()  # warm-up (a shard's first frozen view, caches)
-    times, out = [], None
+def timed(fns, repeat: int) -> list[tuple[float, object]]:
+    """(median ms, last answer) of each of `fns`, run in turn `repeat` times after a warm-up
+    (a shard's first frozen view, caches): whatever else loads the machine weighs on each."""
+    for fn in fns:
+        fn()
+    times: list[list[float]] = [[] for _ in fns]
+    outs: list[object] = [None] * len(fns)
     for _ in range(repeat):
-        t = time.perf_counter()
-        out = fn()
-        times.append(1000 * (time.perf_counter() - t))
-    return statistics.median(times), out
+        for i, fn in enumerate(fns):
+            t = time.perf_counter()
+            outs[i] = fn()
+            times[i].append(1000 * (time.perf_counter() - t))
+    return [(statistics.median(t), out) for t, out in zip(times, outs, strict=True)]
 
 
 def main(argv=None) -> str:
@@ -107,24 +114,24 @@ def main(argv=None) -> str:
     rows = []
     try:
         snapshot = index.save(work / "snapshot")
-        base = {}
-        for b in batches:
-            query, requests = queries(b, args.experts, args.dim, seed=b)
-            base[b] = (query, requests, *timed(lambda q=query, r=requests, b=b:
-                                               single(index, q, r, [args.k] * b), args.repeat))  # fmt: skip
         ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False)
         for s in shard_counts:
             state = init_cluster(snapshot, work / f"state-{s}", s)
-            cluster = Cluster.start(state, ClusterOptions(shard_cpus=args.cpus / s))
+            # As `m31 serve --ray` places them: at most one core each, one kernel thread.
+            cpus = min(1.0, args.cpus / s)
+            cluster = Cluster.start(state, ClusterOptions(shard_cpus=cpus))
             for b in batches:
-                query, requests, ms_single, want = base[b]
+                query, requests = queries(b, args.experts, args.dim, seed=b)
+
+                def alone(query=query, requests=requests, b=b):
+                    return single(index, query, requests, [args.k] * b)
 
                 def scatter(query=query, requests=requests, b=b, cluster=cluster):
                     return cluster.search(
                         query, requests, [args.k] * b, time.monotonic() + 600
                     ).results
 
-                ms, got = timed(scatter, args.repeat)
+                (ms_single, want), (ms, got) = timed([alone, scatter], args.repeat)
                 exact = all(
                     g.ad_ids.tolist() == w.ad_ids.tolist() for g, w in zip(got, want, strict=True)
                 )

@@ -108,6 +108,7 @@ class _Batch:
                  encode_ms: float) -> None:  # fmt: skip
         self.service, self.read, self.chunks, self.size = service, read, chunks, size
         self.encode_ms, self.start = encode_ms, time.perf_counter()
+        self.observed = False
 
     @property
     def open(self) -> list[_Chunk]:
@@ -152,6 +153,10 @@ class _Batch:
                         missing))  # fmt: skip
         if late:
             read.overdue()
+        if not self.open and not self.observed and not read.missing():
+            # A whole gather, on the device call or the waiter: what a typical batch takes.
+            self.observed = True
+            self.service._observe(time.perf_counter() - self.start)
 
     def _part(self, chunk: _Chunk):
         out = self.read.gathered(chunk.rows, chunk.ks)
@@ -340,8 +345,7 @@ class ClusterService(Service):
             parts.append(_Chunk(rows, ks, chunk[0].deadline - margin, chunk[0].allow_partial))
             at += len(chunk)
         batch = _Batch(self, read, parts, len(asks), encode_ms)
-        started = time.monotonic()
-        straggler_at = started + max(STRAGGLER_S, STRAGGLER_FACTOR * self._typical_s)
+        straggler_at = time.monotonic() + max(STRAGGLER_S, STRAGGLER_FACTOR * self._typical_s)
         deferred = self.defer
         while True:
             try:
@@ -349,10 +353,6 @@ class ClusterService(Service):
             except Exception as e:  # a shard's bug: every chunk fails with it
                 batch.settle(e)
             if not batch.open:
-                if not read.missing():
-                    took = time.monotonic() - started
-                    keep = STRAGGLER_MEMORY if self._typical_s else 0.0
-                    self._typical_s = keep * self._typical_s + (1 - keep) * took
                 break
             if deferred and (time.monotonic() >= straggler_at or batch.waits_only_for_down()):
                 for chunk in batch.open:
@@ -367,6 +367,10 @@ class ClusterService(Service):
             except Exception as e:
                 batch.settle(e)
         return [c.future if c.future is not None else c.answer for c in parts]
+
+    def _observe(self, seconds: float) -> None:
+        keep = STRAGGLER_MEMORY if self._typical_s else 0.0
+        self._typical_s = keep * self._typical_s + (1 - keep) * seconds
 
     def _waiting(self) -> _Waiter:
         with self._waiter_lock:
