@@ -6,9 +6,9 @@ coordinator restarted beside a dying shard.
     .venv/bin/python scripts/cluster_hardening.py --world data/hardening --only overhead
 
 The world (made once, reused): the demo marketplace (50,000 ads, `m31 world generate --preset
-demo`), its features, an untrained demo moe (E = 8, G = D = 64: latency does not depend on
-the weights) and its bf16 index; or pass a `make demo` folder (DIR/world, DIR/runs/moe.pt,
-DIR/index).
+demo`), its features, an untrained demo moe (E = 8, G = D = 64; a trained one prunes the scan
+differently, so absolute times differ, not what is compared) and its bf16 index; or pass a
+`make demo` folder (DIR/world, DIR/runs/moe.pt, DIR/index).
 
 Overhead: one `m31 serve` and, for each S of --shards, one `m31 serve --ray --shards S` (its own
 local Ray cluster), both up at once; one client sends B = 1 calls (K = 100, stored users,
