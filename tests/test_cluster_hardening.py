@@ -45,7 +45,6 @@ from m31.cluster.serve import IngressOptions, deploy  # noqa: E402
 from m31.cluster.service import ClusterService  # noqa: E402
 from m31.engine import AdRequest  # noqa: E402
 from m31.serve.app import ServeConfig  # noqa: E402
-from m31.serve.batcher import DynamicBatcher  # noqa: E402
 from m31.serve.service import Ask  # noqa: E402
 
 S = 3
@@ -369,10 +368,6 @@ def test_a_batch_answers_its_partial_call_while_its_strict_call_waits(served):
     assert missing == [] and len(results[0].ad_ids) == 20
 
 
-@pytest.mark.skipif(
-    not getattr(DynamicBatcher, "deferred_results", False),
-    reason="needs a batcher that settles a chunk later (DynamicBatcher.deferred_results)",
-)
 def test_partial_calls_are_answered_while_a_strict_call_waits(served):
     """Over HTTP, with a shard stopped: a strict call with a long deadline waits for it, and
     meanwhile calls that allow a partial answer are answered without it, and strict calls

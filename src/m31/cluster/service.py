@@ -249,7 +249,7 @@ class ClusterService(Service):
         self._waiter_lock = threading.Lock()
         self._typical_s = 0.0  # a batch's gather, when every shard answers
         # Whether `retrieve_batch` may answer a chunk with a Future (the batcher settles it).
-        self.defer = bool(getattr(batcher.DynamicBatcher, "deferred_results", False))
+        self.defer = batcher.DynamicBatcher.deferred_results
 
     @classmethod
     def load(cls, config: ServeConfig, cluster: Cluster) -> ClusterService:
