@@ -261,7 +261,10 @@ def add_routes(app: FastAPI, config: ServeConfig, metrics: Metrics) -> None:
     async def prometheus(request: Request) -> Response:
         svc = request.app.state.service
         if svc is not None and request.app.state.batcher is not None:
-            await asyncio.to_thread(svc.stats)  # refreshes what the gauges read
+            try:
+                await asyncio.to_thread(svc.stats)  # refreshes what the gauges read
+            except Unavailable:
+                pass  # part of a sharded index is down: the last values; /health/ready names it
             metrics.index_gauges(svc)
             metrics.queue_depth.set(request.app.state.batcher.depth)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
