@@ -53,7 +53,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import pyarrow as pa
@@ -166,7 +166,7 @@ class ImportReport:
 # ---- reading files --------------------------------------------------------------------------
 
 
-def _fail(path: Path, message: str, row: int | None = None, column: str | None = None):
+def _fail(path: Path, message: str, row: int | None = None, column: str | None = None) -> NoReturn:
     where = str(path)
     if row is not None:
         where += f": row {row}"
@@ -287,7 +287,6 @@ def _id_text(col: pa.ChunkedArray | pa.Array, path: Path, column: str) -> pa.Arr
     if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
         return pc.cast(col, pa.string())
     _fail(path, f"ids must be integers or text, got {col.type}", column=column)
-    raise AssertionError  # unreachable
 
 
 def _first(mask: pa.Array | pa.ChunkedArray) -> int:
@@ -315,8 +314,7 @@ class IdSpace:
         decimal = pc.all(pc.match_substring_regex(distinct, r"^[0-9]{1,18}$")).as_py()
         self.external = not (decimal or len(distinct) == 0)
         if self.external:
-            self.sorted = pc.sort_indices(distinct)
-            self.dictionary = distinct.take(self.sorted)
+            self.dictionary = distinct.take(pc.sort_indices(distinct))
         else:
             self.dictionary = distinct
 
@@ -381,16 +379,13 @@ def _times(col: pa.ChunkedArray, path: Path, name: str, unit: str) -> np.ndarray
     return ts
 
 
-def _positions(user: pa.Array) -> tuple[np.ndarray, np.ndarray]:
-    """(stable order grouping each user's rows in file order, position of each row)."""
-    codes = pc.dictionary_encode(user).indices.to_numpy()
-    order = np.argsort(codes, kind="stable")
-    sorted_codes = codes[order]
-    start = np.r_[0, np.flatnonzero(np.diff(sorted_codes)) + 1]
-    pos_sorted = np.arange(len(codes)) - np.repeat(start, np.diff(np.r_[start, len(codes)]))
+def _positions(codes: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """Each row's position within its user (`codes`), in `order` (which groups each user's
+    rows together)."""
+    start = np.r_[0, np.flatnonzero(np.diff(codes[order])) + 1]
     pos = np.empty(len(codes), np.int64)
-    pos[order] = pos_sorted
-    return order, pos
+    pos[order] = np.arange(len(codes)) - np.repeat(start, np.diff(np.r_[start, len(codes)]))
+    return pos
 
 
 def read_interactions(spec: Interactions) -> _Events:
@@ -407,23 +402,18 @@ def read_interactions(spec: Interactions) -> _Events:
     ts = (
         None if time_col is None else _times(table.column(time_col), path, time_col, spec.time_unit)
     )
-    order, pos = _positions(user)
+    codes = pc.dictionary_encode(user).indices.to_numpy()
+    order = np.argsort(codes, kind="stable")  # each user's rows, in file order
     if ts is not None:
-        by_user = ts[order]
-        same = np.diff(pc.dictionary_encode(user).indices.to_numpy()[order]) == 0
-        back = same & (np.diff(by_user) < 0)
+        back = (np.diff(codes[order]) == 0) & (np.diff(ts[order]) < 0)
         if back.any() and not spec.sort:
             row = int(order[np.argmax(back) + 1])
             _fail(path, "time goes backwards within the user (events are read in file order; "
                   "pass --sort to sort each user's events by time)", row=_row(path, row),
                   column=time_col)  # fmt: skip
         if spec.sort:
-            resorted = np.lexsort(
-                (np.arange(len(ts)), ts, pc.dictionary_encode(user).indices.to_numpy())
-            )
-            _, pos_by = _positions(user.take(pa.array(resorted)))
-            pos = np.empty(len(ts), np.int64)
-            pos[resorted] = pos_by
+            order = np.lexsort((np.arange(len(ts)), ts, codes))
+    pos = _positions(codes, order)
     events = _Events(user, item, ts, pos, _row(path, 0) + np.arange(len(pos)), path)
     for attr, given in (("surface", spec.surface), ("platform", spec.platform)):
         name = _find(table, path, given, (attr,), attr)
@@ -503,7 +493,6 @@ def _attribute_kind(col: pa.ChunkedArray, path: Path, name: str) -> tuple[str, p
         ):
             return "str_list", pc.cast(col, pa.list_(pa.string()))
     _fail(path, f"an attribute must be text, a number or a list of them, got {t}", column=name)
-    raise AssertionError  # unreachable
 
 
 @dataclass
