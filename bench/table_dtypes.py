@@ -18,7 +18,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from m31.data import dataset
 from m31.data.schema import PLATFORMS, SURFACES
 from m31.engine import AdRequest, Retriever
 from m31.engine.build import index_from_model
@@ -69,11 +68,10 @@ def main() -> None:
         ap.error("--requests and --k must be positive")
     feats = features_for(args.data, args.split)
     model, _ = load_checkpoint(args.model, feats)
-    users = dataset.load(args.data).users
     requests = test_requests(feats, args.requests, args.seed)
     results = {}
     for name, dtype in DTYPES.items():
-        engine = Retriever(model, feats, index_from_model(args.data, model, feats, dtype), users)
+        engine = Retriever(model, feats, index_from_model(args.data, model, feats, dtype))
         results[name] = [
             r for lo in range(0, len(requests), 100)
             for r in engine.retrieve(requests[lo : lo + 100], args.k).results

@@ -24,7 +24,7 @@ class World:
     root: Path
     data: Path  # dataset folder (features under data/features)
     model: Path  # checkpoint
-    snapshot: Path  # index snapshot the serving folders start from
+    snapshot: Path  # index snapshot the serving folders start from, with its online features
 
 
 def build_world(
@@ -33,6 +33,7 @@ def build_world(
     """A marketplace (the `world` preset, 10,000 impressions unless `overrides` say), features
     with real text embeddings, an untrained moe of the `model` preset, an index."""
     from m31.data import dataset
+    from m31.engine.load import write_online
     from m31.index import AdIndex
     from m31.model import (
         Catalog,
@@ -58,17 +59,18 @@ def build_world(
     ).eval()
     ckpt = save_checkpoint(root / "runs" / "moe.pt", net, feats, [])
     g, x, b = encode_ads(net, Catalog.from_features(feats))
-    snapshot = AdIndex.from_table(ds.ads, g, x, b).save(root / "index")
+    snapshot = AdIndex.from_table(ds.ads, g, x, b).save(
+        root / "index", beside=lambda folder: write_online(folder, feats, net.cfg.max_len)
+    )
     return World(root, data, ckpt, snapshot)
 
 
 def fresh_state(world: World, name: str) -> Path:
-    """A new serving folder (snapshot + empty log) made from the world's snapshot."""
-    from m31.index import AdIndex, DurableIndex
+    """A new serving folder (snapshot + empty log + online features) made from the world's
+    snapshot."""
+    from m31.engine.load import serving_folder
 
-    state = world.root / name
-    DurableIndex.create(state, AdIndex.load(world.snapshot)).close()
-    return state
+    return serving_folder(world.snapshot, world.root / name)
 
 
 def free_socket() -> socket.socket:
@@ -128,7 +130,7 @@ class ProcessServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = [
             sys.executable, "-m", "m31.cli", "serve",
-            "--index", str(state), "--model", str(world.model), "--data", str(world.data),
+            "--index", str(state), "--model", str(world.model),
             "--port", str(self.port), *extra,
         ]  # fmt: skip
         self.proc: subprocess.Popen | None = None

@@ -44,6 +44,7 @@ from m31.cluster.layout import init_cluster, shard_dir, shard_of  # noqa: E402
 from m31.cluster.serve import IngressOptions, deploy  # noqa: E402
 from m31.cluster.service import ClusterService  # noqa: E402
 from m31.engine import AdRequest  # noqa: E402
+from m31.engine.load import copy_online  # noqa: E402
 from m31.serve.app import ServeConfig  # noqa: E402
 from m31.serve.service import Ask  # noqa: E402
 
@@ -76,8 +77,9 @@ def served(world):
     sock.close()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     state = init_cluster(world.snapshot, world.root / "cluster", S)
+    copy_online(world.snapshot, state)
     cluster = Cluster.start(state, ClusterOptions(shard_cpus=0))
-    config = ServeConfig(index=state, model=world.model, data=world.data, admin_token=ADMIN)
+    config = ServeConfig(index=state, model=world.model, admin_token=ADMIN)
     deploy(config, cluster, IngressOptions(cpus=0), "m31", "/m31")
     url = f"http://127.0.0.1:{port}/m31"
     wait_ready(url)
@@ -430,7 +432,7 @@ def test_serve_ray_stops_cleanly_and_leaves_nothing_behind(world, tmp_path):
     args = [
         sys.executable, "-m", "m31.cli", "serve", "--ray", "--shards", "2",
         "--index", str(world.snapshot), "--state", str(tmp_path / "state"),
-        "--model", str(world.model), "--data", str(world.data), "--port", str(port),
+        "--model", str(world.model), "--port", str(port),
     ]  # fmt: skip
     with (tmp_path / "serve.log").open("w") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)

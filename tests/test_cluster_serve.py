@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import os
 import signal
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -20,6 +21,7 @@ from serve_helpers import free_socket, wait_ready  # noqa: E402
 from m31.cluster.cluster import Cluster, ClusterOptions  # noqa: E402
 from m31.cluster.layout import init_cluster  # noqa: E402
 from m31.cluster.serve import IngressOptions, deploy  # noqa: E402
+from m31.engine.load import copy_online  # noqa: E402
 
 SHARDS = 3
 # The API tests of the single-process server and their fixtures, in test_serve's order (the
@@ -64,8 +66,15 @@ class RayServer:
     def __enter__(self) -> RayServer:
         state = init_cluster(self.cfg.index / "snapshot", self.cfg.index.with_suffix(".cluster"),
                              SHARDS)  # fmt: skip
+        copy_online(self.cfg.index, state)
         self.cluster = Cluster.start(state, ClusterOptions(shard_cpus=0))
-        deploy(self.cfg, self.cluster, IngressOptions(cpus=0), self.name, f"/{self.name}")
+        deploy(
+            replace(self.cfg, index=state),
+            self.cluster,
+            IngressOptions(cpus=0),
+            self.name,
+            f"/{self.name}",
+        )
         wait_ready(self.url)
         return self
 

@@ -46,7 +46,7 @@ def eligible_by_hand(ads, user, req):
 
 def test_retrieve_equals_brute_force(world):
     ds, feats, model, index = world
-    engine = Retriever(model, feats, index, ds.users)
+    engine = Retriever(model, feats, index)
     t0, t1 = ds.meta["time_range"]
     rng = np.random.default_rng(0)
     reqs = [
@@ -96,7 +96,7 @@ def test_retrieve_equals_brute_force(world):
 
 def test_bad_requests(world):
     ds, feats, model, index = world
-    engine = Retriever(model, feats, index, ds.users)
+    engine = Retriever(model, feats, index)
     ok = AdRequest(user_id=0, ts=ds.meta["time_range"][0], surface="feed", platform="ios")
     with pytest.raises(RequestError, match="user_id: unknown user 99999"):
         engine.retrieve([AdRequest(99999, ok.ts, "feed", "ios")], 5)
@@ -150,7 +150,7 @@ def inline_copy(feats, ds, user_id: int, ts: int, shuffle: bool) -> InlineUser:
 
 def test_inline_user_equals_stored_user(world):
     ds, feats, model, index = world
-    engine = Retriever(model, feats, index, ds.users)
+    engine = Retriever(model, feats, index)
     t0, t1 = ds.meta["time_range"]
     rng = np.random.default_rng(3)
     users = [int(u) for u in rng.integers(0, ds.users.num_rows, 4)]
@@ -179,7 +179,7 @@ def test_inline_user_equals_stored_user(world):
 
 def test_nothing_eligible_and_k_above_eligible(world):
     ds, feats, model, index = world
-    engine = Retriever(model, feats, index, ds.users)
+    engine = Retriever(model, feats, index)
     early = ds.meta["time_range"][0] - 10**9  # before any ad was created
     out = engine.retrieve([AdRequest(0, early, "feed", "ios")], 10)
     assert len(out.results[0].ad_ids) == 0
@@ -234,7 +234,7 @@ def test_writers_do_not_wait_for_a_retrieves_masks(world, monkeypatch):
     ds, feats, model, _ = world
     g, x, b = encode_ads(model, Catalog.from_features(feats))
     index = AdIndex.from_table(ds.ads, g, x, b, dtype=torch.float32)  # its own: it is mutated
-    engine = Retriever(model, feats, index, ds.users)
+    engine = Retriever(model, feats, index)
     request = AdRequest(0, ds.meta["time_range"][1], "feed", "ios")
     before = engine.retrieve([request], k=10)
     top = int(before.results[0].ad_ids[0])
@@ -303,7 +303,7 @@ def test_equal_scores_go_to_the_lower_ad_id(world, k):
     index.upsert(
         ids, row.g.expand(copies, -1), row.x.expand(copies, -1), [row.b] * copies, [attrs] * copies
     )
-    engine = Retriever(model, feats, index, ds.users)
+    engine = Retriever(model, feats, index)
     request = AdRequest(0, ds.meta["time_range"][1], "feed", "ios")
     got = engine.retrieve([request], k=k).results[0]
     want = sorted(ids)[: min(k, copies)]
@@ -348,8 +348,8 @@ def test_an_8_bit_index_serves_what_its_dequantized_table_would(world):
         AdRequest(user_id=u, ts=t0 + 86_400 * u, surface=s, platform="web")
         for u, s in zip(range(5), SURFACES, strict=True)
     ]
-    got = Retriever(model, feats, int8, ds.users).retrieve(reqs, k=40)
-    want = Retriever(model, feats, plain, ds.users).retrieve(reqs, k=40)
+    got = Retriever(model, feats, int8).retrieve(reqs, k=40)
+    want = Retriever(model, feats, plain).retrieve(reqs, k=40)
     for a, w in zip(got.results, want.results, strict=True):
         assert len(a.ad_ids) > 0 and not {7, 11, 12} & set(a.ad_ids.tolist())
         np.testing.assert_array_equal(a.ad_ids, w.ad_ids)

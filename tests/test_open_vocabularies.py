@@ -18,8 +18,9 @@ from m31.data import dataset
 from m31.data.dataset import DatasetError, vocabularies
 from m31.data.validate import validate
 from m31.engine import AdRequest, RequestError, Retriever
-from m31.engine.build import index_from_model
-from m31.index import AdIndex, AdIndexError, DurableIndex
+from m31.engine.build import build_index
+from m31.engine.load import serving_folder
+from m31.index import AdIndexError
 from m31.model import build_model, model_preset, save_checkpoint, vocab_sizes
 from m31.pipeline import features_for
 from m31.serve.app import ServeConfig, create_app
@@ -84,8 +85,8 @@ def world(tmp_path_factory):
         feats.cooc_emb.shape[1],
     ).eval()
     ckpt = save_checkpoint(root / "runs" / "moe.pt", model, feats, [])
-    index = index_from_model(data, model, feats)
-    snapshot = index.save(root / "index")
+    snapshot = root / "index"
+    index = build_index(data, ckpt, snapshot)
     return root, data, feats, model, ckpt, index, snapshot
 
 
@@ -113,8 +114,8 @@ def test_a_declared_vocabulary_is_checked():
 
 
 def test_requests_name_the_models_values(world):
-    _, data, feats, model, _, index, _ = world
-    engine = Retriever(model, feats, index, dataset.load(data).users)
+    _, _data, feats, model, _, index, _ = world
+    engine = Retriever(model, feats, index)
     user = int(feats.users["user_id"][0])
     ts = int(feats.meta["time_range"][1])
     out = engine.retrieve([AdRequest(user, ts, "watch", "tv")], k=10)
@@ -134,17 +135,9 @@ def values(prop: dict) -> dict:
     return next(p for p in prop.get("anyOf", [prop]) if p.get("type") == "string")
 
 
-def serving_folder(root, snapshot):
-    state = root / "serving"
-    DurableIndex.create(state, AdIndex.load(snapshot)).close()
-    return state
-
-
 def test_the_server_lists_and_checks_the_models_values(world):
-    root, data, feats, _, ckpt, _, snapshot = world
-    config = ServeConfig(
-        index=serving_folder(root, snapshot), model=ckpt, data=data, admin_token=ADMIN
-    )
+    _root, _data, feats, _, ckpt, _, snapshot = world
+    config = ServeConfig(index=serving_folder(snapshot), model=ckpt, admin_token=ADMIN)
     with ThreadServer(create_app(config)) as s:
         schema = httpx.get(f"{s.url}/openapi.json").json()["components"]["schemas"]
         request = schema["RetrieveRequest"]["properties"]

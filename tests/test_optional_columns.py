@@ -28,9 +28,9 @@ from m31.data.validate import ERROR, validate
 from m31.engine import AdRequest, Engagement, InlineUser, Retriever
 from m31.engine.ad_encoder import NewAd
 from m31.engine.build import index_from_model
-from m31.engine.load import load_engine
+from m31.engine.load import load_engine, serving_folder
 from m31.features import FeatureConfig, build_features
-from m31.index import AdIndex, DurableIndex, RequestContext
+from m31.index import AdIndex, RequestContext
 from m31.model import build_model, load_checkpoint, model_preset, vocab_sizes
 from m31.model.checkpoint import FORMAT
 from m31.model.towers import advertiser_embedding
@@ -196,7 +196,7 @@ def test_the_text_encoder_sees_only_the_texts_there_are(recorded_texts):
 
 
 def test_trained_model_answers_without_inventing(trained):
-    root, data, ckpt, snapshot = trained
+    root, _data, ckpt, snapshot = trained
     model, blob = load_checkpoint(ckpt)
     assert blob["format"] == FORMAT
     # Every unknown row is zero after training: nothing was read through it.
@@ -215,9 +215,7 @@ def test_trained_model_answers_without_inventing(trained):
 
     index = AdIndex.load(snapshot)
     assert index.schema["brand"] == "str" and index.schema["categories"] == "str_list"
-    state = root / "serving"
-    DurableIndex.create(state, index).close()
-    engine = load_engine(state, ckpt, data)
+    engine = load_engine(serving_folder(snapshot, root / "serving"), ckpt)
     try:
         retriever = engine.retriever
         ts = T0 + 10**7
@@ -274,30 +272,40 @@ def test_ads_without_an_advertiser_or_a_start(tmp_path, recorded_texts):
     assert bool(index.eligible_mask(RequestContext(None, 30, None, None, None, ts=0))[-1])
 
 
-def test_the_server_answers(trained):
+def test_the_server_answers_without_the_dataset(trained):
+    """The index `m31 index build` wrote carries what serving reads: the server starts and
+    answers with the dataset folder gone (and writes nothing into it)."""
     root, data, ckpt, snapshot = trained
-    state = root / "served"
-    DurableIndex.create(state, AdIndex.load(snapshot)).close()
-    config = ServeConfig(index=state, model=ckpt, data=data)
-    with ThreadServer(create_app(config)) as s:
-        # No surface or platform: the data has none, and a request need not name one.
-        body = {"user_id": 101, "k": 5}
-        r = httpx.post(f"{s.url}/v1/retrieve", json={"requests": [body]})
-        assert r.status_code == 200, r.text
-        assert len(r.json()["results"][0]["ad_ids"]) == 5
-        # An inline user with nothing but a history.
-        history = [{"ad_id": 1003, "ts": T0}, {"ad_id": 1007, "ts": T0 + 60}]
-        inline = {"user": {"history": history}, "k": 5}
-        r = httpx.post(f"{s.url}/v1/retrieve", json={"requests": [inline]})
-        assert r.status_code == 200, r.text
-        assert len(r.json()["results"][0]["ad_ids"]) == 5
-        r = httpx.post(f"{s.url}/v1/retrieve", json={"requests": [{**body, "surface": "x"}]})
-        assert r.status_code == 422, r.text
-        body["filter"] = {"eq": ["brand", "globex"]}
-        r = httpx.post(f"{s.url}/v1/retrieve", json={"requests": [body]})
-        assert r.status_code == 200, r.text
-        ids = r.json()["results"][0]["ad_ids"]
-        assert ids and all((i - 1000) % 3 == 1 for i in ids)
+    config = ServeConfig(index=serving_folder(snapshot, root / "served"), model=ckpt)
+    hidden = data.rename(root / "hidden")
+    try:
+        with ThreadServer(create_app(config)) as s:
+            answer(s)
+        assert not data.exists()
+    finally:
+        hidden.rename(data)
+
+
+def answer(s: ThreadServer) -> None:
+    """What the served all-null dataset must answer."""
+    # No surface or platform: the data has none, and a request need not name one.
+    body = {"user_id": 101, "k": 5}
+    r = httpx.post(f"{s.url}/v1/retrieve", json={"requests": [body]})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["results"][0]["ad_ids"]) == 5
+    # An inline user with nothing but a history.
+    history = [{"ad_id": 1003, "ts": T0}, {"ad_id": 1007, "ts": T0 + 60}]
+    inline = {"user": {"history": history}, "k": 5}
+    r = httpx.post(f"{s.url}/v1/retrieve", json={"requests": [inline]})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["results"][0]["ad_ids"]) == 5
+    r = httpx.post(f"{s.url}/v1/retrieve", json={"requests": [{**body, "surface": "x"}]})
+    assert r.status_code == 422, r.text
+    body["filter"] = {"eq": ["brand", "globex"]}
+    r = httpx.post(f"{s.url}/v1/retrieve", json={"requests": [body]})
+    assert r.status_code == 200, r.text
+    ids = r.json()["results"][0]["ad_ids"]
+    assert ids and all((i - 1000) % 3 == 1 for i in ids)
 
 
 # ---------------------------------------------------------------- demographics where given
@@ -305,7 +313,7 @@ def test_the_server_answers(trained):
 
 def test_a_given_gender_moves_the_users_vector(tmp_path, recorded_texts):
     folder = dataset.save(own_data(demographics=True), tmp_path / "data")
-    ds, feats, model, index = untrained(folder)
+    _ds, feats, model, index = untrained(folder)
     vocab = feats.meta["vocab"]
     assert vocab["country"] == ["DE", "FR"] and vocab["cohort"] == [0, 1, 2, 3]
     half = N_USERS // 2
@@ -313,7 +321,7 @@ def test_a_given_gender_moves_the_users_vector(tmp_path, recorded_texts):
     assert (u["gender"][half:] == 2).all() and (u["gender"][:half] < 2).all()
     assert (u["country"][half:] == 2).all() and (u["cohort"][half:] == 4).all()
     assert (u["age_bucket"][half:] == N_AGE_BUCKETS).all()
-    retriever = Retriever(model, feats, index, ds.users)
+    retriever = Retriever(model, feats, index)
     ts = T0 + 10**7
     history = (Engagement(1003, ts - 60, None),)
 

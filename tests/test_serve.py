@@ -38,9 +38,7 @@ def world(tmp_path_factory) -> World:
 
 
 def config(world: World, state, **over) -> ServeConfig:
-    return ServeConfig(
-        index=state, model=world.model, data=world.data, **{"admin_token": ADMIN, **over}
-    )
+    return ServeConfig(index=state, model=world.model, **{"admin_token": ADMIN, **over})
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,6 @@ def fuzzed_server(tmp_path_factory):
     config = ServeConfig(
         index=fresh_state(world, "fuzz"),
         model=world.model,
-        data=world.data,
         admin_token=ADMIN,
         max_body_bytes=1 << 20,
     )

@@ -41,7 +41,6 @@ def server(world):
     config = ServeConfig(
         index=fresh_state(world, "hardened"),
         model=world.model,
-        data=world.data,
         admin_token=ADMIN,
         read_token=READ,
         body_timeout_s=0.5,

@@ -40,7 +40,6 @@ def server(world):
     config = ServeConfig(
         index=fresh_state(world, "limits"),
         model=world.model,
-        data=world.data,
         max_slice_ms=1.0,
         max_queue=4096,
     )
@@ -53,9 +52,7 @@ def stored_users(world: World) -> list[int]:
 
 
 def retrieve(server, requests: list[dict], **body) -> httpx.Response:
-    return httpx.post(
-        f"{server.url}/v1/retrieve", json={"requests": requests, **body}, timeout=600
-    )
+    return httpx.post(f"{server.url}/v1/retrieve", json={"requests": requests, **body}, timeout=600)
 
 
 def ids(response: httpx.Response) -> list[list[int]]:

@@ -980,24 +980,6 @@ def _token(env: str, file: Path | None, option: str) -> str | None:
     return os.environ.get(env) or None
 
 
-def _serving_state(index: Path, state: Path | None, device: str) -> Path:
-    """The durable serving folder for --index: itself, or one made once from a snapshot."""
-    from m31.index import DurableIndex
-
-    def durable(folder: Path) -> bool:
-        return (folder / "wal.log").is_file()
-
-    if durable(index):
-        return index
-    if not (index / "manifest.json").is_file():
-        raise ValueError(f"--index: {index} is neither an index snapshot nor a serving folder")
-    state = state or index.with_name(index.name + ".serving")
-    if not durable(state):
-        typer.echo(f"initialising the serving state {state} from the snapshot {index}")
-        DurableIndex.create(state, index, device=device).close()
-    return state
-
-
 @index_app.command("build")
 @cli_errors
 def index_build(
@@ -1040,8 +1022,11 @@ def cluster_init(
 ) -> None:
     """Partition a snapshot over S shards: a cluster state folder for `m31 serve --ray`."""
     from m31.cluster.layout import init_cluster
+    from m31.engine.load import copy_online, require_online
 
+    require_online(index)
     init_cluster(index, out, shards, device, log=typer.echo)
+    copy_online(index, out)
     typer.echo(f"wrote {out}: {shards} shards")
 
 
@@ -1056,8 +1041,11 @@ def cluster_reshard(
     """Re-partition a cluster state over a new number of shards, offline, from its shards'
     snapshots and logs; the global version carries over."""
     from m31.cluster.layout import reshard
+    from m31.engine.load import copy_online, require_online
 
+    require_online(from_)
     reshard(from_, shards, out, device, log=typer.echo)
+    copy_online(from_, out)
     typer.echo(f"wrote {out}: {shards} shards")
 
 
@@ -1071,13 +1059,6 @@ def serve_cmd(
         ),
     ],
     model: Annotated[Path, typer.Option(help="Checkpoint whose ad tower made the index.")],
-    data: Annotated[
-        Path | None,
-        typer.Option(
-            help="Dataset folder the model was trained on (default: ../world of the "
-            "checkpoint's folder, the demo's layout)."
-        ),
-    ] = None,
     state: Annotated[
         Path | None,
         typer.Option(
@@ -1157,12 +1138,9 @@ def serve_cmd(
 
     import uvicorn
 
+    from m31.engine.load import copy_online, serving_folder
     from m31.serve.app import ServeConfig, create_app
 
-    if data is None:
-        data = model.resolve().parent.parent / "world"
-        if not (data / "meta.json").is_file():
-            raise ValueError("--data: give the dataset folder the model was trained on")
     for name, value in (
         ("--max-batch-size", max_batch_size),
         ("--max-queue", max_queue),
@@ -1185,12 +1163,12 @@ def serve_cmd(
         from m31.cluster.layout import serving_cluster
 
         served = serving_cluster(index, state, shards, device, log=typer.echo)
+        copy_online(index, served)
     else:
-        served = _serving_state(index, state, device)
+        served = serving_folder(index, state, device, echo=typer.echo)
     config = ServeConfig(
         index=served,
         model=model,
-        data=data,
         device=device,
         max_batch_size=max_batch_size,
         max_queue_delay_ms=max_queue_delay_ms,
@@ -1216,8 +1194,8 @@ def serve_cmd(
 @cli_errors
 def query_cmd(
     user_id: Annotated[int, typer.Option(help="A stored user's id.")],
-    surface: Annotated[str, typer.Option()] = "feed",
-    platform: Annotated[str, typer.Option()] = "ios",
+    surface: Annotated[str | None, typer.Option(help="Default: none (unknown).")] = None,
+    platform: Annotated[str | None, typer.Option(help="Default: none (unknown).")] = None,
     k: Annotated[int, typer.Option(help="Results.")] = 10,
     ts: Annotated[int | None, typer.Option(help="Unix seconds (default: now).")] = None,
     filter: Annotated[
@@ -1232,7 +1210,8 @@ def query_cmd(
 
     from m31.client import Client, ServiceError
 
-    request = {"user_id": user_id, "surface": surface, "platform": platform, "k": k}
+    request = {"user_id": user_id, "k": k}
+    request |= {name: v for name, v in (("surface", surface), ("platform", platform)) if v}
     if ts is not None:
         request["ts"] = ts
     if filter is not None:
@@ -1247,7 +1226,8 @@ def query_cmd(
             raise ValueError(str(e)) from e
     res = out["results"][0]
     table = Table(
-        title=f"user {user_id}, {surface} on {platform}: index version {out['index_version']}, "
+        title=f"user {user_id}, {surface or 'any surface'} on {platform or 'any platform'}: "
+        f"index version {out['index_version']}, "
         f"{out['timings_ms']['total']:.1f} ms",
         title_justify="left",
     )

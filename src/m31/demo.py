@@ -103,7 +103,7 @@ def run(
     log(f"index: {len(index):,} ads, bf16, version {index.version}, snapshot in {out / 'index'}")
 
     # Sample requests, shown as a person would want to read them.
-    engine = Retriever(models["moe"], feats, index, ds.users)
+    engine = Retriever(models["moe"], feats, index)
     test = feats.splits["test"]
     rng = np.random.default_rng(0)
     picks = rng.choice(len(test["user"]), 3, replace=False)

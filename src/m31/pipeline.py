@@ -2,7 +2,8 @@
 
 Features are derived data: `features_for(DIR)` builds them on first use into
 `DIR/features/<split>` (atomically) and loads them from there afterwards, rebuilding them when
-they were built under an older split rule (`m31.features.build.SPLIT_RULE`).
+they were built under an older split rule or format (`m31.features.build.SPLIT_RULE`,
+`FEATURES_FORMAT`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import numpy as np
 
 from m31.data import dataset
 from m31.features import FeatureConfig, Features, build_features
-from m31.features.build import SPLIT_RULE
+from m31.features.build import FEATURES_FORMAT, SPLIT_RULE
 
 Progress = Callable[[str, int, int], None]
 
@@ -35,7 +36,10 @@ def features_for(
     out = data / "features" / split
     if (out / "meta.json").is_file():
         feats = Features.load(out)
-        if feats.meta.get("split_rule") == SPLIT_RULE:
+        if (feats.meta.get("split_rule"), feats.meta.get("features_format")) == (
+            SPLIT_RULE,
+            FEATURES_FORMAT,
+        ):
             return feats
     feats = build_features(
         dataset.load(data),

@@ -128,7 +128,7 @@ def run_engine(
         )
         build_s = time.perf_counter() - start
         log(f"engine: {dtype} index of {len(index):,} ads built in {build_s:.1f} s")
-        engine = Retriever(net, feats, index, ds.users)
+        engine = Retriever(net, feats, index)
         rng = np.random.default_rng(seed)  # the same requests for every dtype
         for b in batches:
             requests = [

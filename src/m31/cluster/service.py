@@ -33,14 +33,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import pyarrow.parquet as pq
 import torch
 from starlette.exceptions import HTTPException
 
 from m31.cluster.cluster import Cluster, Read
 from m31.engine import Retriever
 from m31.engine.ad_encoder import AdEncoder
-from m31.engine.load import load_model
+from m31.engine.load import model_and_features
 from m31.index import AdIndex
 from m31.ops.threads import single_threaded
 from m31.pipeline import embedding_cache_dir
@@ -253,17 +252,17 @@ class ClusterService(Service):
 
     @classmethod
     def load(cls, config: ServeConfig, cluster: Cluster) -> ClusterService:
-        """The model of `config` (its `index` is not read: the shards hold the index). Shards
-        that are down are waited for, up to `LOAD_WAIT_S`, only until one answers."""
-        net, feats = load_model(config.model, config.data, config.device)
+        """The model of `config` with the online features of its cluster state (`index`; the
+        shards hold the ads). Shards that are down are waited for, up to `LOAD_WAIT_S`, only
+        until one answers."""
+        net, feats = model_and_features(config.model, config.index, config.device)
         info = cluster.any_info(LOAD_WAIT_S)
         if info["dim_g"] != net.G or info["dim_x"] != net.D:
             raise ValueError(
                 f"the shards' vectors are G = {info['dim_g']}, D = {info['dim_x']}; the "
                 f"model's are G = {net.G}, D = {net.D}"
             )
-        users = pq.read_table(config.data / "users.parquet")
-        retriever = Retriever(net, feats, schema_index(info, config.device), users)
+        retriever = Retriever(net, feats, schema_index(info, config.device))
         encoder = AdEncoder(net, feats, embedding_cache_dir())
         encoder.load_text_encoder()
         service = cls(retriever, encoder, cluster, config.timeout_ms / 1000)

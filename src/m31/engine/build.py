@@ -3,36 +3,76 @@
     dataset folder + checkpoint -> ad tower over every ad -> AdIndex -> snapshot folder
 
 This is `m31 index build`, and what `make demo` runs; the snapshot records the checkpoint's
-hash, so that a server started on it can tell whether its model made it. The extra attribute
-columns a dataset declares (meta.json `item_attributes`) become filter fields of the index.
+hash, so that a server started on it can tell whether its model made it, and carries the online
+features in `online/` (`m31.engine.load`), so that a server needs nothing else. The extra
+attribute columns a dataset declares (meta.json `item_attributes`) become filter fields of the
+index.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
 from m31.data import dataset
-from m31.engine.load import load_model
+from m31.engine.ad_encoder import AdEncoder, NewAd
+from m31.engine.load import model_and_features, write_online
+from m31.features import Features
 from m31.index import AdIndex
 from m31.index.ad_index import TARGETING_VOCAB
 from m31.model import Catalog, RetrievalModel, checkpoint_hash, encode_ads
+from m31.pipeline import embedding_cache_dir
 
 
 def index_from_model(data: Path, model: RetrievalModel, feats, dtype=torch.bfloat16) -> AdIndex:
     """The index of every ad of the dataset folder `data`, encoded by `model`'s ad tower, with
     the dataset's item attributes as extra filter fields."""
     extra = dataset.item_attributes(json.loads((Path(data) / "meta.json").read_text()))
-    ads = dataset.conform("ads", pq.read_table(Path(data) / "ads.parquet"), extra)
-    catalog = Catalog.from_features(feats).to(next(model.parameters()).device)
-    g, x, b = encode_ads(model, catalog)
+    ads = pq.read_table(Path(data) / "ads.parquet")
+    return index_of(ads, model, feats, dtype, extra)
+
+
+def index_of(
+    ads: pa.Table,
+    model: RetrievalModel,
+    feats: Features,
+    dtype: torch.dtype = torch.bfloat16,
+    extra: Mapping[str, str] | None = None,
+) -> AdIndex:
+    """The index of the ads of `ads` (a table of the ads schema, with the `extra` attribute
+    columns: name -> kind), encoded by `model`'s ad tower: an ad of its catalogue (`feats`)
+    from its features, another from the table's columns as the server encodes an upserted ad
+    (`m31.engine.ad_encoder`: no co-engagement history)."""
+    ads = dataset.conform("ads", ads, extra or {})
+    ids = ads["ad_id"].to_numpy()
+    known = feats.ads["ad_id"]
+    order = np.argsort(known, kind="stable")
+    pos = np.minimum(np.searchsorted(known[order], ids), max(len(known) - 1, 0))
+    listed = known[order][pos] == ids if len(known) else np.zeros(len(ids), bool)  # [n]
+    device = next(model.parameters()).device
+    g, x, b = torch.empty(len(ids), model.G), torch.empty(len(ids), model.D), torch.empty(len(ids))
+    if listed.any():
+        catalog = Catalog.from_features(feats).to(device)
+        rows = torch.as_tensor(order[pos][listed], device=device)
+        at = torch.from_numpy(listed)
+        g[at], x[at], b[at] = (t.cpu() for t in encode_ads(model, catalog.take(rows)))
+    if not listed.all():
+        fields = ("ad_id", "advertiser_id", "objective", "format", "topic", "category", "text")
+        new = ads.filter(pa.array(~listed)).to_pylist()
+        ads_ = [NewAd(**{f: a[f] for f in fields}, quality=a["quality"]) for a in new]
+        encoder = AdEncoder(model, feats, embedding_cache_dir())
+        at = torch.from_numpy(~listed)
+        g[at], x[at], b[at] = (t.cpu() for t in encoder.encode(ads_))
     vocab = feats.meta["vocab"]
     targeting = {name: vocab[v] for name, v in TARGETING_VOCAB.items()}
     return AdIndex.from_table(
-        ads, g.cpu(), x.cpu(), b.cpu(), dtype=dtype, targeting=targeting, extra_fields=extra
+        ads, g, x, b, dtype=dtype, targeting=targeting, extra_fields=dict(extra or {})
     )
 
 
@@ -44,13 +84,19 @@ def build_index(
     dtype: torch.dtype = torch.bfloat16,
     overwrite: bool = False,
 ) -> AdIndex:
-    """Encode the catalogue of `data` with the checkpoint's ad tower; snapshot it into `out`."""
-    model, feats = load_model(model_path, data, device)
+    """Encode the catalogue of `data` with the checkpoint's ad tower; snapshot it into `out`,
+    with the online features."""
+    model, feats = model_and_features(model_path, data, device)
     if not isinstance(model, RetrievalModel):
         raise ValueError(
             f"--model: {model_path} is a {model.cfg.kind} model, which has no ad tower"
         )
     index = index_from_model(data, model, feats, dtype)
     index.model_hash = checkpoint_hash(model_path)
-    index.save(out, model_hash=index.model_hash, overwrite=overwrite)
+    index.save(
+        out,
+        model_hash=index.model_hash,
+        overwrite=overwrite,
+        beside=lambda folder: write_online(folder, feats, model.cfg.max_len),
+    )
     return index

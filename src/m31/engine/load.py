@@ -1,7 +1,14 @@
 """Online: what a server (or one shard of a cluster) needs to start, from the files on disk.
 
-    serving folder (snapshot + write-ahead log) + checkpoint + dataset folder
-        -> Retriever (model, features, users, index) + DurableIndex + AdEncoder
+    index folder (snapshot, serving folder or cluster state, each with online/) + checkpoint
+        -> Retriever (model, online features, index) + DurableIndex + AdEncoder
+
+`m31 index build` writes, beside the snapshot's files, the folder `online/`: the online
+features (`Features.online`: vocabularies, the catalogue's per-ad features and text and
+co-engagement embeddings, and the user store: each stored user's attributes and last L
+engagements), which is everything the online path reads besides the checkpoint. A serving
+folder or a cluster state made from the snapshot gets a copy of it. So a server needs no
+dataset folder, never builds features and never writes into one.
 
 The index must have been made by a model with the checkpoint's dimensions; a different
 checkpoint hash is allowed (a retrained model of the same shape) but logged, since scores then
@@ -11,11 +18,11 @@ mix two models.
 from __future__ import annotations
 
 import logging
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-import pyarrow.parquet as pq
-
+from m31.data.dataset import write_atomic
 from m31.engine.ad_encoder import AdEncoder
 from m31.engine.retriever import Retriever
 from m31.features import Features
@@ -25,6 +32,8 @@ from m31.model.checkpoint import check_trained_on
 from m31.pipeline import embedding_cache_dir, features_for
 
 log = logging.getLogger("m31.engine")
+
+ONLINE = "online"  # the online features' folder in an index, serving or cluster state folder
 
 
 @dataclass
@@ -37,19 +46,84 @@ class LoadedEngine:
         self.store.close()
 
 
-def load_model(model: Path, data: Path, device: str = "cpu") -> tuple:
-    """(model, features): the checkpoint and the features of `data` for the split it was
-    trained on (the features hold every user's history, not just the train part)."""
+def has_online(folder: Path) -> bool:
+    return (Path(folder) / ONLINE / "meta.json").is_file()
+
+
+def model_and_features(model: Path, data: Path, device: str = "cpu") -> tuple:
+    """(model, features): the checkpoint and the features it reads.
+
+    `data`: a folder holding `online/` (an index snapshot, serving folder or cluster state:
+    the online features, read as they are), a features folder, or the dataset folder the model
+    was trained on (its features for the checkpoint's split, built once into it: offline use).
+    """
     net, blob = load_checkpoint(Path(model), device=device)
-    feats: Features = features_for(Path(data), split=blob["split"]["name"])
+    data = Path(data)
+    if has_online(data):
+        feats = Features.load(data / ONLINE)
+    else:
+        feats = features_for(data, split=blob["split"]["name"])
     check_trained_on(blob, feats, Path(model))
     return net, feats
 
 
-def load_engine(index: Path, model: Path, data: Path, device: str = "cpu") -> LoadedEngine:
+def write_online(folder: Path, feats: Features, max_len: int) -> None:
+    """Write the online features of `feats` (each user's last `max_len` engagements) into
+    `folder/online`, atomically."""
+    online = feats if feats.is_online else feats.online(max_len)
+    online.save(Path(folder) / ONLINE)
+
+
+def require_online(source: Path) -> None:
+    """Raise unless `source` holds online features."""
+    if not has_online(source):
+        raise FileNotFoundError(
+            f"{Path(source) / ONLINE}: missing: this index was built before an index carried "
+            "the features serving reads; build it again with `m31 index build`"
+        )
+
+
+def copy_online(source: Path, target: Path) -> None:
+    """Give `target` (a serving folder or cluster state) the online features of `source` (the
+    snapshot or state it was made from), unless it has them; atomically."""
+    source, target = Path(source), Path(target)
+    if has_online(target):
+        return
+    require_online(source)
+    write_atomic(
+        target / ONLINE,
+        lambda tmp: shutil.copytree(source / ONLINE, tmp, dirs_exist_ok=True),
+        overwrite=True,  # an incomplete copy is never renamed into place: this is a leftover
+    )
+
+
+def serving_folder(index: Path, state: Path | None = None, device: str = "cpu", echo=None) -> Path:
+    """The durable serving folder for `index`: itself when it is one, else one made once (at
+    `state`, default INDEX.serving) from the snapshot `index`, with its online features."""
+    index = Path(index)
+    if DurableIndex.is_folder(index):
+        return index
+    if not (index / "manifest.json").is_file():
+        raise ValueError(f"--index: {index} is neither an index snapshot nor a serving folder")
+    state = Path(state) if state is not None else index.with_name(index.name + ".serving")
+    if not DurableIndex.is_folder(state):
+        require_online(index)  # before anything is made for an index without them
+        if echo is not None:
+            echo(f"initialising the serving state {state} from the snapshot {index}")
+        DurableIndex.create(state, index, device=device).close()
+    copy_online(index, state)  # also after a crash between the two
+    return state
+
+
+def load_engine(index: Path, model: Path, device: str = "cpu") -> LoadedEngine:
     """Open the serving folder `index` and the model that made it, ready to answer."""
-    net, feats = load_model(model, data, device)
-    users = pq.read_table(Path(data) / "users.parquet")  # targeting: country, age…
+    index = Path(index)
+    if not has_online(index):
+        raise FileNotFoundError(
+            f"{index / ONLINE}: missing (a serving folder made from a snapshot gets its online "
+            "features from it: start from the snapshot `m31 index build` wrote)"
+        )
+    net, feats = model_and_features(model, index, device)
     store = DurableIndex.open(index, device=device)
     try:
         if store.index.dim_g != net.G or store.index.dim_x != net.D:
@@ -63,7 +137,7 @@ def load_engine(index: Path, model: Path, data: Path, device: str = "cpu") -> Lo
                 "the index was made by checkpoint %s, not %s (%s): scores mix two models",
                 made_by, digest, model,
             )  # fmt: skip
-        retriever = Retriever(net, feats, store.index, users)
+        retriever = Retriever(net, feats, store.index)
     except BaseException:
         store.close()
         raise

@@ -9,8 +9,9 @@ does not check it again.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -31,7 +32,7 @@ def one_of(field: str, value, allowed: Sequence[str], error: type[Exception] = R
 class Engagement:
     ad_id: int
     ts: int  # Unix seconds
-    surface: str | None  # None: unknown
+    surface: str | None = None  # None: unknown
 
 
 @dataclass(frozen=True)
@@ -53,14 +54,20 @@ class InlineUser:
     organic_topics: Sequence[int] = ()  # topics of organic engagement, most recent last
 
 
+def now() -> int:
+    """The current time in Unix seconds: a request's default time."""
+    return int(time.time())
+
+
 @dataclass(frozen=True)
 class AdRequest:
-    user_id: int | None  # a stored user; None when `user` is given inline
-    ts: int  # Unix seconds: history is read strictly before it, schedules are checked at it
+    user_id: int | None = None  # a stored user; None when `user` is given inline
+    # Unix seconds: history is read strictly before it, schedules are checked at it
+    ts: int = field(default_factory=now)
     # None: unknown (a dataset without surfaces or platforms): no context input from it, and
     # only ads that do not target surfaces (platforms) are eligible
-    surface: str | None
-    platform: str | None
+    surface: str | None = None
+    platform: str | None = None
     hour: int | None = None  # of day; default: from ts (UTC)
     exclude_ads: Sequence[int] = ()
     exclude_advertisers: Sequence[int] = ()

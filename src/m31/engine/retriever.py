@@ -138,10 +138,26 @@ def merge(parts: Sequence[Retrieved], k: int) -> Retrieved:
     return Retrieved(ad_ids=ids[order], scores=scores[order])
 
 
+def _targeting(users: Mapping[str, np.ndarray], vocab: Mapping) -> list[dict]:
+    """Each stored user's country, age and gender as the ads' targeting reads them (None: the
+    user's is unknown), from the features' codes."""
+
+    def values(codes: np.ndarray, names: Sequence[str]) -> list[str | None]:
+        return [names[c] if c < len(names) else None for c in codes.tolist()]
+
+    country = values(users["country"], vocab["country"])
+    gender = values(users["gender"], vocab["gender"])
+    age = [None if a < 0 else a for a in users["age"].tolist()]
+    return [
+        {"country": c, "age": a, "gender": g} for c, a, g in zip(country, age, gender, strict=True)
+    ]
+
+
 class Retriever:
-    def __init__(self, model: RetrievalModel, feats: Features, index: AdIndex, users) -> None:
-        """`users`: the dataset's users table (pyarrow), for targeting (country, age, gender;
-        a null one is unknown, which only ads without that restriction accept)."""
+    def __init__(self, model: RetrievalModel, feats: Features, index: AdIndex) -> None:
+        """`feats`: the features the model reads (its catalogue and stored users; the online
+        ones suffice). A stored user's targeting (country, age, gender) is read from them; a
+        null one is unknown, which only ads without that restriction accept."""
         if not isinstance(model, RetrievalModel):
             raise TypeError(
                 "the engine serves retrieval models (moe, two-tower), not ranking models"
@@ -155,12 +171,8 @@ class Retriever:
         ids = feats.users["user_id"]
         self._user_order = np.argsort(ids, kind="stable")
         self._user_sorted = ids[self._user_order]
-        by_id = {
-            r["user_id"]: r
-            for r in users.select(["user_id", "country", "age", "gender"]).to_pylist()
-        }
-        self._targeting = [by_id.get(int(i)) for i in ids]  # [U] per feature row
         vocab = feats.meta["vocab"]
+        self._targeting = _targeting(feats.users, vocab)  # [U] per feature row
         self._countries = {c: i for i, c in enumerate(vocab["country"])}
         # The model's values of each categorical field: a request naming another is refused.
         self.vocab = {name: tuple(vocab[name]) for name in ("surface", "platform", "gender")}
@@ -299,7 +311,7 @@ class Retriever:
             if r.user is not None:
                 who = {"country": r.user.country, "age": r.user.age, "gender": r.user.gender}
             else:
-                who = self._targeting[row] or {}
+                who = self._targeting[row]
             prepared.append(PreparedRequest(r, int(k_), row, compiled, who))
         return prepared
 

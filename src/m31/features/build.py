@@ -27,6 +27,9 @@ Folder layout (`Features.save`)::
     text_emb.npy cooc_emb.npy  [A, H] and [A, d] float32
     engagements.parquet organic.parquet          the event sequences
     train.parquet val.parquet test.parquet impressions.parquet   examples
+
+`Features.online` is what serving reads of them (DESIGN §5): no examples, and each user's last
+engagements only (the user store); saved the same way, without the example files.
 """
 
 from __future__ import annotations
@@ -59,8 +62,12 @@ SPLITS = ("leave-last-out", "time")
 # Bumped whenever the rule that assigns engagements to splits changes, so that feature folders
 # built under an older rule are rebuilt (2: same-second ties, `_split`).
 SPLIT_RULE = 2
+# Bumped whenever the folder's content changes (3: users' raw age, for targeting), with the same
+# effect.
+FEATURES_FORMAT = 3
 OPEN_START = np.iinfo(np.int64).min  # the created_at of an ad without one: no start
 EXAMPLE_COLUMNS = ("user", "item", "ts", "surface", "hour", "platform", "click", "conversion")
+EXAMPLE_SETS = ("train", "val", "test", "impressions")
 
 
 @dataclass(frozen=True)
@@ -142,6 +149,28 @@ class Features:
     splits: dict[str, dict[str, np.ndarray]]  # train/val/test/impressions -> column -> [n]
 
     @property
+    def is_online(self) -> bool:
+        """Whether these are the online features (`online`): no examples, recent events only."""
+        return bool(self.meta.get("online"))
+
+    def online(self, max_len: int | None = None) -> Features:
+        """What serving reads: the catalogue's and the users' features and each user's last
+        `max_len` engagements (default: the config's) and last `organic_len` organic events,
+        without the training examples. A request is read as of its time, so one dated before
+        a user's kept events sees fewer of them than the full features would give."""
+        return Features(
+            config=self.config,
+            meta={**self.meta, "online": True},
+            ads=self.ads,
+            users=self.users,
+            text_emb=self.text_emb,
+            cooc_emb=self.cooc_emb,
+            engagements=self.engagements.last(max_len or self.config.max_len),
+            organic=self.organic.last(self.config.organic_len),
+            splits={},
+        )
+
+    @property
     def n_users(self) -> int:
         return len(self.users["user_id"])
 
@@ -214,7 +243,7 @@ class Features:
             cooc_emb=np.load(folder / "cooc_emb.npy"),
             engagements=seqs["engagements"],
             organic=seqs["organic"],
-            splits={name: table(name) for name in ("train", "val", "test", "impressions")},
+            splits={} if meta.get("online") else {name: table(name) for name in EXAMPLE_SETS},
         )
 
 
@@ -243,14 +272,14 @@ def build_features(
     advertiser[advertiser == len(advertiser_vocab)] = -1  # no advertiser
     cohort_vocab, cohort = _ids(users_t["cohort"])
     age = users_t["age"]
+    has_age = age.is_valid().to_numpy(zero_copy_only=False)
     users = {
         "user_id": user_ids,
         "cohort": cohort,
-        "age_bucket": np.where(
-            age.is_valid().to_numpy(zero_copy_only=False),
-            age_bucket(_filled(age, 0)),
-            N_AGE_BUCKETS,
-        ).astype(np.int64),
+        "age": np.where(has_age, _filled(age, 0), -1).astype(np.int64),  # targeting; -1: null
+        "age_bucket": np.where(has_age, age_bucket(_filled(age, 0)), N_AGE_BUCKETS).astype(
+            np.int64
+        ),
         "gender": _codes(users_t["gender"], vocab["gender"], "users.gender"),
         "country": _codes(users_t["country"], countries, "users.country"),
         "platform": _codes(users_t["platform"], vocab["platform"], "users.platform"),
@@ -328,6 +357,7 @@ def build_features(
         "source": ds.meta.get("source"),
         "repeat_engagement": repeat_engagement(ds.meta),
         "split_rule": SPLIT_RULE,
+        "features_format": FEATURES_FORMAT,
         "n_users": n_u,
         "n_ads": n_a,
         "n_topics": n_topics,

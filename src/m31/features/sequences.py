@@ -38,6 +38,16 @@ class EventSequences:
         offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         return cls(offsets, ts[order], {k: np.asarray(v)[order] for k, v in values.items()})
 
+    def last(self, n: int) -> EventSequences:
+        """The last `n` events of each user (all of them for a user with fewer)."""
+        counts = np.diff(self.offsets)  # [U]
+        kept = np.minimum(counts, n)
+        # position of each event within its user's run, counted from the run's start
+        within = np.arange(len(self.ts)) - np.repeat(self.offsets[:-1], counts)
+        keep = within >= np.repeat(counts - kept, counts)  # [M]
+        offsets = np.concatenate([[0], np.cumsum(kept)]).astype(np.int64)
+        return EventSequences(offsets, self.ts[keep], {k: v[keep] for k, v in self.values.items()})
+
     @property
     def n_users(self) -> int:
         return len(self.offsets) - 1

@@ -35,7 +35,7 @@ from __future__ import annotations
 import copy
 import json
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -843,13 +843,19 @@ class AdIndex:
         return index
 
     def save(
-        self, path: str | Path, model_hash: str | None = None, overwrite: bool = False
+        self,
+        path: str | Path,
+        model_hash: str | None = None,
+        overwrite: bool = False,
+        beside: Callable[[Path], None] | None = None,
     ) -> Path:
         """Write a snapshot folder of the live ads atomically (layout: `read_manifest`).
 
         Only live rows are written, in row order, so the snapshot is the compacted index; the
         index itself is not changed. `model_hash` records the checkpoint that made g, x, b. An
         interrupted save leaves no folder behind and any previous snapshot at `path` intact.
+        `beside(folder)` may add a subfolder of its own (the engine's online features) to the
+        folder before it is renamed into place; the manifest does not list it.
         """
         with self._lock:
             live = self._live[: self._n].nonzero().squeeze(1)  # [n_live]
@@ -889,6 +895,8 @@ class AdIndex:
             files = sorted(p.name for p in tmp.iterdir())
             manifest["files"] = {f: {"bytes": (tmp / f).stat().st_size} for f in files}
             (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+            if beside is not None:
+                beside(tmp)
 
         try:
             return write_atomic(Path(path), fill, overwrite=overwrite)

@@ -310,6 +310,11 @@ class DurableIndex:
             raise
         return cls(path, index, lock_fd, log_fd, len(LOG_HEADER), index.version)
 
+    @staticmethod
+    def is_folder(path: str | Path) -> bool:
+        """Whether `path` is a durable index folder (one `create` completed)."""
+        return (Path(path) / LOG).is_file()
+
     @classmethod
     def open(cls, path: str | Path, device: str | torch.device = "cpu") -> DurableIndex:
         """Load the snapshot of the folder `path` onto `device` and replay its log."""

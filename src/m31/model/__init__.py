@@ -10,7 +10,7 @@ from m31.model.checkpoint import (
 )
 from m31.model.config import PRESETS, ModelConfig, model_preset
 from m31.model.inference import ScoreFunction, encode_ads, encode_requests
-from m31.model.inputs import Catalog, Requests, make_requests
+from m31.model.inputs import Catalog, RequestInputs, make_requests
 from m31.model.ranking import RankingModel
 from m31.model.retrieval import RetrievalModel
 
@@ -19,7 +19,7 @@ __all__ = [
     "Catalog",
     "ModelConfig",
     "RankingModel",
-    "Requests",
+    "RequestInputs",
     "RetrievalModel",
     "ScoreFunction",
     "build_model",

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from m31.features import Features
-from m31.model.inputs import Catalog, Requests, make_requests
+from m31.model.inputs import Catalog, RequestInputs, make_requests
 from m31.model.retrieval import RetrievalModel
 from m31.ops import score
 
@@ -60,7 +60,7 @@ class ScoreFunction:
         self.device = catalog.ad_id.device
         self._ads = encode_ads(model, catalog) if isinstance(model, RetrievalModel) else None
 
-    def _inputs(self, req) -> Requests:
+    def _inputs(self, req) -> RequestInputs:
         return make_requests(
             self.feats,
             req.user,

@@ -73,7 +73,7 @@ class Catalog:
 
 
 @dataclass
-class Requests:
+class RequestInputs:
     """B requests with everything the user towers read."""
 
     cohort: torch.Tensor  # [B]
@@ -91,11 +91,11 @@ class Requests:
     def __len__(self) -> int:
         return len(self.cohort)
 
-    def to(self, device: torch.device | str) -> Requests:
-        return Requests(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+    def to(self, device: torch.device | str) -> RequestInputs:
+        return RequestInputs(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 
-    def slice(self, lo: int, hi: int) -> Requests:
-        return Requests(**{f.name: getattr(self, f.name)[lo:hi] for f in fields(self)})
+    def slice(self, lo: int, hi: int) -> RequestInputs:
+        return RequestInputs(**{f.name: getattr(self, f.name)[lo:hi] for f in fields(self)})
 
 
 def _requests(
@@ -106,14 +106,14 @@ def _requests(
     hist_surface: np.ndarray,
     hist_ts: np.ndarray,
     organic: np.ndarray,
-) -> Requests:
-    """Requests from arrays: demographics (cohort, age_bucket, gender, country codes) [B],
+) -> RequestInputs:
+    """Request inputs from arrays: demographics (cohort, age_bucket, gender, country codes) [B],
     context (surface, hour, platform) [B], right-aligned histories [B, L] padded with -1."""
 
     def t(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
 
-    return Requests(
+    return RequestInputs(
         **{k: t(v) for k, v in demographics.items()},
         **{k: t(v) for k, v in context.items()},
         hist_item=t(items),
@@ -131,7 +131,7 @@ def make_requests(
     hour: np.ndarray,
     platform: np.ndarray,
     max_len: int,
-) -> Requests:
+) -> RequestInputs:
     """Inputs of requests (user rows, times, context ids), as of each request's time."""
     user = np.asarray(user, dtype=np.int64)
     ts = np.asarray(ts, dtype=np.int64)
@@ -156,7 +156,7 @@ def inline_requests(
     hour: np.ndarray,
     platform: np.ndarray,
     max_len: int,
-) -> Requests:
+) -> RequestInputs:
     """Inputs of requests whose users are given inline rather than stored in `feats`.
 
     Demographics are vocabulary codes [B]; `histories[i]` = (ad rows, surface codes, Unix
@@ -186,9 +186,12 @@ def inline_requests(
     return _requests(demographics, ts, context, items, hist_surface, hist_ts, org)
 
 
-def concat_requests(parts: list[Requests], order: np.ndarray) -> Requests:
-    """Requests of several parts, concatenated and then taken in `order` ([B] positions)."""
+def concat_requests(parts: list[RequestInputs], order: np.ndarray) -> RequestInputs:
+    """Request inputs of several parts, concatenated and then taken in `order` ([B] positions)."""
     index = torch.from_numpy(np.asarray(order, dtype=np.int64))
-    return Requests(
-        **{f.name: torch.cat([getattr(r, f.name) for r in parts])[index] for f in fields(Requests)}
+    return RequestInputs(
+        **{
+            f.name: torch.cat([getattr(r, f.name) for r in parts])[index]
+            for f in fields(RequestInputs)
+        }
     )

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from m31.model.config import ModelConfig
-from m31.model.inputs import N_TIME_BUCKETS, Catalog, Requests
+from m31.model.inputs import N_TIME_BUCKETS, Catalog, RequestInputs
 from m31.model.retrieval import RetrievalModel
 from m31.model.towers import (
     ContextEncoder,
@@ -76,7 +76,9 @@ class RankingModel(nn.Module):
             self.base.eval()  # frozen: always in inference mode
         return self
 
-    def base_score(self, r: Requests, catalog: Catalog, cand_rows: torch.Tensor) -> torch.Tensor:
+    def base_score(
+        self, r: RequestInputs, catalog: Catalog, cand_rows: torch.Tensor
+    ) -> torch.Tensor:
         """The base model's §2 scores [B, C] of cand_rows [B, C] (or [C], shared), reading the
         last `max_len` history events it was trained with."""
         n = self.base.cfg.max_len
@@ -95,7 +97,7 @@ class RankingModel(nn.Module):
             + self.quality(ads.quality[..., None])
         )
 
-    def forward(self, r: Requests, catalog: Catalog, cand_rows: torch.Tensor) -> torch.Tensor:
+    def forward(self, r: RequestInputs, catalog: Catalog, cand_rows: torch.Tensor) -> torch.Tensor:
         """Scores [B, C] of each request's candidate ad rows cand_rows [B, C] (or [C], shared)."""
         b = len(r)
         base = 0.0 if self.base is None else self.base_score(r, catalog, cand_rows)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from m31.model.config import ModelConfig
-from m31.model.inputs import Catalog, Requests
+from m31.model.inputs import Catalog, RequestInputs
 from m31.model.towers import AdTower, ItemEncoder, UserFeatures, mlp
 from m31.ops import score
 
@@ -45,14 +45,14 @@ class RetrievalModel(nn.Module):
         nn.init.zeros_(self.modulation.weight)
         nn.init.zeros_(self.modulation.bias)
 
-    def context_map(self, r: Requests) -> torch.Tensor:
+    def context_map(self, r: RequestInputs) -> torch.Tensor:
         """M(ctx): [B, D, D], the identity plus a learned context-dependent part."""
         eye = torch.eye(self.D, device=r.surface.device)
         ctx = self.user.context(r)
         return eye + self.modulation(ctx).view(-1, self.D, self.D)
 
     def encode_requests(
-        self, r: Requests, catalog: Catalog, fold_context: bool = True
+        self, r: RequestInputs, catalog: Catalog, fold_context: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q [B, E, G], v [B, E, D], p [B, E]); with `fold_context`, v already holds M^T v."""
         states = self.user(r, catalog)  # family -> [B, k, h]
@@ -71,7 +71,7 @@ class RetrievalModel(nn.Module):
         """(g [N, G], x [N, D], b [N])."""
         return self.ads(ads)
 
-    def forward(self, r: Requests, catalog: Catalog, candidates: Catalog):
+    def forward(self, r: RequestInputs, catalog: Catalog, candidates: Catalog):
         """Scores of every request against every candidate, and the gate: [B, N], [B, N, E]."""
         q, v, p = self.encode_requests(r, catalog)
         g, x, b = self.encode_ads(candidates)

@@ -11,7 +11,7 @@ import itertools
 import torch
 from torch import nn
 
-from m31.model.inputs import N_TIME_BUCKETS, Catalog, Requests
+from m31.model.inputs import N_TIME_BUCKETS, Catalog, RequestInputs
 
 _HASH_MULT = 0x5DEECE66D  # odd multiplier: spreads consecutive ids across buckets
 
@@ -81,7 +81,7 @@ class ContextEncoder(nn.Module):
         self.hour = nn.Embedding(24, h)
         self.platform = vocab_embedding(sizes, "platform", h)
 
-    def forward(self, r: Requests) -> torch.Tensor:
+    def forward(self, r: RequestInputs) -> torch.Tensor:
         return self.surface(r.surface) + self.hour(r.hour) + self.platform(r.platform)
 
 
@@ -156,7 +156,7 @@ class UserFeatures(nn.Module):
             self.organic = vocab_embedding(sizes, "topic", h)
             self.cooc = nn.Linear(cooc_dim, h)
 
-    def forward(self, r: Requests, catalog: Catalog) -> dict[str, torch.Tensor]:
+    def forward(self, r: RequestInputs, catalog: Catalog) -> dict[str, torch.Tensor]:
         ctx = self.context(r)  # [B, h]
         valid = r.hist_item >= 0  # [B, L]
         hist = catalog.take(r.hist_item)

@@ -26,9 +26,10 @@ MAX_BODY_BYTES = 16 << 20
 
 @dataclass
 class ServeConfig:
-    index: Path  # durable serving state (snapshot + write-ahead log)
+    # durable serving state (snapshot + write-ahead log) or cluster state, with the online
+    # features the model reads (`m31.engine.load`)
+    index: Path
     model: Path  # checkpoint of the retrieval model whose ad tower made the index
-    data: Path  # dataset folder: the feature store and users the model reads
     device: str = "cpu"
     max_batch_size: int = MAX_BATCH_SIZE  # requests per device call; 1 turns batching off
     max_queue_delay_ms: float = MAX_QUEUE_DELAY_MS

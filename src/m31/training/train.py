@@ -34,7 +34,7 @@ from m31.features import Features
 from m31.model.checkpoint import build_model, vocab_sizes
 from m31.model.config import ModelConfig
 from m31.model.inference import ScoreFunction
-from m31.model.inputs import Catalog, Requests, make_requests
+from m31.model.inputs import Catalog, RequestInputs, make_requests
 from m31.model.retrieval import (
     RetrievalModel,
     balance_loss,
@@ -51,7 +51,7 @@ def default_device() -> torch.device:
 
 def requests_for(
     feats: Features, split: dict[str, np.ndarray], rows: np.ndarray, max_len: int
-) -> Requests:
+) -> RequestInputs:
     return make_requests(
         feats,
         split["user"][rows],
