@@ -60,10 +60,15 @@ class Server:
             env["PYTHONPATH"] = str(checkout / "src")
         self.url = f"http://127.0.0.1:{port}"
         self.log = open(self.state.parent / "server.log", "w")
+        # A checkout from before served indexes carried their online features reads the dataset
+        # folder (`--data`); one from after refuses the option.
+        help_ = subprocess.run([sys.executable, "-m", "m31.cli", "serve", "--help"], env=env,
+                               capture_output=True, text=True).stdout  # fmt: skip
+        data = ["--data", str(root / "world")] if "--data" in help_ else []
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "m31.cli", "serve", "--index", str(root / "index"),
              "--state", str(self.state), "--model", str(root / "runs" / "moe.pt"),
-             "--data", str(root / "world"), "--port", str(port), *extra],
+             *data, "--port", str(port), *extra],
             env=env, stdout=self.log, stderr=self.log,
         )  # fmt: skip
         while True:
