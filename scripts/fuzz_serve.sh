@@ -15,7 +15,7 @@ trap 'kill "$server" 2>/dev/null || true; rm -rf "$world"' EXIT
 
 PYTHONPATH=tests "$PY" -c 'import sys, pathlib, serve_helpers as h; h.build_world(pathlib.Path(sys.argv[1]))' "$world"
 export M31_ADMIN_TOKEN=fuzz-admin M31_READ_TOKEN=fuzz-read
-"$PY" -m m31.cli serve --index "$world/index" --model "$world/runs/moe.pt" --data "$world/world" \
+"$PY" -m m31.cli serve --index "$world/index" --model "$world/runs/moe.pt" \
   --port "$PORT" >"$OUT/server.log" 2>&1 &
 server=$!
 until curl -sf "http://127.0.0.1:$PORT/health/ready" >/dev/null; do
