@@ -25,6 +25,8 @@ class RequestError(ValueError):
 def one_of(field: str, value, allowed: Sequence[str], error: type[Exception] = RequestError):
     """Raise `error` naming `field` unless `value` is in the vocabulary `allowed`."""
     if value not in allowed:
+        if not allowed:
+            raise error(f"{field}: {value!r}: the model knows no values here (its data had none)")
         raise error(f"{field}: {value!r} is not one of {', '.join(allowed)}")
 
 

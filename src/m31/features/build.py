@@ -28,7 +28,7 @@ Folder layout (`Features.save`)::
     engagements.parquet organic.parquet          the event sequences
     train.parquet val.parquet test.parquet impressions.parquet   examples
 
-`Features.online` is what serving reads of them (DESIGN §5): no examples, and each user's last
+`Features.online` is what serving reads of them (DESIGN §1): no examples, and each user's last
 engagements only (the user store); saved the same way, without the example files.
 """
 
