@@ -38,7 +38,11 @@ def world(tmp_path_factory) -> World:
 
 
 def config(world: World, state, **over) -> ServeConfig:
-    return ServeConfig(index=state, model=world.model, **{"admin_token": ADMIN, **over})
+    """A server's config; its default deadline is generous, so that a busy machine does not
+    turn a correctness test into a 504 (the tests of deadlines set their own)."""
+    return ServeConfig(
+        index=state, model=world.model, **{"admin_token": ADMIN, "timeout_ms": 60_000, **over}
+    )
 
 
 @pytest.fixture(scope="module")

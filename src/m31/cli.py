@@ -1225,12 +1225,11 @@ def query_cmd(
         except ServiceError as e:
             raise ValueError(str(e)) from e
     res = out["results"][0]
-    table = Table(
-        title=f"user {user_id}, {surface or 'any surface'} on {platform or 'any platform'}: "
-        f"index version {out['index_version']}, "
-        f"{out['timings_ms']['total']:.1f} ms",
-        title_justify="left",
+    typer.echo(
+        f"user {user_id}, {surface or 'any surface'} on {platform or 'any platform'}: "
+        f"index version {out['index_version']}, {out['timings_ms']['total']:.1f} ms"
     )
+    table = Table()
     for col in ("#", "ad", "score"):
         table.add_column(col, justify="right")
     for rank, (ad, s) in enumerate(zip(res["ad_ids"], res["scores"], strict=True), 1):
