@@ -263,6 +263,7 @@ class ClusterService(Service):
                 f"model's are G = {net.G}, D = {net.D}"
             )
         retriever = Retriever(net, feats, schema_index(info, config.device))
+        retriever.group_caps = False  # the ads' campaigns and advertisers are on the shards
         encoder = AdEncoder(net, feats, embedding_cache_dir())
         encoder.load_text_encoder()
         service = cls(retriever, encoder, cluster, config.timeout_ms / 1000)
@@ -419,3 +420,13 @@ class ClusterService(Service):
 
     def snapshot(self) -> int:
         return self._mutated(self._call(self.cluster.snapshot))
+
+    def add_events(self, events, key):
+        raise NotImplementedError(
+            "user events are served by m31 serve, not yet by m31 serve --ray (docs/SCALING.md)"
+        )
+
+    def set_users(self, users):
+        raise NotImplementedError(
+            "user attributes are served by m31 serve, not yet by m31 serve --ray (docs/SCALING.md)"
+        )

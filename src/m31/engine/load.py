@@ -24,7 +24,7 @@ from pathlib import Path
 
 from m31.data.dataset import write_atomic
 from m31.engine.ad_encoder import AdEncoder
-from m31.engine.retriever import Retriever
+from m31.engine.retriever import Retriever, seed_users
 from m31.features import Features
 from m31.index import DurableIndex
 from m31.model import checkpoint_hash, load_checkpoint
@@ -124,7 +124,9 @@ def load_engine(index: Path, model: Path, device: str = "cpu") -> LoadedEngine:
             "features from it: start from the snapshot `m31 index build` wrote)"
         )
     net, feats = model_and_features(model, index, device)
-    store = DurableIndex.open(index, device=device)
+    # The user store: seeded from the online features, then the snapshot's and the log's events.
+    users = seed_users(feats, net.cfg.max_len)
+    store = DurableIndex.open(index, device=device, users=users)
     try:
         if store.index.dim_g != net.G or store.index.dim_x != net.D:
             raise ValueError(
@@ -137,7 +139,7 @@ def load_engine(index: Path, model: Path, device: str = "cpu") -> LoadedEngine:
                 "the index was made by checkpoint %s, not %s (%s): scores mix two models",
                 made_by, digest, model,
             )  # fmt: skip
-        retriever = Retriever(net, feats, store.index)
+        retriever = Retriever(net, feats, store.index, users)
     except BaseException:
         store.close()
         raise

@@ -62,6 +62,16 @@ def now() -> int:
 
 
 @dataclass(frozen=True)
+class FrequencyCap:
+    """Leave out what the user engaged with `max` times or more in the `window_s` seconds
+    before the request: the ad, or every ad of its campaign or advertiser (`per`)."""
+
+    per: str  # "ad", "campaign" or "advertiser"
+    max: int
+    window_s: int
+
+
+@dataclass(frozen=True)
 class AdRequest:
     user_id: int | None = None  # a stored user; None when `user` is given inline
     # Unix seconds: history is read strictly before it, schedules are checked at it
@@ -75,6 +85,7 @@ class AdRequest:
     exclude_advertisers: Sequence[int] = ()
     filter: Mapping | None = None  # JSON filter tree over ad attributes (m31.index.filters)
     user: InlineUser | None = None
+    frequency_cap: FrequencyCap | None = None
 
 
 @dataclass(frozen=True)

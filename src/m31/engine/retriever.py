@@ -23,6 +23,7 @@ kernel's last result is among its results.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import numbers
 import time
 from collections.abc import Mapping, Sequence
@@ -35,13 +36,17 @@ from m31.data.schema import N_AGE_BUCKETS, age_bucket
 from m31.engine.requests import AdRequest, InlineUser, PreparedRequest, RequestError, one_of
 from m31.features import Features
 from m31.index import AdIndex, CompiledFilter, IndexView, RequestContext, compile_filter
-from m31.model import Catalog, RetrievalModel, make_requests
-from m31.model.inputs import concat_requests, inline_requests
+from m31.index.users import ATTRIBUTES as USER_ATTRIBUTES
+from m31.index.users import Events, UserStore, Vocab
+from m31.model import Catalog, RetrievalModel
+from m31.model.inputs import concat_requests, inline_requests, request_inputs
 from m31.ops import NO_ROW, PackedMask, score_topk
 from m31.ops.threads import single_threaded
 
 # Extra results asked of the kernel beyond K, so that ties at the K-th score rarely need a retry.
 TIE_MARGIN = 64
+# What a frequency cap counts by: the index field of an ad's group (None: the ad itself).
+CAP_GROUPS = {"ad": None, "campaign": "campaign_id", "advertiser": "advertiser_id"}
 
 
 @dataclass
@@ -138,26 +143,42 @@ def merge(parts: Sequence[Retrieved], k: int) -> Retrieved:
     return Retrieved(ad_ids=ids[order], scores=scores[order])
 
 
-def _targeting(users: Mapping[str, np.ndarray], vocab: Mapping) -> list[dict]:
-    """Each stored user's country, age and gender as the ads' targeting reads them (None: the
-    user's is unknown), from the features' codes."""
-
-    def values(codes: np.ndarray, names: Sequence[str]) -> list[str | None]:
-        return [names[c] if c < len(names) else None for c in codes.tolist()]
-
-    country = values(users["country"], vocab["country"])
-    gender = values(users["gender"], vocab["gender"])
-    age = [None if a < 0 else a for a in users["age"].tolist()]
-    return [
-        {"country": c, "age": a, "gender": g} for c, a, g in zip(country, age, gender, strict=True)
-    ]
+def seed_users(feats: Features, length: int) -> UserStore:
+    """The user store `feats` seed: every user of the features, their attributes and last
+    `length` engagements (rows in the features' order, so a seeded user's row is its feature
+    row)."""
+    vocab = feats.meta["vocab"]
+    codes = Vocab(
+        surfaces=tuple(vocab["surface"]),
+        countries=tuple(vocab["country"]),
+        genders=tuple(vocab["gender"]),
+        cohorts=tuple(vocab["cohort"]),
+        n_age_buckets=N_AGE_BUCKETS,
+    )
+    seq = feats.engagements.last(length)
+    user_ids = feats.users["user_id"]
+    events = Events(
+        user_id=user_ids[np.repeat(np.arange(seq.n_users), np.diff(seq.offsets))],
+        ad_id=feats.ads["ad_id"][seq.values["item"]],
+        ts=seq.ts,
+        surface=seq.values["surface"].astype(np.int16),
+    )
+    attributes = {a: feats.users[a] for a in USER_ATTRIBUTES}
+    return UserStore.seed(length, codes, user_ids, attributes, events)
 
 
 class Retriever:
-    def __init__(self, model: RetrievalModel, feats: Features, index: AdIndex) -> None:
-        """`feats`: the features the model reads (its catalogue and stored users; the online
-        ones suffice). A stored user's targeting (country, age, gender) is read from them; a
-        null one is unknown, which only ads without that restriction accept."""
+    def __init__(
+        self,
+        model: RetrievalModel,
+        feats: Features,
+        index: AdIndex,
+        users: UserStore | None = None,
+    ) -> None:
+        """`feats`: the features the model reads (its catalogue; the online ones suffice).
+        `users`: the stored users (default: those `feats` seed, `seed_users`), whose targeting
+        (country, age, gender) is read from the store; a null one is unknown, which only ads
+        without that restriction accept."""
         if not isinstance(model, RetrievalModel):
             raise TypeError(
                 "the engine serves retrieval models (moe, two-tower), not ranking models"
@@ -168,11 +189,20 @@ class Retriever:
         self.device = index.device
         self.catalog = Catalog.from_features(feats).to(self.device)
         self.model.to(self.device)
-        ids = feats.users["user_id"]
-        self._user_order = np.argsort(ids, kind="stable")
-        self._user_sorted = ids[self._user_order]
+        if users is None:
+            # Served (online) features hold each user's last L engagements, which a store of L
+            # keeps; full ones every engagement, which a store as long as the longest history
+            # keeps, so that a request dated in the past (an offline replay) sees what the
+            # model saw in training.
+            longest = int(np.diff(feats.engagements.offsets).max(initial=0))
+            length = model.cfg.max_len if feats.is_online else max(longest, model.cfg.max_len)
+            users = seed_users(feats, length)
+        self.users = users
+        # Whether caps per campaign or advertiser can be answered: they read the ads' groups
+        # from `index`, which a cluster's ingress does not hold (`m31.cluster.service`).
+        self.group_caps = True
+        self._seeded = feats.n_users  # store rows below it are feature rows (organic events)
         vocab = feats.meta["vocab"]
-        self._targeting = _targeting(feats.users, vocab)  # [U] per feature row
         self._countries = {c: i for i, c in enumerate(vocab["country"])}
         # The model's values of each categorical field: a request naming another is refused.
         self.vocab = {name: tuple(vocab[name]) for name in ("surface", "platform", "gender")}
@@ -198,15 +228,13 @@ class Retriever:
         return len(codes) if value is None else codes[value]
 
     def _user_rows(self, ids: np.ndarray, where: list[int]) -> np.ndarray:
-        if not len(self._user_sorted):
-            raise RequestError("user_id: the feature store holds no users; pass `user` inline")
-        pos = np.minimum(np.searchsorted(self._user_sorted, ids), len(self._user_sorted) - 1)
-        bad = np.flatnonzero(self._user_sorted[pos] != ids)
+        rows = self.users.rows_of(ids)
+        bad = np.flatnonzero(rows < 0)
         if len(bad):
             raise RequestError(
                 f"requests[{where[bad[0]]}].user_id: unknown user {int(ids[bad[0]])}"
             )
-        return self._user_order[pos]
+        return rows
 
     def _catalog_rows(self, ad_ids: np.ndarray) -> np.ndarray:
         """Catalogue row of each ad id, -1 for ads the model's catalogue does not hold."""
@@ -216,7 +244,9 @@ class Retriever:
         return np.where(self._ad_sorted[pos] == ad_ids, self._ad_order[pos], -1)
 
     def _check_inline(self, i: int, u: InlineUser) -> None:
-        where = f"requests[{i}].user"
+        self._check_user(f"requests[{i}].user", u)
+
+    def _check_user(self, where: str, u: InlineUser) -> None:
         if u.country is not None and u.country not in self._countries:
             known = ", ".join(sorted(self._countries)[:8]) or "none: the users have no country"
             raise RequestError(
@@ -238,6 +268,29 @@ class Retriever:
             )
             raise RequestError(f"{where}.organic_topics: topic {bad[0]} is outside {known}")
 
+    def _stored_inputs(self, rows: np.ndarray, context: dict[str, np.ndarray]):
+        """Inputs of stored users (store rows [B]) as of each request's time: their attributes,
+        the engagements the store holds on ads of the model's catalogue (the others it has no
+        features for), and the organic events of the users the features seeded."""
+        ts = context["ts"]
+        attrs, ads, surface, when = self.users.history(rows, ts)  # [B], [B, L] each
+        L = self.model.cfg.max_len
+        ads, surface, when = ads[:, -L:], surface[:, -L:], when[:, -L:]
+        items = np.where(ads >= 0, self._catalog_rows(ads.ravel()).reshape(ads.shape), -1)
+        # Right-align the engagements the catalogue holds, in their order.
+        order = np.argsort(items >= 0, axis=1, kind="stable")
+        items = np.take_along_axis(items, order, 1)
+        held = items >= 0
+        surface = np.where(held, np.take_along_axis(surface, order, 1), 0)
+        when = np.where(held, np.take_along_axis(when, order, 1), -1)
+        organic = np.full((len(rows), self.feats.config.organic_len), -1, np.int64)
+        seeded = rows < self._seeded
+        if seeded.any():
+            organic[seeded] = self.feats.organic_history(rows[seeded], ts[seeded])[0]
+        demographics = {k: attrs[k] for k in ("cohort", "age_bucket", "gender", "country")}
+        serving = {k: context[k] for k in ("surface", "hour", "platform")}
+        return request_inputs(demographics, ts, serving, items, surface, when, organic)
+
     def _inline_inputs(self, requests: Sequence[AdRequest], context: dict[str, np.ndarray]):
         users = [r.user for r in requests]
         histories = []
@@ -255,27 +308,85 @@ class Retriever:
                     np.array([e.ts for e in events], dtype=np.int64)[known],
                 )
             )
-        # What a user leaves out (None) is the unknown value: no input from it.
-        unknown = len(self._countries)
-        country = np.array([self._countries.get(u.country, unknown) for u in users])
-        cohort = [
-            self._cohorts[u.cohort]
-            if u.cohort is not None
-            else self._country_cohort.get(c, len(self._cohorts))
-            for u, c in zip(users, country.tolist(), strict=True)
-        ]
-        age = np.array([-1 if u.age is None else u.age for u in users])
+        codes = [self._user_codes(u) for u in users]
         return inline_requests(
             self.feats,
-            cohort=np.array(cohort),
-            age_bucket=np.where(age >= 0, age_bucket(age), N_AGE_BUCKETS),
-            gender=np.array([self._code("gender", u.gender) for u in users]),
-            country=country,
+            **{a: np.array([c[a] for c in codes]) for a in ("cohort", "age_bucket", "gender")},
+            country=np.array([c["country"] for c in codes]),
             histories=histories,
             organic=[np.array(u.organic_topics, dtype=np.int64) for u in users],
             max_len=self.model.cfg.max_len,
             **context,
         )
+
+    def _user_codes(self, u: InlineUser) -> dict[str, int]:
+        """The store's codes of a checked user's attributes: what it leaves out (None) is the
+        unknown value, no input from it; the cohort defaults to its country's most common."""
+        country = self._countries.get(u.country, len(self._countries))
+        if u.cohort is not None:
+            cohort = self._cohorts[u.cohort]
+        else:
+            cohort = self._country_cohort.get(country, len(self._cohorts))
+        return {
+            "cohort": cohort,
+            "age_bucket": N_AGE_BUCKETS if u.age is None else int(age_bucket(np.array(u.age))),
+            "gender": self._code("gender", u.gender),
+            "country": country,
+            "age": -1 if u.age is None else int(u.age),
+        }
+
+    def user_codes(self, where: str, user: InlineUser) -> dict[str, int]:
+        """Check a user's attributes (RequestError naming `where`.field) and give the store's
+        codes of them (`UserStore.set_attributes`, the PUT /v1/users route)."""
+        self._check_user(where, user)
+        return self._user_codes(user)
+
+    def _capped(self, i: int, r: AdRequest, row: int) -> tuple[AdRequest, CompiledFilter | None]:
+        """`r` with what its frequency cap leaves out added to its exclusions (or, per campaign,
+        to its filter), counted over the store's engagements of the user (row `row`) or the
+        inline user's history in the cap's window; and its compiled filter."""
+        cap, where = r.frequency_cap, f"requests[{i}].frequency_cap"
+        if cap.per not in CAP_GROUPS:
+            raise RequestError(f"{where}.per: {cap.per!r} is not one of {', '.join(CAP_GROUPS)}")
+        for name in ("max", "window_s"):
+            value = getattr(cap, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise RequestError(f"{where}.{name}: must be a positive integer, got {value!r}")
+        if r.user is None:
+            ((ads, counts),) = self.users.engaged(np.array([row]), np.array([r.ts]), cap.window_s)
+        else:
+            inside = [e.ad_id for e in r.user.history if r.ts - cap.window_s <= e.ts < r.ts]
+            ads, counts = np.unique(np.array(inside, np.int64), return_counts=True)
+        field_ = CAP_GROUPS[cap.per]
+        if field_ is not None and not self.group_caps:
+            raise RequestError(f"{where}.per: {cap.per} caps are not served here (per ad are)")
+        if field_ is None:  # per ad
+            capped = ads[counts >= cap.max].tolist()
+        else:
+            if field_ not in self.index.schema:
+                raise RequestError(f"{where}.per: the index has no {field_} to cap by")
+            groups = self.index.numeric_values(ads, field_)  # None: not (or no longer) held
+            totals: dict[int, int] = {}
+            for g, c in zip(groups, counts.tolist(), strict=True):
+                if g is not None:
+                    totals[g] = totals.get(g, 0) + c
+            capped = sorted(g for g, c in totals.items() if c >= cap.max)
+        filter_ = r.filter
+        if capped and cap.per == "ad":
+            r = dataclasses.replace(r, exclude_ads=(*r.exclude_ads, *capped))
+        elif capped and cap.per == "advertiser":
+            r = dataclasses.replace(r, exclude_advertisers=(*r.exclude_advertisers, *capped))
+        elif capped:
+            clause = {"not": {"in": [field_, capped]}}
+            filter_ = clause if filter_ is None else {"all": [filter_, clause]}
+            r = dataclasses.replace(r, filter=filter_)
+        return r, self._compiled(i, filter_)
+
+    def _compiled(self, i: int, tree: Mapping | None) -> CompiledFilter | None:
+        try:
+            return compile_filter(tree, self.index.schema) if tree else None
+        except ValueError as e:
+            raise RequestError(f"requests[{i}].filter: {e}") from e
 
     def prepare(
         self, requests: Sequence[AdRequest], k: int | Sequence[int]
@@ -304,14 +415,14 @@ class Retriever:
             rows[stored] = self._user_rows(ids, stored)
         prepared = []
         for i, (r, k_, row) in enumerate(zip(requests, ks, rows.tolist(), strict=True)):
-            try:
-                compiled = compile_filter(r.filter, self.index.schema) if r.filter else None
-            except ValueError as e:
-                raise RequestError(f"requests[{i}].filter: {e}") from e
+            if r.frequency_cap is not None:
+                r, compiled = self._capped(i, r, row)
+            else:
+                compiled = self._compiled(i, r.filter)
             if r.user is not None:
                 who = {"country": r.user.country, "age": r.user.age, "gender": r.user.gender}
             else:
-                who = self._targeting[row]
+                who = self.users.targeting(row)
             prepared.append(PreparedRequest(r, int(k_), row, compiled, who))
         return prepared
 
@@ -336,12 +447,7 @@ class Retriever:
         parts = []
         if stored:
             parts.append(
-                make_requests(
-                    self.feats,
-                    rows[stored],
-                    **{k_: c[stored] for k_, c in context.items()},
-                    max_len=self.model.cfg.max_len,
-                )
+                self._stored_inputs(rows[stored], {k_: c[stored] for k_, c in context.items()})
             )
         if inline:
             parts.append(

@@ -33,6 +33,7 @@ arguments as the mutation applies them, which is what a `DurableIndex` logs.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -189,6 +190,8 @@ class IndexView:
     attributes: AttributeTable
     _index: AdIndex = field(repr=False)
     scales: tuple[torch.Tensor, torch.Tensor] | None = None  # int8: (g_scale [N], x_scale [N])
+    # the version of the ads it shows: `version` may be newer when only the users changed since
+    ads_version: int = -1
 
     @property
     def ad_table(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | Int8Table:
@@ -223,9 +226,9 @@ class IndexView:
 
     @contextmanager
     def _current(self) -> Iterator[None]:
-        """Hold the index's lock, and refuse a view whose version the index has left."""
+        """Hold the index's lock, and refuse a view of ads the index has changed since."""
         with self._index._lock:
-            if self._index._version != self.version:
+            if self._index._table_version != self.ads_version:
                 raise AdIndexError(
                     f"view of version {self.version} used after the index moved to "
                     f"{self._index._version} (use it inside its snapshot_view block)"
@@ -334,6 +337,7 @@ class AdIndex:
         self._cap = capacity
         self._n = 0  # rows allocated so far, live or tombstoned
         self._version = 0
+        self._table_version = 0  # the last version that changed the ads (not only the users)
         self._rows: dict[int, int] = {}  # external id -> its live row
         self._g = torch.zeros(capacity, dim_g, dtype=dtype, device=self.device)  # [cap, G]
         self._x = torch.zeros(capacity, dim_x, dtype=dtype, device=self.device)  # [cap, D]
@@ -417,7 +421,8 @@ class AdIndex:
         """Hold the lock: mutations wait until the block ends, so table and masks agree."""
         with self._lock:
             g, x, b, row_ids, version = self.table()
-            yield IndexView(g, x, b, row_ids, version, self._attrs, self, self._scales())
+            yield IndexView(g, x, b, row_ids, version, self._attrs, self, self._scales(),
+                            ads_version=self._table_version)  # fmt: skip
 
     def frozen_view(self) -> IndexView:
         """A view that stays valid without the lock: its masks are built from a copy of the
@@ -430,6 +435,12 @@ class AdIndex:
         """
         with self._lock:
             view = self._frozen
+            if (
+                view is not None
+                and view.version != self._version
+                and view.ads_version == (self._table_version)
+            ):  # only the users moved on (`advance_version`): the same ads, a newer version
+                view = self._frozen = dataclasses.replace(view, version=self._version)
             if view is None or view.version != self._version:
                 n = self._n
                 frozen = copy.copy(self)  # shares the write-once table
@@ -441,7 +452,8 @@ class AdIndex:
                 frozen._rows = None  # the live map moves on; masks read `_row_ids` instead
                 frozen._frozen = None
                 g, x, b, row_ids, version = frozen.table()
-                view = IndexView(g, x, b, row_ids, version, frozen._attrs, frozen, frozen._scales())
+                view = IndexView(g, x, b, row_ids, version, frozen._attrs, frozen, frozen._scales(),
+                                 ads_version=self._table_version)  # fmt: skip
                 self._frozen = view
             return view
 
@@ -541,6 +553,22 @@ class AdIndex:
         if filter_fn is not None:
             mask &= filter_fn(attrs)
         return mask
+
+    def numeric_values(self, ad_ids: Sequence[int] | np.ndarray, name: str) -> list[int | None]:
+        """The value of the int field `name` of each live ad (None: null, or no such ad)."""
+        with self._lock:
+            rows = [self._rows.get(int(a), -1) for a in ad_ids]
+            held = [r for r in rows if r >= 0]
+            if not held:
+                return [None] * len(rows)
+            values, valid = self._attrs.numeric(name)
+            at = torch.tensor(held, device=self.device)
+            got = iter(zip(values[at].tolist(), valid[at].tolist(), strict=True))
+        out = []
+        for r in rows:
+            v, ok = next(got) if r >= 0 else (None, False)
+            out.append(int(v) if ok else None)
+        return out
 
     def _row_of(self, ad_id: int) -> int:
         row = self._rows.get(int(ad_id))
@@ -701,6 +729,19 @@ class AdIndex:
                 self._bitmaps.set_live(torch.tensor(old, device=self.device), False)
             self._rows.update(zip(ids.tolist(), range(start, start + n), strict=True))
             self._n = start + n
+            return self._bump()
+
+    def _bump(self) -> int:
+        """A mutation of the ads: the next version."""
+        self._version += 1
+        self._table_version = self._version
+        return self._version
+
+    def advance_version(self) -> int:
+        """The next version, the ads unchanged: a change of the serving state beside them (the
+        user store's events, `m31.index.users`), so that one version orders every write. Views
+        of the ads are kept (`frozen_view` relabels its view rather than copying it)."""
+        with self._lock:
             self._version += 1
             return self._version
 
@@ -732,8 +773,7 @@ class AdIndex:
             rows = torch.tensor([self._rows[checked.ad_id]], device=self.device)  # [1]
             self._attrs.write(rows, checked.columns)
             self._bitmaps.write(rows, self._attrs)
-            self._version += 1
-            return self._version
+            return self._bump()
 
     def pause(self, ad_id: int) -> int:
         return self.update_attributes(ad_id, status="paused")
@@ -751,8 +791,7 @@ class AdIndex:
                 self._bitmaps.set_live(torch.tensor(rows, device=self.device), False)
             for i in ids.tolist():
                 del self._rows[i]
-            self._version += 1
-            return self._version
+            return self._bump()
 
     def compact(self) -> int:
         """Reclaim tombstoned rows; live rows keep their order, so no query result changes."""
@@ -775,8 +814,7 @@ class AdIndex:
             self._attrs, self._bitmaps = attrs, bitmaps
             self._rows = dict(zip(self._row_ids[:k].tolist(), range(k), strict=True))
             self._n = k
-            self._version += 1
-            return self._version
+            return self._bump()
 
     # ---- building and snapshots -----------------------------------------------------------
 
@@ -950,7 +988,7 @@ class AdIndex:
                 index.upsert(arrays["ids"], arrays["g"], arrays["x"], arrays["b"], attributes)
         except AdIndexError as e:
             raise AdIndexError(f"{path}: snapshot content is invalid: {e}") from e
-        index._version = manifest["index_version"]
+        index._version = index._table_version = manifest["index_version"]
         index.model_hash = manifest["model_hash"]
         return index
 

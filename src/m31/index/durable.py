@@ -69,12 +69,14 @@ import torch
 
 from m31.index.ad_index import AdIndex, AdIndexError, read_manifest
 from m31.index.framing import frame, next_intact, parse, sync_dir, sync_file, write_all
+from m31.index.users import UserStore
 
 logger = logging.getLogger(__name__)
 
 LOG = "wal.log"
 LINK = "snapshot"
 LOCK = "LOCK"
+USERS = "users"  # a snapshot's user store (`m31.index.users`), when the index has one
 LOG_HEADER = b"M31WAL1\n"
 RECORD_MAGIC = b"M31R"
 _META_LEN = struct.Struct("<I")
@@ -140,8 +142,19 @@ class _Record:
         return cls(meta["op"], meta["version"], args)
 
 
-def _apply(index: AdIndex, record: _Record) -> int:
+def _apply(index: AdIndex, users: UserStore | None, record: _Record) -> int:
     a = record.args
+    if record.op in ("events", "users"):
+        if users is None:
+            raise ValueError(f"a {record.op} record, and no user store to apply it to")
+        if record.op == "events":
+            t = a["events"]
+            events = users.check(*(t[c].to_pylist() for c in ("user_id", "ad_id", "ts", "surface")))
+            users.add(events, record.version, a.get("key"))
+        else:
+            for user_id, codes in a["users"]:
+                users.set_attributes(user_id, codes)
+        return index.advance_version()  # after the change: a reader at this version sees it
     if record.op == "upsert":
         return index.upsert(a["ad_ids"], a["g"], a["x"], a["b"], a["attributes"])
     if record.op == "update_attributes":
@@ -257,10 +270,12 @@ class DurableIndex:
         log_fd: int,
         log_end: int,
         snapshot_version: int,
+        users: UserStore | None = None,
     ):
         """Internal: use `create` or `open`."""
         self._path = path
         self._index = index
+        self._users = users
         self._lock_fd = lock_fd
         self._log_fd = log_fd
         self._log_end = log_end  # bytes of intact log; the next record goes here
@@ -316,8 +331,13 @@ class DurableIndex:
         return (Path(path) / LOG).is_file()
 
     @classmethod
-    def open(cls, path: str | Path, device: str | torch.device = "cpu") -> DurableIndex:
-        """Load the snapshot of the folder `path` onto `device` and replay its log."""
+    def open(
+        cls, path: str | Path, device: str | torch.device = "cpu", users: UserStore | None = None
+    ) -> DurableIndex:
+        """Load the snapshot of the folder `path` onto `device` and replay its log.
+
+        `users`: the user store that the log's events go to (`add_events`), as seeded (from the
+        online features); a snapshot that holds one (`users/`) replaces its content."""
         path = Path(path)
         if not path.is_dir():
             raise DurableIndexError(f"{path}: no such durable index folder")
@@ -326,15 +346,17 @@ class DurableIndex:
             snapshot = _current_snapshot(path)
             _remove_leftovers(path)
             index = AdIndex.load(snapshot, device)
+            if users is not None and (snapshot / USERS).is_dir():
+                users.restore(snapshot / USERS)
             snapshot_version = index.version
-            log_fd, log_end = cls._replay(path, index)
+            log_fd, log_end = cls._replay(path, index, users)
         except BaseException:
             os.close(lock_fd)
             raise
-        return cls(path, index, lock_fd, log_fd, log_end, snapshot_version)
+        return cls(path, index, lock_fd, log_fd, log_end, snapshot_version, users)
 
     @staticmethod
-    def _replay(path: Path, index: AdIndex) -> tuple[int, int]:
+    def _replay(path: Path, index: AdIndex, users: UserStore | None) -> tuple[int, int]:
         """Apply the log's records newer than `index`; (log fd, end of its intact records)."""
         file = path / LOG
         if not file.exists():
@@ -348,7 +370,7 @@ class DurableIndex:
             end = len(LOG_HEADER)
             if size > end:
                 with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as buf:
-                    end = DurableIndex._replay_records(file, buf, index)
+                    end = DurableIndex._replay_records(file, buf, index, users)
             if end < size:
                 os.ftruncate(fd, end)
                 sync_file(fd)
@@ -358,7 +380,7 @@ class DurableIndex:
         return fd, end
 
     @staticmethod
-    def _replay_records(file: Path, buf: mmap.mmap, index: AdIndex) -> int:
+    def _replay_records(file: Path, buf: mmap.mmap, index: AdIndex, users: UserStore | None) -> int:
         offset, last = len(LOG_HEADER), None
         while offset < len(buf):
             parsed = parse(RECORD_MAGIC, buf, offset)
@@ -399,7 +421,7 @@ class DurableIndex:
                         f"index is at {index.version}: mutations in between are missing"
                     )
                 try:
-                    got = _apply(index, record)
+                    got = _apply(index, users, record)
                 except (ValueError, KeyError, TypeError) as e:  # AdIndexError included
                     raise DurableIndexError(
                         f"{file}: record at byte {offset} (version {record.version}) cannot be "
@@ -483,6 +505,48 @@ class DurableIndex:
         """`AdIndex.compact`, logged before it is applied."""
         return self._mutate(lambda version: _Record("compact", version, {}))
 
+    @property
+    def users(self) -> UserStore | None:
+        return self._users
+
+    def add_events(
+        self, user_ids, ad_ids, ts, surfaces, key: str | None = None, types=None, weights=None
+    ) -> int:
+        """Engagement events [n] (`UserStore.check`), logged before they reach the user store;
+        the version that holds them. A call whose idempotency `key` was applied already is not
+        applied again: its version is answered. Event `types` and `weights` (optional, [n],
+        None each where not given) are logged with them; the store keeps neither."""
+        users = self._require_users()
+        with self._mutex:
+            if key is not None and (done := users.version_of(key)) is not None:
+                return done
+
+            def prepare(version: int) -> _Record:
+                users.check(user_ids, ad_ids, ts, surfaces)  # ValueError: nothing logged
+                table = pa.table({
+                    "user_id": pa.array(user_ids, pa.int64()),
+                    "ad_id": pa.array(ad_ids, pa.int64()),
+                    "ts": pa.array(ts, pa.int64()),
+                    "surface": pa.array(surfaces, pa.string()),
+                    "type": pa.array(types or [None] * len(ts), pa.string()),
+                    "weight": pa.array(weights or [None] * len(ts), pa.float64()),
+                })  # fmt: skip
+                return _Record("events", version, {"events": table, "key": key})
+
+            return self._mutate_locked(prepare)
+
+    def set_users(self, users: list[tuple[int, dict[str, int]]]) -> int:
+        """Set attribute codes of users, (user id, codes) each (`UserStore.set_attributes`),
+        logged first."""
+        self._require_users()
+        rows = [[int(u), {k: int(v) for k, v in codes.items()}] for u, codes in users]
+        return self._mutate(lambda version: _Record("users", version, {"users": rows}))
+
+    def _require_users(self) -> UserStore:
+        if self._users is None:
+            raise DurableIndexError(f"{self._path}: opened without a user store")
+        return self._users
+
     def _mutate(self, prepare: Callable[[int], _Record]) -> int:
         with self._mutex:
             return self._mutate_locked(prepare)
@@ -501,7 +565,7 @@ class DurableIndex:
             ) from e
         self._log_end += len(data)
         try:
-            version = _apply(self._index, record)
+            version = _apply(self._index, self._users, record)
         except Exception as e:
             self._fail(f"applying logged version {record.version} failed ({e})")
             raise DurableIndexError(f"{self._path}: {self._failed}") from e
@@ -547,7 +611,13 @@ class DurableIndex:
                 return version
             name = _snapshot_name(version)
             try:
-                self._index.save(self._path / name, self._index.model_hash, overwrite=True)
+                users = self._users
+                self._index.save(
+                    self._path / name,
+                    self._index.model_hash,
+                    overwrite=True,
+                    beside=None if users is None else lambda tmp: users.save(tmp / USERS),
+                )
                 sync_dir(self._path)
             except (OSError, AdIndexError) as e:
                 raise DurableIndexError(

@@ -98,7 +98,7 @@ class RequestInputs:
         return RequestInputs(**{f.name: getattr(self, f.name)[lo:hi] for f in fields(self)})
 
 
-def _requests(
+def request_inputs(
     demographics: dict[str, np.ndarray],
     ts: np.ndarray,
     context: dict[str, np.ndarray],
@@ -140,7 +140,7 @@ def make_requests(
     u = feats.users
     demographics = {k: u[k][user] for k in ("cohort", "age_bucket", "gender", "country")}
     context = {"surface": surface, "hour": hour, "platform": platform}
-    return _requests(demographics, ts, context, items, hist_surface, hist_ts, organic)
+    return request_inputs(demographics, ts, context, items, hist_surface, hist_ts, organic)
 
 
 def inline_requests(
@@ -183,7 +183,7 @@ def inline_requests(
         "cohort": cohort, "age_bucket": age_bucket, "gender": gender, "country": country
     }  # fmt: skip
     context = {"surface": surface, "hour": hour, "platform": platform}
-    return _requests(demographics, ts, context, items, hist_surface, hist_ts, org)
+    return request_inputs(demographics, ts, context, items, hist_surface, hist_ts, org)
 
 
 def concat_requests(parts: list[RequestInputs], order: np.ndarray) -> RequestInputs:

@@ -13,6 +13,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from m31.engine import AdRequest, Engagement, InlineUser, PreparedRequest, RequestError
+from m31.engine.requests import FrequencyCap
 from m31.index import AdIndexError
 from m31.serve.auth import require_admin, require_read
 from m31.serve.batcher import DeadlineExceeded, Overloaded, WouldMissDeadline
@@ -24,10 +25,13 @@ from m31.serve.schemas import (
     AdIdPath,
     AdOut,
     AttributesPatch,
+    EventsBody,
+    EventsResponse,
     RetrieveBody,
     RetrieveRequest,
     RetrieveResponse,
     UpsertBody,
+    UsersBody,
     VersionResponse,
 )
 from m31.serve.service import Ask, NotFound, Service, Unavailable
@@ -53,6 +57,8 @@ async def write(request: Request, fn, *args) -> Any:
         raise HTTPException(404, str(e)) from e
     except Unavailable as e:
         raise HTTPException(503, str(e), {"Retry-After": "1"}) from e
+    except NotImplementedError as e:
+        raise HTTPException(501, str(e)) from e
     except (AdIndexError, ValueError) as e:
         raise HTTPException(422, str(e)) from e
 
@@ -106,6 +112,9 @@ def to_engine(r: RetrieveRequest, now: int) -> AdRequest:
         exclude_advertisers=tuple(r.exclude_advertisers),
         filter=r.filter,
         user=user,
+        frequency_cap=None
+        if r.frequency_cap is None
+        else FrequencyCap(r.frequency_cap.per, r.frequency_cap.max, r.frequency_cap.window_s),
     )
 
 
@@ -227,6 +236,31 @@ def add_routes(app: FastAPI, config: ServeConfig, metrics: Metrics) -> None:
         version = await write(request, svc.delete, ad_id)
         metrics.index_gauges(svc)
         return version_response(svc, version)
+
+    @app.post(
+        "/v1/events",
+        response_model=EventsResponse,
+        dependencies=[Depends(require_admin)],
+        responses=error_responses(400, 401, 403, 408, 413, 422, 501, 503),
+    )
+    async def add_events(request: Request, body: EventsBody) -> EventsResponse:
+        """Engagement events: durable once answered, in every retrieve at or after the version
+        answered (`min_version`)."""
+        svc = ready_service(request)
+        version = await write(request, svc.add_events, body.events, body.idempotency_key)
+        return EventsResponse(index_version=version, users=svc.users)
+
+    @app.put(
+        "/v1/users",
+        response_model=EventsResponse,
+        dependencies=[Depends(require_admin)],
+        responses=error_responses(400, 401, 403, 408, 413, 422, 501, 503),
+    )
+    async def set_users(request: Request, body: UsersBody) -> EventsResponse:
+        """Users' attributes, each replaced whole (their engagements are kept)."""
+        svc = ready_service(request)
+        version = await write(request, svc.set_users, body.users)
+        return EventsResponse(index_version=version, users=svc.users)
 
     @app.post(
         "/v1/admin/snapshot",

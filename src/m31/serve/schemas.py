@@ -31,7 +31,8 @@ MAX_REQUESTS = 1024  # requests per call
 # Results per call (the sum of its requests' k): about 6 MB of JSON. The largest call that fits
 # asks 1,024 requests for 256 results each, or 64 for all of MAX_K.
 MAX_RESULTS = 1 << 18
-MAX_ADS = 10_000  # ads per upsert call
+MAX_ADS = 10_000  # ads per upsert call, users per user upsert
+MAX_EVENTS = 10_000  # events per call
 MAX_LIST = 10_000  # history, exclusions, targeting lists
 I64_MAX = 2**63 - 1
 
@@ -107,6 +108,15 @@ class UserIn(Strict):
     organic_topics: list[I64] = Field(default_factory=list, max_length=MAX_LIST)
 
 
+class FrequencyCap(Strict):
+    """Leave out what the user engaged with `max` times or more in the last `window_s` seconds
+    before the request: the ad itself, or every ad of its campaign or advertiser."""
+
+    per: Literal["ad", "campaign", "advertiser"]
+    max: int = Field(ge=1, le=1_000_000, description="engagements that reach the cap")
+    window_s: int = Field(ge=1, le=2**40, description="seconds before the request's time")
+
+
 class RetrieveRequest(Strict):
     """One ad request: a user (`user_id` of a stored user, or `user` inline) in a context."""
 
@@ -130,6 +140,11 @@ class RetrieveRequest(Strict):
     )
     exclude_ads: list[Id] = Field(default_factory=list, max_length=MAX_LIST)
     exclude_advertisers: list[Id] = Field(default_factory=list, max_length=MAX_LIST)
+    frequency_cap: FrequencyCap | None = Field(
+        None,
+        description="counted over the engagements the user store holds (a stored user's last "
+        "L) or the inline user's history",
+    )
 
     @field_validator("filter")
     @classmethod
@@ -302,6 +317,51 @@ class AttributesPatch(Strict):
     def _ranges(self):
         check_bounds(self.model_dump(exclude_unset=True))
         return self
+
+
+class EventIn(Strict):
+    """One engagement of a user with an ad."""
+
+    user_id: Id = Field(description="a user the store does not hold is created (no attributes)")
+    ad_id: Id = Field(description="any ad id: one the model's catalogue lacks is kept too")
+    ts: int = Field(ge=0, le=2**62, description="Unix seconds")
+    surface: Surface | None = Field(None, description=_UNKNOWN)
+    type: str | None = Field(None, min_length=1, max_length=64, description="logged, not read")
+    weight: float | None = Field(
+        None, gt=0, le=1e9, allow_inf_nan=False, description="logged, not read"
+    )
+
+
+class EventsBody(Strict):
+    events: list[EventIn] = Field(min_length=1, max_length=MAX_EVENTS)
+    idempotency_key: str | None = Field(
+        None,
+        min_length=1,
+        max_length=128,
+        description="a retry with the key of a call already applied is not applied again: it "
+        "answers that call's version (the last 100,000 keys are remembered)",
+    )
+
+
+class UserAttributesIn(Strict):
+    """A user's attributes, replaced whole (history kept); left out or null: unknown."""
+
+    user_id: Id
+    country: str | None = Field(None, max_length=64, description=_UNKNOWN)
+    age: int | None = Field(None, ge=0, lt=150, description=_UNKNOWN)
+    gender: Gender | None = Field(None, description=_UNKNOWN)
+    cohort: Id | None = Field(
+        None, description="default: the country's most common cohort (none without a country)"
+    )
+
+
+class UsersBody(Strict):
+    users: list[UserAttributesIn] = Field(min_length=1, max_length=MAX_ADS)
+
+
+class EventsResponse(BaseModel):
+    index_version: int = Field(description="the version that holds the events")
+    users: int = Field(description="users the store holds")
 
 
 class VersionResponse(BaseModel):

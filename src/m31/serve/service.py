@@ -13,12 +13,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from m31.engine import PreparedRequest, Retriever
+from m31.engine import InlineUser, PreparedRequest, Retriever
 from m31.engine.ad_encoder import AdEncoder, NewAd
 from m31.engine.load import load_engine
 from m31.index import AdIndexError, DurableIndex
 from m31.serve.config import ServeConfig
-from m31.serve.schemas import AdIn, Ranked, check_bounds
+from m31.serve.schemas import AdIn, EventIn, Ranked, UserAttributesIn, check_bounds
 
 
 class NotFound(LookupError):
@@ -171,3 +171,36 @@ class Service:
 
     def snapshot(self) -> int:
         return self.store.snapshot()
+
+    # -- users ----------------------------------------------------------------------------------
+
+    @property
+    def users(self) -> int:
+        """Users the store holds."""
+        return len(self.retriever.users)
+
+    def add_events(self, events: list[EventIn], key: str | None) -> int:
+        """Log the engagement events, then add them to the user store; the version that holds
+        them (a call whose key was applied already: that call's version)."""
+        return self.store.add_events(
+            [e.user_id for e in events],
+            [e.ad_id for e in events],
+            [e.ts for e in events],
+            [e.surface for e in events],
+            key,
+            types=[e.type for e in events],
+            weights=[e.weight for e in events],
+        )
+
+    def set_users(self, users: list[UserAttributesIn]) -> int:
+        """Replace the attributes of each user (created if new); the version that holds them."""
+        codes = [
+            (
+                u.user_id,
+                self.retriever.user_codes(
+                    f"users[{i}]", InlineUser(u.country, u.age, u.gender, u.cohort)
+                ),
+            )
+            for i, u in enumerate(users)
+        ]  # RequestError naming the field before anything is logged
+        return self.store.set_users(codes)

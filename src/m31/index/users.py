@@ -1,0 +1,322 @@
+"""Stored users as live state: each user's attributes and last L engagements (DESIGN §4).
+
+Shapes: U users, C >= U rows of capacity, L engagements kept per user, n events in one call,
+B requests.
+
+The store is seeded from the online features (`UserStore.seed`: the users of the dataset and
+their last L engagements) and grows with the engagement events a server takes
+(`m31.index.durable.DurableIndex.add_events`, which logs them first). An event of a user the
+store does not hold creates that user with no attributes (every one unknown: no input from it,
+and targeting on it reaches the user only through ads without that restriction). A user's
+engagements are kept in time order (ties in arrival order); when more than L are held, the
+oldest roll off, and an event older than all L a full user holds is dropped.
+
+Engagements are kept by ad id, whatever the ad: one the model's catalogue does not hold (an ad
+upserted after training, or one deleted or never indexed) is kept too. The model reads only
+the ones its catalogue holds (it has no features for the others; `m31.engine.retriever`), and
+frequency caps count them all (`engaged`).
+
+Memory: per user, L × 18 bytes of engagements (ad id and time int64, surface int16), 21 bytes
+of attributes, and the id map's entry (about 100 bytes of Python dict): at L = 50 about 1 KB
+(`nbytes_per_user`, measured by `tests/test_users.py`). Organic events, which no route writes,
+stay in the features.
+
+Concurrency: one writer at a time (the DurableIndex's mutex); readers copy the rows they need
+under the store's lock, which a write holds while it changes rows, so a reader sees every
+event of a call or none.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+# Demographic codes as the model reads them (`m31.features.build`): the vocabulary's length is
+# the unknown value; `age` is the raw age for targeting, -1 unknown.
+ATTRIBUTES = ("cohort", "age_bucket", "gender", "country", "age")
+MAX_KEYS = 100_000  # idempotency keys remembered (the most recent)
+FILES = ("users.npz", "keys.json")
+
+
+@dataclass(frozen=True)
+class Vocab:
+    """What a user store's codes mean: the model's values of each field."""
+
+    surfaces: tuple[str, ...]
+    countries: tuple[str, ...]
+    genders: tuple[str, ...]
+    cohorts: tuple[int, ...]
+    n_age_buckets: int
+
+    def unknown(self) -> dict[str, int]:
+        """The codes of a user with no attributes."""
+        return {
+            "cohort": len(self.cohorts),
+            "age_bucket": self.n_age_buckets,
+            "gender": len(self.genders),
+            "country": len(self.countries),
+            "age": -1,
+        }
+
+
+@dataclass(frozen=True)
+class Events:
+    """Engagement events, checked: [n] each."""
+
+    user_id: np.ndarray  # int64
+    ad_id: np.ndarray  # int64
+    ts: np.ndarray  # int64 Unix seconds
+    surface: np.ndarray  # int16 codes into Vocab.surfaces; len(surfaces): none
+
+
+class UserStore:
+    def __init__(self, length: int, vocab: Vocab, capacity: int = 1024) -> None:
+        if length < 1:
+            raise ValueError(f"length must be positive, got {length}")
+        self.length, self.vocab = length, vocab
+        self._lock = threading.Lock()
+        self._n_users = 0
+        self._row: dict[int, int] = {}  # user id -> row
+        self._keys: OrderedDict[str, int] = OrderedDict()  # idempotency key -> version
+        self._alloc(max(capacity, 1))
+
+    def _alloc(self, capacity: int) -> None:
+        L, old = self.length, getattr(self, "_ids", None)
+        fresh = {
+            "_ids": np.full(capacity, -1, np.int64),
+            "_ad": np.full((capacity, L), -1, np.int64),  # left-aligned, oldest first
+            "_ts": np.zeros((capacity, L), np.int64),
+            "_surface": np.zeros((capacity, L), np.int16),
+            "_held": np.zeros(capacity, np.int32),  # engagements held per row
+            **{f"_{a}": np.zeros(capacity, np.int32) for a in ATTRIBUTES},
+        }
+        for name, array in fresh.items():
+            if old is not None:
+                array[: self._n_users] = getattr(self, name)[: self._n_users]
+            setattr(self, name, array)
+
+    # ---- building ---------------------------------------------------------------------------
+
+    @classmethod
+    def seed(
+        cls,
+        length: int,
+        vocab: Vocab,
+        user_ids: np.ndarray,
+        attributes: Mapping[str, np.ndarray],
+        events: Events,
+    ) -> UserStore:
+        """A store of `user_ids` [U] with their `attributes` (name -> [U] codes, `ATTRIBUTES`)
+        and engagement `events` (of those users only), of which each user keeps the last
+        `length`."""
+        store = cls(length, vocab, capacity=len(user_ids))
+        ids = np.asarray(user_ids, np.int64)
+        if len(np.unique(ids)) != len(ids):
+            raise ValueError("user_ids: an id is given twice")
+        store._ids[: len(ids)] = ids
+        for a in ATTRIBUTES:
+            getattr(store, f"_{a}")[: len(ids)] = attributes[a]
+        store._row = {int(u): i for i, u in enumerate(ids.tolist())}
+        store._n_users = len(ids)
+        store._append(store._rows_or_new(events.user_id), events)
+        return store
+
+    # ---- reading ----------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return self._n_users
+
+    def __contains__(self, user_id: int) -> bool:
+        return int(user_id) in self._row
+
+    def rows_of(self, user_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """[n] the row of each user, -1 for a user the store does not hold."""
+        return np.array([self._row.get(int(u), -1) for u in user_ids], np.int64)
+
+    def history(
+        self, rows: np.ndarray, ts: np.ndarray
+    ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
+        """(attributes name -> [B], ad ids [B, L], surfaces [B, L], times [B, L]) of each row's
+        engagements strictly before its request time `ts`, right-aligned, most recent last,
+        padded with -1 (ad ids and times) and 0 (surfaces)."""
+        rows, ts = np.asarray(rows, np.int64), np.asarray(ts, np.int64)
+        with self._lock:
+            ad, t, s = self._ad[rows], self._ts[rows], self._surface[rows]
+            held = self._held[rows]
+            attrs = {a: getattr(self, f"_{a}")[rows].astype(np.int64) for a in ATTRIBUTES}
+        L = self.length
+        slot = np.arange(L)
+        # Held engagements are in time order, so those before ts are a prefix: right-align it.
+        k = ((slot[None, :] < held[:, None]) & (t < ts[:, None])).sum(1)  # [B]
+        src = slot[None, :] - (L - k)[:, None]  # [B, L]
+        ok = src >= 0
+        src = np.where(ok, src, 0)
+        take = lambda a, fill: np.where(ok, np.take_along_axis(a, src, 1), fill)  # noqa: E731
+        return attrs, take(ad, -1), take(s.astype(np.int64), 0), take(t, -1)
+
+    def engaged(
+        self, rows: np.ndarray, ts: np.ndarray, window_s: int
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """For each row, (ad ids, counts) of its held engagements in [ts - window_s, ts)."""
+        _, ad, _, t = self.history(rows, ts)
+        out = []
+        for r in range(len(ad)):
+            inside = (ad[r] >= 0) & (t[r] >= int(ts[r]) - window_s)
+            ids, counts = np.unique(ad[r][inside], return_counts=True)
+            out.append((ids, counts))
+        return out
+
+    def targeting(self, row: int) -> dict:
+        """The user's country, age and gender as the ads' targeting reads them (None: unknown)."""
+        v = self.vocab
+        with self._lock:
+            country, gender, age = (
+                int(self._country[row]),
+                int(self._gender[row]),
+                int(self._age[row]),
+            )
+        return {
+            "country": v.countries[country] if country < len(v.countries) else None,
+            "age": None if age < 0 else age,
+            "gender": v.genders[gender] if gender < len(v.genders) else None,
+        }
+
+    def version_of(self, key: str) -> int | None:
+        """The version an idempotency key's call was applied at, if it was (and is remembered)."""
+        return self._keys.get(key)
+
+    def nbytes_per_user(self) -> float:
+        """Bytes of the store per user it holds (its arrays' capacity and the id map)."""
+        import sys
+
+        arrays = sum(
+            getattr(self, n).nbytes
+            for n in ("_ids", "_ad", "_ts", "_surface", "_held", *(f"_{a}" for a in ATTRIBUTES))
+        )
+        per_row = arrays / len(self._ids)
+        map_bytes = sys.getsizeof(self._row) + sum(sys.getsizeof(k) for k in self._row) * 2
+        return per_row + map_bytes / max(self._n_users, 1)
+
+    # ---- checking and writing (the DurableIndex logs what `check` returns, then applies it) --
+
+    def check(self, user_ids, ad_ids, ts, surfaces: Sequence[str | None]) -> Events:
+        """Validate events given as sequences [n]; ValueError naming `events[i].field`."""
+        n = len(user_ids)
+        if not n or not (len(ad_ids) == len(ts) == len(surfaces) == n):
+            raise ValueError(f"events: {n} user ids, {len(ad_ids)} ad ids, {len(ts)} times and "
+                             f"{len(surfaces)} surfaces; give at least one event, each complete")  # fmt: skip
+        codes = {s: i for i, s in enumerate(self.vocab.surfaces)}
+        surface = np.empty(n, np.int16)
+        for i, s in enumerate(surfaces):
+            if s is None:
+                surface[i] = len(codes)
+            elif s in codes:
+                surface[i] = codes[s]
+            else:
+                known = ", ".join(self.vocab.surfaces) or "none: the model knows no surfaces"
+                raise ValueError(f"events[{i}].surface: {s!r} is not one of {known}")
+        return Events(
+            np.asarray(user_ids, np.int64), np.asarray(ad_ids, np.int64),
+            np.asarray(ts, np.int64), surface,
+        )  # fmt: skip
+
+    def add(self, events: Events, version: int, key: str | None = None) -> None:
+        """Append checked events (creating unknown users), remembering `key` -> `version`."""
+        with self._lock:
+            self._append(self._rows_or_new(events.user_id), events)
+            if key is not None:
+                self._keys[key] = version
+                while len(self._keys) > MAX_KEYS:
+                    self._keys.popitem(last=False)
+
+    def set_attributes(self, user_id: int, codes: Mapping[str, int]) -> None:
+        """Set some attribute codes of a user (created if new, the others unknown)."""
+        with self._lock:
+            (row,) = self._rows_or_new(np.array([user_id], np.int64))
+            for name, code in codes.items():
+                getattr(self, f"_{name}")[row] = code
+
+    def _rows_or_new(self, user_ids: np.ndarray) -> np.ndarray:
+        rows = np.empty(len(user_ids), np.int64)
+        unknown = self.vocab.unknown()
+        for i, u in enumerate(user_ids.tolist()):
+            row = self._row.get(u)
+            if row is None:
+                row = self._n_users
+                if row == len(self._ids):
+                    self._alloc(2 * row)
+                self._ids[row] = u
+                for a, code in unknown.items():
+                    getattr(self, f"_{a}")[row] = code
+                self._row[u], self._n_users = row, row + 1
+            rows[i] = row
+        return rows
+
+    def _append(self, rows: np.ndarray, events: Events) -> None:
+        """Merge `events` into the held engagements of `rows`, keeping the last L of each."""
+        if not len(rows):
+            return
+        L = self.length
+        touched = np.unique(rows)  # [m]
+        held = self._held[touched]
+        old = np.arange(L)[None, :] < held[:, None]  # [m, L]
+        o_row = np.repeat(touched, held)
+        merged = {
+            "row": np.concatenate([o_row, rows]),
+            "ad": np.concatenate([self._ad[touched][old], events.ad_id]),
+            "ts": np.concatenate([self._ts[touched][old], events.ts]),
+            "surface": np.concatenate([self._surface[touched][old], events.surface]),
+        }
+        arrival = np.arange(len(merged["row"]))  # old ones first, then the call's in order
+        order = np.lexsort((arrival, merged["ts"], merged["row"]))
+        merged = {k: v[order] for k, v in merged.items()}
+        counts = np.bincount(merged["row"], minlength=len(self._ids))[touched]  # [m]
+        ends = np.cumsum(counts)
+        rank_from_end = np.repeat(ends, counts) - np.arange(len(merged["row"]))  # 1 = newest
+        keep = rank_from_end <= L
+        kept = np.minimum(counts, L)
+        slot = np.arange(keep.sum()) - np.repeat(np.cumsum(kept) - kept, kept)
+        r = merged["row"][keep]
+        self._ad[r, slot] = merged["ad"][keep]
+        self._ts[r, slot] = merged["ts"][keep]
+        self._surface[r, slot] = merged["surface"][keep]
+        self._held[touched] = kept
+
+    # ---- on disk ----------------------------------------------------------------------------
+
+    def save(self, folder: Path) -> None:
+        """Write the store into `folder` (which exists; a snapshot folder being written)."""
+        folder = Path(folder)
+        folder.mkdir(exist_ok=True)
+        n = self._n_users
+        with self._lock:
+            arrays = {name: getattr(self, f"_{name}")[:n].copy() for name in
+                      ("ids", "ad", "ts", "surface", "held", *ATTRIBUTES)}  # fmt: skip
+            keys = list(self._keys.items())
+        np.savez(folder / FILES[0], length=np.int64(self.length), **arrays)
+        (folder / FILES[1]).write_text(json.dumps(keys))
+
+    def restore(self, folder: Path) -> None:
+        """Replace the content by what `save` wrote into `folder`."""
+        folder = Path(folder)
+        with np.load(folder / FILES[0]) as z:
+            if int(z["length"]) != self.length:
+                raise ValueError(
+                    f"{folder}: users saved with L = {int(z['length'])}, this store keeps "
+                    f"{self.length}"
+                )
+            n = len(z["ids"])
+            with self._lock:
+                self._n_users = 0
+                self._alloc(max(n, 1))
+                for name in ("ids", "ad", "ts", "surface", "held", *ATTRIBUTES):
+                    getattr(self, f"_{name}")[:n] = z[name]
+                self._n_users = n
+                self._row = {int(u): i for i, u in enumerate(z["ids"].tolist())}
+                self._keys = OrderedDict(json.loads((folder / FILES[1]).read_text()))

@@ -1,0 +1,323 @@
+"""Live users: the user store against a plain reference, its log (replay, snapshots, retries,
+SIGKILL), frequency caps against a plain reference, and the routes on the real server."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+
+import httpx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from serve_helpers import ADMIN, ThreadServer, World, build_world, fresh_state
+
+from m31.engine import AdRequest, InlineUser
+from m31.engine.load import load_engine
+from m31.engine.requests import Engagement, FrequencyCap
+from m31.index import AdIndex
+from m31.index.users import UserStore, Vocab
+from m31.serve.app import ServeConfig, create_app
+
+VOCAB = Vocab(("feed", "reels"), ("DE", "US"), ("f", "m"), (0, 1), 8)
+HEADERS = {"Authorization": f"Bearer {ADMIN}"}
+
+
+def reference_history(log: list[tuple[int, int, int, int]], user: int, ts: int, L: int):
+    """What the store must hold of `user` before `ts`: of all its events (user, ad, ts,
+    surface) in time order (ties: arrival), the last L, then those strictly before ts."""
+    mine = [(t, i, a, s) for i, (u, a, t, s) in enumerate(log) if u == user]
+    held = sorted(mine)[-L:]
+    return [(a, t, s) for t, _, a, s in held if t < ts]
+
+
+events_st = st.lists(
+    st.lists(
+        st.tuples(st.integers(0, 5), st.integers(0, 30), st.integers(0, 40), st.integers(0, 2)),
+        min_size=1,
+        max_size=12,
+    ),
+    min_size=1,
+    max_size=8,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(batches=events_st, L=st.integers(1, 6), ts=st.integers(0, 45))
+def test_the_store_keeps_what_the_reference_does(batches, L, ts):
+    store = UserStore(L, VOCAB, capacity=2)  # small: the store grows while events come
+    log = []
+    for version, batch in enumerate(batches, 1):
+        u, a, t, s = (list(c) for c in zip(*batch, strict=True))
+        surfaces = [VOCAB.surfaces[x] if x < 2 else None for x in s]
+        store.add(store.check(u, a, t, surfaces), version)
+        log += batch
+    users = sorted({e[0] for e in log})
+    rows = store.rows_of(users)
+    _, ads, surface, when = store.history(rows, np.full(len(rows), ts))
+    for r, user in enumerate(users):
+        want = reference_history(log, user, ts, L)
+        got = [
+            (int(x), int(t), int(sf))
+            for x, t, sf in zip(ads[r], when[r], surface[r], strict=True)
+            if x >= 0
+        ]
+        assert got == want
+        # Padding on the left, most recent last.
+        assert (ads[r][: L - len(want)] == -1).all()
+    # A frequency window counts exactly the held events in [ts - w, ts).
+    for w in (1, 10, 100):
+        got = store.engaged(rows, np.full(len(rows), ts), w)
+        for (ids, counts), user in zip(got, users, strict=True):
+            held = [a for a, t, _ in reference_history(log, user, ts, L) if t >= ts - w]
+            want = dict(zip(*np.unique(held, return_counts=True), strict=True)) if held else {}
+            assert dict(zip(ids.tolist(), counts.tolist(), strict=True)) == want
+
+
+def test_the_store_refuses_and_restores(tmp_path):
+    store = UserStore(3, VOCAB)
+    with pytest.raises(
+        ValueError, match=r"events\[1\]\.surface: 'watch' is not one of feed, reels"
+    ):
+        store.check([1, 2], [1, 1], [5, 6], ["feed", "watch"])
+    with pytest.raises(ValueError, match="give at least one event"):
+        store.check([], [], [], [])
+    store.add(store.check([7, 7, 8], [1, 2, 3], [10, 11, 12], ["reels", None, "feed"]), 4, "k")
+    store.set_attributes(9, {"country": 1, "age": 30})
+    assert store.targeting(store.rows_of([9])[0]) == {"country": "US", "age": 30, "gender": None}
+    store.save(tmp_path / "u")
+    back = UserStore(3, VOCAB)
+    back.restore(tmp_path / "u")
+    rows = np.array([0, 1, 2])
+    for a, b in zip(
+        store.history(rows, np.full(3, 99)), back.history(rows, np.full(3, 99)), strict=True
+    ):
+        if isinstance(a, dict):
+            assert all((a[k] == b[k]).all() for k in a)
+        else:
+            np.testing.assert_array_equal(a, b)
+    assert back.version_of("k") == 4 and len(back) == 3
+    with pytest.raises(ValueError, match="L = 3, this store keeps 5"):
+        UserStore(5, VOCAB).restore(tmp_path / "u")
+
+
+def test_bytes_per_user_at_L_50():
+    rng = np.random.default_rng(0)
+    n = 20_000
+    store = UserStore(50, VOCAB, capacity=n)
+    users = rng.integers(0, n, 200_000)
+    store.add(store.check(users, rng.integers(0, 1000, len(users)), rng.integers(0, 10**6, len(users)),
+                          ["feed"] * len(users)), 1)  # fmt: skip
+    per_user = store.nbytes_per_user()
+    # 50 x 18 B of engagements, 24 of attributes and count, the id's map entry
+    assert 900 < per_user < 1200, per_user
+
+
+# ---------------------------------------------------------------- the log: replay, snapshots
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> World:
+    return build_world(tmp_path_factory.mktemp("users"))
+
+
+def opened(world: World, state):
+    """The serving folder `state` opened as a server opens it (seeded user store)."""
+    return load_engine(state, world.model)
+
+
+def test_events_survive_reopen_and_snapshot_and_retries_apply_once(world):
+    state = fresh_state(world, "replay")
+    engine = opened(world, state)
+    user = int(engine.retriever.users._ids[0])
+    v1 = engine.store.add_events([user, 10**9], [5, 6], [100, 101], ["feed", None], key="a")
+    assert engine.store.add_events([user, 10**9], [5, 6], [100, 101], ["feed", None], key="a") == v1
+    v2 = engine.store.add_events([user], [7], [102], ["reels"])
+    engine.store.set_users([(10**9, {"country": 0, "age": 40})])
+    before = engine.retriever.users.history(
+        engine.retriever.users.rows_of([user, 10**9]), np.full(2, 10**6)
+    )
+    engine.close()
+    for step in ("replay", "snapshot"):
+        engine = opened(world, state)
+        users = engine.retriever.users
+        after = users.history(users.rows_of([user, 10**9]), np.full(2, 10**6))
+        for a, b in zip(before[1:], after[1:], strict=True):
+            np.testing.assert_array_equal(a, b)
+        assert users.version_of("a") == v1 and engine.store.version >= v2
+        assert users.targeting(users.rows_of([10**9])[0])["age"] == 40
+        # The retry after a restart is still applied once.
+        assert engine.store.add_events([user], [5], [100], ["feed"], key="a") == v1
+        if step == "replay":
+            engine.store.snapshot()
+        engine.close()
+
+
+def _stream_events(state: str, model: str, cycle: int, conn) -> None:
+    """A child process: open the serving folder as a server does and add batches of events
+    until killed, telling the parent each acknowledged batch's number."""
+    engine = load_engine(state, model)
+    for n in range(10**6):
+        engine.store.add_events(*batch(cycle, n), ["feed"] * 10)
+        conn.send(n)  # acknowledged
+
+
+def batch(cycle: int, n: int) -> tuple[list[int], list[int], list[int]]:
+    """(users, ad ids, times) of batch n of a kill cycle: ten users, one ad id and time per
+    batch, later in each cycle than in the one before."""
+    users = [10_000 + (n * 7 + j) % 50 for j in range(10)]
+    return users, [cycle * 10_000 + n] * 10, [cycle * 10_000 + n] * 10
+
+
+def test_sigkill_cycles_lose_no_acknowledged_event(world):
+    """30 SIGKILLs at random moments of a stream of events: after each, reopening the folder
+    holds every acknowledged batch, and the one in flight entirely or not at all."""
+    state = fresh_state(world, "killed")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["m31.engine.load"])  # a cycle forks, not imports
+    rng = np.random.default_rng(0)
+    for cycle in range(30):
+        parent, child = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_stream_events, args=(str(state), str(world.model), cycle, child))
+        proc.start()
+        child.close()
+        # Wait for acknowledgements, not for time: a random number of them, then kill.
+        acked = [parent.recv() for _ in range(int(rng.integers(1, 12)))]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join()
+        while parent.poll():
+            try:
+                acked.append(parent.recv())
+            except EOFError:
+                break
+        parent.close()
+        engine = opened(world, state)
+        store = engine.retriever.users
+
+        def holds(n: int, cycle=cycle, store=store) -> list[bool]:
+            users, ads, _ = batch(cycle, n)
+            _, held, _, _ = store.history(store.rows_of(users), np.full(10, 10**9))
+            return [ads[0] in row for row in held.tolist()]
+
+        for n in acked:
+            assert all(holds(n)), (cycle, n)
+        assert len(set(holds(max(acked) + 1))) == 1  # the batch in flight: all or nothing
+        engine.close()
+
+
+# ---------------------------------------------------------------- frequency caps
+
+
+@pytest.fixture(scope="module")
+def capped(world):
+    """A retriever over the world's snapshot with a store of its users (L = 50)."""
+    engine = opened(world, fresh_state(world, "caps"))
+    yield engine
+    engine.close()
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 10**6),
+    per=st.sampled_from(["ad", "campaign", "advertiser"]),
+    cap=st.integers(1, 3),
+    window=st.sampled_from([50, 500, 10**6]),
+)
+def test_frequency_caps_equal_the_reference(capped, seed, per, cap, window):
+    retriever = capped.retriever
+    index: AdIndex = retriever.index
+    rng = np.random.default_rng(seed)
+    ads = rng.choice(index.ids().numpy(), 8, replace=False)
+    stored = retriever.feats.users["user_id"]
+    user = int(stored[seed % len(stored)])
+    ts = retriever.feats.meta["time_range"][1] + 3600  # every ad of the world has started
+    when = rng.integers(ts - 1000, ts + 10, 30)  # some after the request: not counted
+    picked = rng.choice(ads, 30)
+    capped.store.add_events([user] * 30, picked.tolist(), when.tolist(), ["feed"] * 30)
+    request = AdRequest(user, ts, "feed", "ios", frequency_cap=FrequencyCap(per, cap, window))
+    # The reference: counts over the user's held events in the window, groups from the index.
+    _, held, _, t = retriever.users.history(retriever.users.rows_of([user]), np.array([ts]))
+    inside = held[0][(held[0] >= 0) & (t[0] >= ts - window)].tolist()
+    field = {"ad": None, "campaign": "campaign_id", "advertiser": "advertiser_id"}[per]
+    counts: dict[int, int] = {}
+    for a in inside:
+        g = a if field is None else index.get(a).attributes[field]
+        if g is not None:
+            counts[g] = counts.get(g, 0) + 1
+    out = {g for g, c in counts.items() if c >= cap}
+    plain = AdRequest(user, ts, "feed", "ios")
+    want = retriever.retrieve([plain], k=2000).results[0].ad_ids
+    assert len(want) > 100  # not vacuous: many ads are eligible without the cap
+    keep = [
+        a
+        for a in want.tolist()
+        if (a if field is None else index.get(a).attributes[field]) not in out
+    ]
+    got = retriever.retrieve([request], k=2000).results[0].ad_ids
+    assert got.tolist() == keep[: len(got)] and len(got) == min(len(keep), 2000)
+
+
+def test_an_inline_users_cap_counts_its_history(capped):
+    retriever = capped.retriever
+    ts = retriever.feats.meta["time_range"][1] + 3600
+    who = retriever.users.targeting(0)  # a stored user's country, age and gender
+    first = retriever.retrieve([AdRequest(None, ts, "feed", "ios", user=InlineUser(**who))], k=1)
+    ad = int(first.results[0].ad_ids[0])
+    user = InlineUser(**who, history=(Engagement(ad, ts - 5), Engagement(ad, ts - 4)))
+    for n, present in ((2, False), (3, True)):
+        cap = FrequencyCap("ad", n, 60)
+        r = AdRequest(None, ts, "feed", "ios", user=user, frequency_cap=cap)
+        assert (ad in retriever.retrieve([r], k=2000).results[0].ad_ids) == present
+
+
+# ---------------------------------------------------------------- the routes
+
+
+def test_an_event_reaches_the_next_retrieve(world):
+    config = ServeConfig(index=fresh_state(world, "http"), model=world.model, admin_token=ADMIN,
+                         timeout_ms=60_000)  # fmt: skip
+    with ThreadServer(create_app(config)) as s:
+        body = {"user_id": 3, "k": 10, "surface": "feed", "platform": "ios"}
+        before = httpx.post(f"{s.url}/v1/retrieve", json={"requests": [body]}).json()
+        now = int(time.time())
+        events = {"events": [{"user_id": 3, "ad_id": a, "ts": now - 60 + i, "surface": "reels",
+                              "type": "click", "weight": 1.0} for i, a in enumerate(range(40, 45))],
+                  "idempotency_key": "batch-1"}  # fmt: skip
+        r = httpx.post(f"{s.url}/v1/events", json=events, headers=HEADERS)
+        assert r.status_code == 200, r.text
+        version = r.json()["index_version"]
+        assert version > before["index_version"]
+        again = httpx.post(f"{s.url}/v1/events", json=events, headers=HEADERS).json()
+        assert again["index_version"] == version  # a retry: applied once
+        after = httpx.post(
+            f"{s.url}/v1/retrieve", json={"requests": [body], "min_version": version}
+        ).json()
+        assert after["index_version"] >= version
+        assert after["results"][0] != before["results"][0]
+        # A first event creates the user; PUT /v1/users gives it attributes.
+        new = {"events": [{"user_id": 10**12, "ad_id": 41, "ts": now - 5}]}
+        assert httpx.post(f"{s.url}/v1/events", json=new, headers=HEADERS).json()["users"] == 501
+        r = httpx.put(f"{s.url}/v1/users", headers=HEADERS,
+                      json={"users": [{"user_id": 10**12, "country": "US", "age": 33}]})  # fmt: skip
+        assert r.status_code == 200, r.text
+        ask = {"requests": [{"user_id": 10**12, "k": 5}], "min_version": r.json()["index_version"]}
+        assert httpx.post(f"{s.url}/v1/retrieve", json=ask).status_code == 200
+        # Bad input: a 422 naming the field; no token: 401; nothing applied.
+        for bad, field in (
+            ({"events": [{"user_id": 1, "ad_id": 1, "ts": 1, "surface": "tv"}]}, "surface"),
+            ({"events": []}, "events"),
+            ({"events": [{"user_id": 1, "ad_id": 1, "ts": "1"}]}, "ts"),
+            ({"events": [{"user_id": 1, "ad_id": 1, "ts": 1, "weight": -1}]}, "weight"),
+        ):
+            r = httpx.post(f"{s.url}/v1/events", json=bad, headers=HEADERS)
+            assert r.status_code == 422 and field in r.text, r.text
+        r = httpx.put(f"{s.url}/v1/users", headers=HEADERS,
+                      json={"users": [{"user_id": 1, "country": "ZZ"}]})  # fmt: skip
+        assert r.status_code == 422 and "users[0].country" in r.text
+        assert httpx.post(f"{s.url}/v1/events", json=new).status_code == 401
+        cap = {**body, "frequency_cap": {"per": "ad", "max": 1, "window_s": 3600}, "k": 2000}
+        got = httpx.post(f"{s.url}/v1/retrieve", json={"requests": [cap]}).json()
+        assert not set(range(40, 45)) & set(got["results"][0]["ad_ids"])  # L = 8 holds all five
