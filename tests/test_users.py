@@ -6,6 +6,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import threading
 import time
 
 import httpx
@@ -13,8 +14,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from serve_helpers import ADMIN, ThreadServer, World, build_world, fresh_state
+from serve_helpers import ADMIN, ProcessServer, ThreadServer, World, build_world, fresh_state
 
+from m31.client import Client, ServiceError
 from m31.engine import AdRequest, InlineUser
 from m31.engine.load import load_engine
 from m31.engine.requests import Engagement, FrequencyCap
@@ -321,3 +323,68 @@ def test_an_event_reaches_the_next_retrieve(world):
         cap = {**body, "frequency_cap": {"per": "ad", "max": 1, "window_s": 3600}, "k": 2000}
         got = httpx.post(f"{s.url}/v1/retrieve", json={"requests": [cap]}).json()
         assert not set(range(40, 45)) & set(got["results"][0]["ad_ids"])  # L = 8 holds all five
+
+
+def test_the_load_test_streams_events_beside_retrieves(world):
+    from m31.serve import loadtest
+
+    config = ServeConfig(index=fresh_state(world, "load"), model=world.model, admin_token=ADMIN,
+                         timeout_ms=60_000)  # fmt: skip
+    user_ids, ad_ids, vocab = loadtest.inputs(world.snapshot)  # the served index's online/
+    with ThreadServer(create_app(config)) as s:
+        stream = loadtest.EventLoad(clients=1, batch=20, ad_ids=ad_ids, token=ADMIN)
+        result = loadtest.run(s.url, user_ids, 1, vocab["surface"], vocab["platform"], 1.0,
+                              k=10, events=stream)  # fmt: skip
+        row = result.row()
+        assert row["errors"] == 0, row["error_kinds"]
+        assert result.events >= 20 and result.events % 20 == 0 and row["calls"] > 0
+        assert httpx.get(f"{s.url}/health/ready").json()  # still whole
+
+
+def test_sigkill_of_the_server_loses_no_acknowledged_event(world):
+    """`m31 serve` killed at a random moment of an event stream (three times): every
+    acknowledged batch is in the folder it serves, the one in flight entirely or not at all."""
+    state = fresh_state(world, "killed-http")
+    rng = np.random.default_rng(1)
+    for round_ in range(3):
+        server = ProcessServer(world, state).start()
+        acked: list[int] = []
+        streaming = threading.Event()  # three acknowledgements are in, or the stream ended
+
+        def stream(url=server.url, round_=round_, acked=acked, streaming=streaming) -> None:
+            with Client(url, admin_token=ADMIN, timeout=300) as c:
+                try:
+                    for n in range(10**6):
+                        users, ads, ts = batch(100 + round_, n)
+                        events = [{"user_id": u, "ad_id": a, "ts": t}
+                                  for u, a, t in zip(users, ads, ts, strict=True)]  # fmt: skip
+                        try:
+                            c.add_events(events)
+                        except (httpx.HTTPError, ServiceError):
+                            return  # the server died under this call: not acknowledged
+                        acked.append(n)
+                        if len(acked) == 3:
+                            streaming.set()
+                finally:
+                    streaming.set()
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert streaming.wait(600), "no acknowledgement in 600 s"
+        for _ in range(int(rng.integers(0, 10))):  # then kill after a random number more
+            if not t.is_alive():
+                break
+            n = len(acked)
+            while len(acked) == n and t.is_alive():
+                t.join(0.01)
+        server.kill()
+        t.join(60)
+        assert acked
+        engine = opened(world, state)
+        store = engine.retriever.users
+        for n in [*acked, max(acked) + 1]:
+            users, ads, _ = batch(100 + round_, n)
+            _, held, _, _ = store.history(store.rows_of(users), np.full(10, 10**9))
+            present = [ads[0] in row for row in held.tolist()]
+            assert all(present) if n in acked else len(set(present)) == 1, (round_, n, present)
+        engine.close()

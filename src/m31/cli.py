@@ -1022,11 +1022,11 @@ def cluster_init(
 ) -> None:
     """Partition a snapshot over S shards: a cluster state folder for `m31 serve --ray`."""
     from m31.cluster.layout import init_cluster
-    from m31.engine.load import copy_online, require_online
+    from m31.engine.load import copy_online, has_online
 
-    require_online(index)
     init_cluster(index, out, shards, device, log=typer.echo)
-    copy_online(index, out)
+    if has_online(index):  # what the ingress of `m31 serve --ray` reads
+        copy_online(index, out)
     typer.echo(f"wrote {out}: {shards} shards")
 
 
@@ -1041,11 +1041,11 @@ def cluster_reshard(
     """Re-partition a cluster state over a new number of shards, offline, from its shards'
     snapshots and logs; the global version carries over."""
     from m31.cluster.layout import reshard
-    from m31.engine.load import copy_online, require_online
+    from m31.engine.load import copy_online, has_online
 
-    require_online(from_)
     reshard(from_, shards, out, device, log=typer.echo)
-    copy_online(from_, out)
+    if has_online(from_):
+        copy_online(from_, out)
     typer.echo(f"wrote {out}: {shards} shards")
 
 
@@ -1240,39 +1240,55 @@ def query_cmd(
 @app.command("loadtest")
 @cli_errors
 def loadtest_cmd(
-    data: Annotated[Path, typer.Option(help="Dataset folder whose users the requests name.")],
+    data: Annotated[
+        Path,
+        typer.Option(
+            help="Where the requests' users come from: the dataset folder, or the served index "
+            "(its online/ folder)."
+        ),
+    ],
     url: Annotated[str, typer.Option()] = "http://127.0.0.1:8031",
     concurrency: Annotated[str, typer.Option(help="Comma-separated client counts.")] = "1,8,64",
     duration: Annotated[float, typer.Option(help="Seconds per concurrency level.")] = 10.0,
     k: Annotated[int, typer.Option()] = 100,
     token: Annotated[str | None, typer.Option(envvar="M31_READ_TOKEN")] = None,
+    event_clients: Annotated[
+        int,
+        typer.Option(
+            help="0: retrieves only; N: each level runs twice, alone and beside N clients "
+            "streaming events (POST /v1/events, with the admin token)."
+        ),
+    ] = 0,
+    event_batch: Annotated[int, typer.Option(help="Events per event call.")] = 100,
+    admin_token: Annotated[str | None, typer.Option(envvar="M31_ADMIN_TOKEN")] = None,
     out: Annotated[Path | None, typer.Option(help="Write the rows as JSON here.")] = None,
 ) -> None:
-    """Closed-loop load on a running server: QPS, p50/p99 latency, ads scored per second."""
-    import pyarrow.parquet as pq
-
-    from m31.data.dataset import vocabularies
+    """Closed-loop load on a running server: QPS, p50/p99 latency, ads scored per second, and
+    events acknowledged per second beside them."""
     from m31.serve import loadtest
 
     try:
         levels = [int(c) for c in concurrency.split(",")]
     except ValueError as e:
         raise ValueError(f"--concurrency: {concurrency!r} is not a list of integers") from e
-    users_file = data / "users.parquet"
-    if not users_file.is_file():
-        raise FileNotFoundError(f"--data: {users_file} not found")
-    user_ids = pq.read_table(users_file, columns=["user_id"]).column(0).to_numpy()
-    meta_file = data / "meta.json"
-    if not meta_file.is_file():
-        raise FileNotFoundError(f"--data: {meta_file} not found")
-    vocab = vocabularies(json.loads(meta_file.read_text()))
+    if event_clients < 0 or event_batch < 1:
+        raise ValueError("--event-clients must be at least 0 and --event-batch at least 1")
+    if event_clients and not admin_token:
+        raise ValueError("--event-clients: events need the admin token ($M31_ADMIN_TOKEN)")
+    user_ids, ad_ids, vocab = loadtest.inputs(data)
+    events = [None]
+    if event_clients:
+        events.append(loadtest.EventLoad(event_clients, event_batch, ad_ids, admin_token))
     rows = []
     for c in levels:
-        typer.echo(f"concurrency {c}: {duration:.0f} s …", err=True)
-        result = loadtest.run(
-            url, user_ids, c, vocab["surface"], vocab["platform"], duration, k, token
-        )
-        rows.append(result.row())
+        for stream in events:
+            with_events = f", {event_clients} event clients" if stream else ""
+            typer.echo(f"concurrency {c}{with_events}: {duration:.0f} s …", err=True)
+            result = loadtest.run(
+                url, user_ids, c, vocab["surface"], vocab["platform"], duration, k, token,
+                events=stream,
+            )  # fmt: skip
+            rows.append(result.row())
     typer.echo(loadtest.format_rows(rows))
     if out is not None:
         out.write_text(json.dumps(rows, indent=2) + "\n")

@@ -95,6 +95,20 @@ class Client:
     def snapshot(self) -> dict:
         return self._call("POST", "/v1/admin/snapshot", self._admin)
 
+    def add_events(
+        self, events: Sequence[Mapping[str, Any]], idempotency_key: str | None = None
+    ) -> dict:
+        """{"index_version", "users"} once the engagement events are durable; a retry with the
+        same `idempotency_key` is applied once."""
+        body: dict[str, Any] = {"events": list(events)}
+        if idempotency_key is not None:
+            body["idempotency_key"] = idempotency_key
+        return self._call("POST", "/v1/events", self._admin, json=body)
+
+    def set_users(self, users: Sequence[Mapping[str, Any]]) -> dict:
+        """Replace users' attributes (user_id, country, age, gender, cohort)."""
+        return self._call("PUT", "/v1/users", self._admin, json={"users": list(users)})
+
     def ready(self) -> bool:
         try:
             self._call("GET", "/health/ready", {})

@@ -1,4 +1,4 @@
-"""A crash-safe ad index: write-ahead log, snapshots and replay (DESIGN §4, §7).
+"""A crash-safe ad index and user store: write-ahead log, snapshots and replay (DESIGN §4, §7).
 
 Shapes: n ads in one upsert, G gate-key dim, D value dim.
 
@@ -7,8 +7,15 @@ Layout of a durable index folder DIR::
     DIR/LOCK                          flock'd by the one process that has DIR open (holds its pid)
     DIR/snapshot -> snapshot-<v>      symlink naming the current snapshot (a plain snapshot
                                       folder is accepted too, e.g. one `AdIndex.save` wrote)
-    DIR/snapshot-<v>/                 an `AdIndex.save` folder of the index at version v
+    DIR/snapshot-<v>/                 an `AdIndex.save` folder of the index at version v, with
+                                      users/ (the user store at v) when it has one
     DIR/wal.log                       write-ahead log: every mutation since the snapshot
+
+Users (`m31.index.users`): engagement events (`add_events`) and user attributes (`set_users`)
+are mutations of the same log, in the same version order as the ads' (`AdIndex.advance_version`
+gives them a version without touching the ads); a store given to `open` is seeded by its owner
+(from the online features) and then takes the snapshot's users and the log's records. An
+events call's idempotency key is logged with it, so a retry after a crash is still applied once.
 
 `wal.log` is the header b"M31WAL1\\n" followed by self-delimiting records::
 

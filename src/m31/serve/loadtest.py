@@ -2,8 +2,13 @@
 
 `concurrency` clients each send one retrieve call, wait for the answer, and send the next,
 for `duration` seconds. Requests are drawn from the dataset's users (stored user ids) with
-random surfaces and platforms of its vocabularies at the current time. Server-side figures (device calls, ads
-scored) are read from /metrics before and after, so batching shows as requests per device call.
+random surfaces and platforms of its vocabularies (none, for data without them) at the current
+time. Server-side figures (device calls, ads scored) are read from /metrics before and after,
+so batching shows as requests per device call.
+
+With `events` (`EventLoad`), as many more clients stream engagement events meanwhile (POST
+/v1/events, batches of random stored users and ads at the current time, closed loop, with the
+admin token): events acknowledged per second and the event calls' p99 join the row.
 """
 
 from __future__ import annotations
@@ -13,9 +18,21 @@ import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 import numpy as np
+
+
+@dataclass(frozen=True)
+class EventLoad:
+    """Event streaming beside the retrieve load: `clients` closed-loop senders of `batch`
+    events each, on `ad_ids`, with the admin `token`."""
+
+    clients: int
+    batch: int
+    ad_ids: np.ndarray
+    token: str
 
 
 @dataclass
@@ -26,6 +43,8 @@ class LoadResult:
     errors: dict[str, int] = field(default_factory=dict)  # status (or exception) -> count
     device_calls: float = 0.0
     ads_scored: float = 0.0
+    events: int = 0  # events acknowledged
+    event_latencies_ms: list[float] = field(default_factory=list)  # of acknowledged event calls
 
     @property
     def ok(self) -> int:
@@ -43,6 +62,12 @@ class LoadResult:
             "ads_scored_per_s": self.ads_scored / self.seconds,
             "errors": sum(self.errors.values()),
             "error_kinds": dict(self.errors),
+            "events_per_s": self.events / self.seconds,
+            "event_p99_ms": (
+                float(np.percentile(self.event_latencies_ms, 99))
+                if self.event_latencies_ms
+                else 0.0
+            ),
         }
 
 
@@ -64,6 +89,7 @@ async def _run(
     seed: int,
     surfaces: Sequence[str],
     platforms: Sequence[str],
+    events: EventLoad | None,
 ) -> LoadResult:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     async with httpx.AsyncClient(base_url=url, timeout=30) as http:
@@ -78,16 +104,12 @@ async def _run(
         rng = np.random.default_rng(seed * 1000 + i)
         async with httpx.AsyncClient(base_url=url, timeout=30, headers=headers) as http:
             while time.perf_counter() < stop:
-                body = {
-                    "requests": [
-                        {
-                            "user_id": int(rng.choice(user_ids)),
-                            "surface": surfaces[rng.integers(len(surfaces))],
-                            "platform": platforms[rng.integers(len(platforms))],
-                            "k": k,
-                        }
-                    ]
-                }
+                request = {"user_id": int(rng.choice(user_ids)), "k": k}
+                if surfaces:
+                    request["surface"] = surfaces[rng.integers(len(surfaces))]
+                if platforms:
+                    request["platform"] = platforms[rng.integers(len(platforms))]
+                body = {"requests": [request]}
                 start = time.perf_counter()
                 try:
                     r = await http.post("/v1/retrieve", json=body)
@@ -99,14 +121,66 @@ async def _run(
                 else:
                     result.errors[kind] = result.errors.get(kind, 0) + 1
 
+    async def streamer(i: int) -> None:
+        rng = np.random.default_rng(seed * 1000 + 500 + i)
+        auth = {"Authorization": f"Bearer {events.token}"}
+        async with httpx.AsyncClient(base_url=url, timeout=30, headers=auth) as http:
+            while time.perf_counter() < stop:
+                now = int(time.time())
+                batch = [
+                    {"user_id": int(u), "ad_id": int(a), "ts": now}
+                    | ({"surface": surfaces[int(rng.integers(len(surfaces)))]} if surfaces else {})
+                    for u, a in zip(
+                        rng.choice(user_ids, events.batch),
+                        rng.choice(events.ad_ids, events.batch),
+                        strict=True,
+                    )
+                ]
+                start = time.perf_counter()
+                try:
+                    r = await http.post("/v1/events", json={"events": batch})
+                    kind = None if r.status_code == 200 else f"events {r.status_code}"
+                except httpx.HTTPError as e:
+                    kind = f"events {type(e).__name__}"
+                if kind is None:
+                    result.events += len(batch)
+                    result.event_latencies_ms.append(1000 * (time.perf_counter() - start))
+                else:
+                    result.errors[kind] = result.errors.get(kind, 0) + 1
+
     t0 = time.perf_counter()
-    await asyncio.gather(*(client(i) for i in range(concurrency)))
+    streams = [streamer(i) for i in range(events.clients)] if events is not None else []
+    await asyncio.gather(*(client(i) for i in range(concurrency)), *streams)
     result.seconds = time.perf_counter() - t0
     async with httpx.AsyncClient(base_url=url, timeout=30) as http:
         after = (await http.get("/metrics")).text
     for name, attr in (("m31_device_calls", "device_calls"), ("m31_ads_scored", "ads_scored")):
         setattr(result, attr, _metric(after, name) - _metric(before, name))
     return result
+
+
+def inputs(folder: Path) -> tuple[np.ndarray, np.ndarray, dict[str, tuple[str, ...]]]:
+    """(user ids, ad ids, vocabularies) to draw requests and events from: of a dataset folder,
+    or of the online features of a served index (`online/`)."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    from m31.data.dataset import vocabularies
+
+    folder = Path(folder)
+    online = folder / "online"
+    if (online / "meta.json").is_file():
+        meta = json.loads((online / "meta.json").read_text())
+        vocab = {name: tuple(meta["vocab"][name]) for name in ("surface", "platform")}
+        users, ads = online / "users.parquet", online / "ads.parquet"
+    else:
+        if not (folder / "meta.json").is_file():
+            raise FileNotFoundError(f"--data: {folder} holds neither meta.json nor online/")
+        vocab = vocabularies(json.loads((folder / "meta.json").read_text()))
+        users, ads = folder / "users.parquet", folder / "ads.parquet"
+    read = lambda f, c: pq.read_table(f, columns=[c]).column(0).to_numpy()  # noqa: E731
+    return read(users, "user_id"), read(ads, "ad_id"), vocab
 
 
 def run(
@@ -119,25 +193,40 @@ def run(
     k: int = 100,
     token: str | None = None,
     seed: int = 0,
+    events: EventLoad | None = None,
 ) -> LoadResult:
-    """`surfaces` and `platforms`: the values requests draw from (the dataset's vocabularies)."""
+    """`surfaces` and `platforms`: the values requests draw from (the dataset's vocabularies;
+    empty: requests name none)."""
     if concurrency < 1 or duration <= 0 or k < 1:
         raise ValueError("concurrency and k must be >= 1 and duration > 0")
-    if not len(user_ids) or not surfaces or not platforms:
-        raise ValueError("no user ids, surfaces or platforms to send")
+    if not len(user_ids):
+        raise ValueError("no user ids to send")
+    if events is not None and (events.clients < 1 or events.batch < 1 or not len(events.ad_ids)):
+        raise ValueError("events: clients and batch must be >= 1, with ad ids to engage with")
     return asyncio.run(
-        _run(url, np.asarray(user_ids), concurrency, duration, k, token, seed, surfaces, platforms)
+        _run(
+            url,
+            np.asarray(user_ids),
+            concurrency,
+            duration,
+            k,
+            token,
+            seed,
+            surfaces,
+            platforms,
+            events,
+        )
     )
 
 
 def format_rows(rows: list[dict]) -> str:
     head = (
-        "| concurrency | calls | QPS | p50 ms | p99 ms | requests / device call "
-        "| ads scored / s | errors |\n|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "| concurrency | events / s | calls | QPS | p50 ms | p99 ms | requests / device call "
+        "| ads scored / s | errors |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     )
     lines = [
-        f"| {r['concurrency']} | {r['calls']} | {r['qps']:.1f} | {r['p50_ms']:.1f} | "
-        f"{r['p99_ms']:.1f} | {r['requests_per_device_call']:.1f} | "
+        f"| {r['concurrency']} | {r['events_per_s']:,.0f} | {r['calls']} | {r['qps']:.1f} | "
+        f"{r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['requests_per_device_call']:.1f} | "
         f"{r['ads_scored_per_s'] / 1e6:.1f} M | {r['errors']}"
         + (
             f" ({', '.join(f'{k}: {v}' for k, v in r['error_kinds'].items())})"
