@@ -21,6 +21,7 @@ from m31.engine import AdRequest, InlineUser
 from m31.engine.load import load_engine
 from m31.engine.requests import Engagement, FrequencyCap
 from m31.index import AdIndex
+from m31.index import RequestContext as AdRequestContext
 from m31.index.users import UserStore, Vocab
 from m31.serve.app import ServeConfig, create_app
 
@@ -388,3 +389,23 @@ def test_sigkill_of_the_server_loses_no_acknowledged_event(world):
             present = [ads[0] in row for row in held.tolist()]
             assert all(present) if n in acked else len(set(present)) == 1, (round_, n, present)
         engine.close()
+
+
+def test_a_users_only_version_keeps_the_ads_view(world):
+    """Events number a new version without touching the ads: the next frozen view is the same
+    view relabelled (its tensors, and what kernels keep per table, are reused), and a view
+    taken before stays usable for masks; an ad write makes a new one."""
+    index = AdIndex.load(world.snapshot)
+    before = index.frozen_view()
+    version = index.advance_version()
+    after = index.frozen_view()
+    assert after.version == version == before.version + 1
+    assert after.g is before.g and after.attributes is before.attributes
+    mask = after.eligible_mask(AdRequestContext(None, None, None, None, None, ts=0))
+    assert mask.shape == (len(index),)
+    with index.snapshot_view() as view:
+        index_version = view.version
+    assert index_version == version
+    index.delete([int(index.ids()[0])])
+    assert index.frozen_view().g is not None and index.frozen_view().version == version + 1
+    assert index.frozen_view().attributes is not after.attributes
