@@ -1248,7 +1248,9 @@ def loadtest_cmd(
         ),
     ],
     url: Annotated[str, typer.Option()] = "http://127.0.0.1:8031",
-    concurrency: Annotated[str, typer.Option(help="Comma-separated client counts.")] = "1,8,64",
+    concurrency: Annotated[
+        str, typer.Option(help="Comma-separated client counts (0: events alone).")
+    ] = "1,8,64",
     duration: Annotated[float, typer.Option(help="Seconds per concurrency level.")] = 10.0,
     k: Annotated[int, typer.Option()] = 100,
     token: Annotated[str | None, typer.Option(envvar="M31_READ_TOKEN")] = None,
@@ -1260,6 +1262,9 @@ def loadtest_cmd(
         ),
     ] = 0,
     event_batch: Annotated[int, typer.Option(help="Events per event call.")] = 100,
+    event_rate: Annotated[
+        float, typer.Option(help="Events per second in all (0: as fast as acknowledged).")
+    ] = 0.0,
     admin_token: Annotated[str | None, typer.Option(envvar="M31_ADMIN_TOKEN")] = None,
     out: Annotated[Path | None, typer.Option(help="Write the rows as JSON here.")] = None,
 ) -> None:
@@ -1271,17 +1276,21 @@ def loadtest_cmd(
         levels = [int(c) for c in concurrency.split(",")]
     except ValueError as e:
         raise ValueError(f"--concurrency: {concurrency!r} is not a list of integers") from e
-    if event_clients < 0 or event_batch < 1:
-        raise ValueError("--event-clients must be at least 0 and --event-batch at least 1")
+    if event_clients < 0 or event_batch < 1 or event_rate < 0:
+        raise ValueError(
+            "--event-clients and --event-rate must be at least 0, --event-batch at least 1"
+        )
     if event_clients and not admin_token:
         raise ValueError("--event-clients: events need the admin token ($M31_ADMIN_TOKEN)")
     user_ids, ad_ids, vocab = loadtest.inputs(data)
     events = [None]
     if event_clients:
-        events.append(loadtest.EventLoad(event_clients, event_batch, ad_ids, admin_token))
+        events.append(
+            loadtest.EventLoad(event_clients, event_batch, ad_ids, admin_token, event_rate)
+        )
     rows = []
     for c in levels:
-        for stream in events:
+        for stream in events if c else events[1:]:  # 0 clients: the events alone
             with_events = f", {event_clients} event clients" if stream else ""
             typer.echo(f"concurrency {c}{with_events}: {duration:.0f} s …", err=True)
             result = loadtest.run(

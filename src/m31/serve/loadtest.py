@@ -26,13 +26,15 @@ import numpy as np
 
 @dataclass(frozen=True)
 class EventLoad:
-    """Event streaming beside the retrieve load: `clients` closed-loop senders of `batch`
-    events each, on `ad_ids`, with the admin `token`."""
+    """Event streaming beside the retrieve load: `clients` senders of `batch` events each, on
+    `ad_ids`, with the admin `token`; closed loop, or paced to `rate` events per second in all
+    (0: as fast as the server acknowledges)."""
 
     clients: int
     batch: int
     ad_ids: np.ndarray
     token: str
+    rate: float = 0.0
 
 
 @dataclass
@@ -124,8 +126,14 @@ async def _run(
     async def streamer(i: int) -> None:
         rng = np.random.default_rng(seed * 1000 + 500 + i)
         auth = {"Authorization": f"Bearer {events.token}"}
+        # Paced: this client's calls at fixed times (a late call is not made up for later).
+        every = events.clients * events.batch / events.rate if events.rate else 0.0
+        due = time.perf_counter() + i * every / events.clients
         async with httpx.AsyncClient(base_url=url, timeout=30, headers=auth) as http:
             while time.perf_counter() < stop:
+                if every:
+                    await asyncio.sleep(max(0.0, due - time.perf_counter()))
+                    due = max(due + every, time.perf_counter())
                 now = int(time.time())
                 batch = [
                     {"user_id": int(u), "ad_id": int(a), "ts": now}
@@ -197,12 +205,16 @@ def run(
 ) -> LoadResult:
     """`surfaces` and `platforms`: the values requests draw from (the dataset's vocabularies;
     empty: requests name none)."""
-    if concurrency < 1 or duration <= 0 or k < 1:
-        raise ValueError("concurrency and k must be >= 1 and duration > 0")
+    if concurrency < (0 if events is not None else 1) or duration <= 0 or k < 1:
+        raise ValueError("concurrency must be >= 1 (>= 0 with events), k >= 1 and duration > 0")
     if not len(user_ids):
         raise ValueError("no user ids to send")
-    if events is not None and (events.clients < 1 or events.batch < 1 or not len(events.ad_ids)):
-        raise ValueError("events: clients and batch must be >= 1, with ad ids to engage with")
+    if events is not None and (
+        events.clients < 1 or events.batch < 1 or events.rate < 0 or not len(events.ad_ids)
+    ):
+        raise ValueError(
+            "events: clients and batch must be >= 1 and rate >= 0, with ad ids to engage with"
+        )
     return asyncio.run(
         _run(
             url,
