@@ -6,9 +6,10 @@ random surfaces and platforms of its vocabularies (none, for data without them) 
 time. Server-side figures (device calls, ads scored) are read from /metrics before and after,
 so batching shows as requests per device call.
 
-With `events` (`EventLoad`), as many more clients stream engagement events meanwhile (POST
-/v1/events, batches of random stored users and ads at the current time, closed loop, with the
-admin token): events acknowledged per second and the event calls' p99 join the row.
+With `events` (`EventLoad`), more clients stream engagement events meanwhile (POST /v1/events,
+batches of random stored users and ads at the current time, closed loop or paced, with the
+admin token), from a process of their own so that making their calls does not delay the
+retrieve clients': events acknowledged per second and the event calls' p99 join the row.
 """
 
 from __future__ import annotations
@@ -91,7 +92,6 @@ async def _run(
     seed: int,
     surfaces: Sequence[str],
     platforms: Sequence[str],
-    events: EventLoad | None,
 ) -> LoadResult:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     async with httpx.AsyncClient(base_url=url, timeout=30) as http:
@@ -123,11 +123,33 @@ async def _run(
                 else:
                     result.errors[kind] = result.errors.get(kind, 0) + 1
 
-    async def streamer(i: int) -> None:
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client(i) for i in range(concurrency)))
+    result.seconds = time.perf_counter() - t0
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        after = (await http.get("/metrics")).text
+    for name, attr in (("m31_device_calls", "device_calls"), ("m31_ads_scored", "ads_scored")):
+        setattr(result, attr, _metric(after, name) - _metric(before, name))
+    return result
+
+
+async def _stream(
+    url: str,
+    events: EventLoad,
+    user_ids: np.ndarray,
+    surfaces: Sequence[str],
+    duration: float,
+    seed: int,
+    result: LoadResult,
+) -> None:
+    """`events.clients` event senders for `duration` seconds, counted into `result`."""
+    stop = time.perf_counter() + duration
+    auth = {"Authorization": f"Bearer {events.token}"}
+    # Paced: each client's calls at fixed times (a late call is not made up for later).
+    every = events.clients * events.batch / events.rate if events.rate else 0.0
+
+    async def sender(i: int) -> None:
         rng = np.random.default_rng(seed * 1000 + 500 + i)
-        auth = {"Authorization": f"Bearer {events.token}"}
-        # Paced: this client's calls at fixed times (a late call is not made up for later).
-        every = events.clients * events.batch / events.rate if events.rate else 0.0
         due = time.perf_counter() + i * every / events.clients
         async with httpx.AsyncClient(base_url=url, timeout=30, headers=auth) as http:
             while time.perf_counter() < stop:
@@ -156,15 +178,17 @@ async def _run(
                 else:
                     result.errors[kind] = result.errors.get(kind, 0) + 1
 
-    t0 = time.perf_counter()
-    streams = [streamer(i) for i in range(events.clients)] if events is not None else []
-    await asyncio.gather(*(client(i) for i in range(concurrency)), *streams)
-    result.seconds = time.perf_counter() - t0
-    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
-        after = (await http.get("/metrics")).text
-    for name, attr in (("m31_device_calls", "device_calls"), ("m31_ads_scored", "ads_scored")):
-        setattr(result, attr, _metric(after, name) - _metric(before, name))
-    return result
+    await asyncio.gather(*(sender(i) for i in range(events.clients)))
+
+
+def _stream_process(url, events, user_ids, surfaces, duration, seed, conn) -> None:
+    """The event senders in a process of their own (so that building their calls does not
+    delay the retrieve clients' timing): (events, latencies, errors) back through `conn`."""
+    result = LoadResult(0, duration)
+    conn.send("ready")
+    conn.recv()  # go
+    asyncio.run(_stream(url, events, user_ids, surfaces, duration, seed, result))
+    conn.send((result.events, result.event_latencies_ms, result.errors))
 
 
 def inputs(folder: Path) -> tuple[np.ndarray, np.ndarray, dict[str, tuple[str, ...]]]:
@@ -215,20 +239,34 @@ def run(
         raise ValueError(
             "events: clients and batch must be >= 1 and rate >= 0, with ad ids to engage with"
         )
-    return asyncio.run(
-        _run(
-            url,
-            np.asarray(user_ids),
-            concurrency,
-            duration,
-            k,
-            token,
-            seed,
-            surfaces,
-            platforms,
-            events,
+    user_ids = np.asarray(user_ids)
+    if events is None:
+        return asyncio.run(
+            _run(url, user_ids, concurrency, duration, k, token, seed, surfaces, platforms)
         )
-    )
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    args = (url, events, user_ids, list(surfaces), duration, seed, child_conn)
+    child = ctx.Process(target=_stream_process, args=args, daemon=True)
+    child.start()
+    try:
+        if conn.recv() != "ready":
+            raise RuntimeError("the event senders did not start")
+        conn.send("go")
+        if concurrency:
+            result = asyncio.run(
+                _run(url, user_ids, concurrency, duration, k, token, seed, surfaces, platforms)
+            )
+        else:
+            result = LoadResult(0, duration)
+        result.events, result.event_latencies_ms, errors = conn.recv()
+        for kind, n in errors.items():
+            result.errors[kind] = result.errors.get(kind, 0) + n
+    finally:
+        child.join(60)
+    return result
 
 
 def format_rows(rows: list[dict]) -> str:
