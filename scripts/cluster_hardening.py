@@ -29,6 +29,7 @@ measures another checkout: PYTHONPATH=/path/to/it/src .venv/bin/python scripts/.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -72,6 +73,15 @@ def build_world(root: Path) -> None:
     build_index(data, ckpt, root / "index", overwrite=True)
 
 
+@functools.cache
+def data_option(world: Path) -> list[str]:
+    """`--data WORLD/world` for a checkout from before served indexes carried their online
+    features (its `m31 serve` reads the dataset folder); one from after refuses the option."""
+    help_ = subprocess.run([sys.executable, "-m", "m31.cli", "serve", "--help"],
+                           capture_output=True, text=True).stdout  # fmt: skip
+    return ["--data", str(world / "world")] if "--data" in help_ else []
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -89,7 +99,7 @@ class Server:
         args = [
             sys.executable, "-m", "m31.cli", "serve", "--index", str(world / "index"),
             "--state", str(state), "--model", str(world / "runs" / "moe.pt"),
-            "--data", str(world / "world"), "--port", str(self.port), "--timeout-ms", "30000",
+            *data_option(world), "--port", str(self.port), "--timeout-ms", "30000",
         ]  # fmt: skip
         if shards is not None:
             args += ["--ray", "--shards", str(shards)]
