@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import Future
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ ray = pytest.importorskip("ray")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from m31.cluster import channel  # noqa: E402
 from m31.cluster.cluster import Cluster, ClusterOptions, Unavailable  # noqa: E402
 from m31.cluster.layout import init_cluster, shard_dir, shard_of  # noqa: E402
 from m31.cluster.shard import Shard  # noqa: E402
@@ -309,6 +311,49 @@ def test_outage_policy_within_the_deadline(ray_local, tmp_path):
     ray.kill(cluster.shards[0], no_restart=False)
     quick = cluster.search(query, requests, [50], time.monotonic() + 120, allow_partial=True)
     assert quick.missing in ([], [0])
+
+
+@pytest.mark.skipif(not channel.available(), reason="channels are Linux's")
+def test_searches_go_through_the_shards_channels(ray_local, tmp_path):
+    """A shard's first answer comes through Ray and names its channel: later searches go
+    through the channel, answering as Ray calls do (a handle that makes none), writes included.
+    A shard killed: its channel's calls fail as its Ray call would, the read asks it again
+    through Ray until the restarted process answers, and connects to that one's channel."""
+    rng = np.random.default_rng(11)
+    index = AdIndex(G, D, dtype=torch.float32, extra_fields=EXTRA)
+    ids = rng.choice(10_000, 200, replace=False)
+    index.upsert(ids, *ads(ids, rng))
+    cluster = start(tmp_path, index)
+    by_ray = Cluster(cluster.shards, cluster.coordinator)
+    by_ray.direct = False
+    query = tuple(rng.normal(size=s).astype(np.float32) for s in ((2, E, G), (2, E, D), (2, E)))
+    requests = [(AdRequest(None, 0, "feed", "ios", filter=FILTERS[i]), {}) for i in (0, 1)]
+
+    def same(handle: Cluster, ks=(50, 7)):
+        got = handle.search(query, requests, list(ks), time.monotonic() + 120)
+        want = reference(index, query, requests, list(ks))
+        assert [r.ad_ids.tolist() for r in got.results] == [r.ad_ids.tolist() for r in want]
+        assert [r.scores.tolist() for r in got.results] == [r.scores.tolist() for r in want]
+        return got
+
+    assert not any(cluster.channel(s) for s in range(S))
+    same(cluster)
+    links = [cluster.channel(s) for s in range(S)]
+    assert all(links)
+    read = cluster.scatter(query, requests, [50, 7])
+    assert all(isinstance(call, Future) for call in read.calls)  # no Ray call at all
+    same(cluster)
+    new = [20_000, 20_001, 20_002]
+    made = ads(new, rng)
+    index.upsert(new, *made)
+    version = cluster.upsert(np.array(new), *made)
+    assert same(cluster).version == version == same(by_ray).version
+    assert not any(by_ray.channel(s) for s in range(S))
+
+    os.kill(ray.get(cluster.shards[1].pid.remote()), signal.SIGKILL)
+    same(cluster)
+    assert links[1].closed and cluster.channel(1) not in (None, links[1])
+    assert cluster.channel(0) is links[0] and cluster.channel(2) is links[2]
 
 
 def test_reshard_offline_keeps_every_ad_and_the_version(ray_local, tmp_path):

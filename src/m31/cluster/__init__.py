@@ -7,6 +7,7 @@ records.py      the fsync'd record log of shards' transactions and the coordinat
 shard.py        Shard: one shard's DurableIndex, its search and its side of the commit
 coordinator.py  Coordinator: global versions, read points, the two-phase commit
 cluster.py      Cluster: the ingress's handle: start the actors, scatter-gather, mutations
+channel.py      a shard's searches from an ingress on its node, by socket, not Ray's call path
 service.py      ClusterService: what the HTTP routes drive, over a Cluster
 serve.py        `m31 serve --ray`: the HTTP API in this process or on Ray Serve replicas
 reaper.py       kills what is left of a local Ray cluster once its server is gone

@@ -4,51 +4,59 @@ top-k exactly, route mutations to their owning shards through the coordinator (D
 
 Shapes: B requests, E experts, G gate-key dim, D value dim.
 
-Reads. The ingress puts the query (encoded once) and the requests into Ray's object store once
-and asks every shard for its top-k; in parallel it asks the coordinator for a read point
-(version, touched, recovering). A shard answers at the last version that changed it; an answer
-is used when that is touched[s] of the read point, so the merged answer is the whole index at
-exactly `version`. A shard that committed something newer meanwhile is asked again at
-touched[s] (it keeps views of its last few versions), or, if it no longer holds that view, the
-read point is taken again. Ties across shards go to the lower ad id, as in one process
-(`m31.engine.merge`). `Read` is one such scatter-gather in progress; `gather` drives one to
-its end, and `m31.cluster.service` drives several at once.
+Reads. The ingress sends the query (encoded once) and the requests to every shard and asks for
+its top-k: through the shard's channel where it is on the ingress's node and connected
+(`m31.cluster.channel`: Ray's call path costs more than a millisecond each way), else as a Ray
+call; when it has no read point it asks the coordinator for one (version, touched, recovering)
+in parallel. A shard answers at the last version that changed it; an answer is used when that
+is touched[s] of the read point, so the merged answer is the whole index at exactly `version`.
+A shard that committed something newer meanwhile is asked again at touched[s] (it keeps views
+of its last few versions), or, if it no longer holds that view, the read point is taken again.
+Ties across shards go to the lower ad id, as in one process (`m31.engine.merge`). `Read` is one
+such scatter-gather in progress; `gather` drives one to its end, and `m31.cluster.service`
+drives several at once.
 
 Failure. A shard actor that dies is restarted by Ray (`max_restarts=-1`) and rebuilds from its
-snapshot, write-ahead log and transaction log. A read whose shard call fails asks it again (the
-call fails again every few seconds until the restarted actor answers) until the read's
-deadline. A shard is *down* from a failed call, or from a deadline it let pass unanswered (a
-stopped process fails nothing), until it answers again; so is a shard the coordinator names as
-recovering (it restarted and has not resolved that shard yet). At the deadline, shards still
-missing make the read fail with `Unavailable` — or, for a read that allows a partial answer,
-the answer says which shards are missing; such a read does not wait for a shard that is down,
-only for the others. Never a silently partial answer.
+snapshot, write-ahead log and transaction log. A read whose shard call fails (a Ray call, or
+its channel closing) asks it again through Ray (the call fails again every few seconds until
+the restarted actor answers) until the read's deadline. A shard is *down* from a failed call,
+or from a deadline it let pass unanswered (a stopped process fails nothing), until it answers
+again; so is a shard the coordinator names as recovering (it restarted and has not resolved
+that shard yet). At the deadline, shards still missing make the read fail with `Unavailable` —
+or, for a read that allows a partial answer, the answer says which shards are missing; such a
+read does not wait for a shard that is down, only for the others. Never a silently partial
+answer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from m31.cluster import channel
 from m31.cluster.coordinator import Coordinator
 from m31.cluster.layout import coordinator_dir, read_layout, shard_dir, shard_of
 from m31.cluster.shard import Answer, Moved, Shard
 from m31.engine import Retrieved, merge
 from m31.serve.service import Unavailable
 
-__all__ = ["Cancelled", "Cluster", "ClusterOptions", "Gathered", "Read", "Unavailable"]
+__all__ = ["Cancelled", "Cluster", "ClusterOptions", "Gathered", "Read", "Unavailable", "ready"]
 
 # Seconds a mutation may take before its caller gives up waiting (it may still commit): the
 # coordinator refuses one whose shards are down within `PREPARE_WAIT_S`, so this bounds only
 # a coordinator that does not answer at all.
 MUTATION_TIMEOUT_S = 120.0
-# A query this large (bytes of q, v, p) goes to several shards through the object store.
+# A query this large (bytes of q, v, p) goes to several shards through the object store (when
+# asked through Ray).
 PUT_BYTES = 32 << 10
 # How long one read-point call waits in the coordinator for recovering shards: reads waiting
 # for them ask again, so this bounds how long a coordinator thread is held.
@@ -78,24 +86,45 @@ class Cancelled(RuntimeError):
     """A start-up stopped before its end."""
 
 
+class _ShardActor(Shard):
+    """A shard as its Ray actor runs it: it also serves its searches on a channel, whose endpoint
+    its answers through Ray carry (`m31.cluster.channel`)."""
+
+    def __init__(self, path: str, index: int, device: str = "cpu", workers: int = 8) -> None:
+        import ray
+
+        super().__init__(path, index, device)
+        self.endpoint = None
+        if channel.available():
+            server = channel.Server({"search": super().search}, workers)
+            self.endpoint = (ray.get_runtime_context().get_node_id(), server.name)
+            self._server = server
+
+    def search(self, payload, at: int | None = None) -> Answer | Moved:
+        got = super().search(payload, at)
+        return dataclasses.replace(got, endpoint=self.endpoint) if isinstance(got, Answer) else got
+
+
 def _actor_classes():
     import ray
 
-    shard = ray.remote(max_restarts=-1, max_task_retries=0)(Shard)
+    shard = ray.remote(max_restarts=-1, max_task_retries=0)(_ShardActor)
     coordinator = ray.remote(max_restarts=-1, max_task_retries=0, num_cpus=0)(Coordinator)
     return shard, coordinator
 
 
 class Read:
-    """One scatter-gather in progress: the calls out (`calls`: ref -> shard, -1 for the read
-    point), the answers in. `take` each ref as Ray reports it ready; `complete(need)` says
-    whether the shards `need` answered at the read point. Not thread-safe: one thread drives
-    a read at a time."""
+    """One scatter-gather in progress: the calls out (`calls`: a Ray ref or a channel's Future
+    -> shard, -1 for the read point), the answers in. `take` each call once it is done
+    (`ready`); `complete(need)` says whether the shards `need` answered at the read point. Not
+    thread-safe: one thread drives a read at a time."""
 
     def __init__(self, cluster: Cluster, payload) -> None:
         self.cluster, self.payload = cluster, payload
         self.n = len(cluster.shards)
         self.calls: dict[Any, int] = {}
+        self._futures: dict[Any, Future] = {}  # Ray refs waited for beside a channel's calls
+        self._stored = None  # the payload in Ray's object store, once put
         # The handle's last read point, until an answer does not fit it: answers that all fit
         # the last point need no call to the coordinator (see `Cluster.last_point`).
         self.point: tuple[int, list[int]] | None = cluster.last_point
@@ -110,7 +139,31 @@ class Read:
             self._ask_point()
 
     def _ask(self, s: int, at: int | None = None) -> None:
-        self.calls[self.cluster.shards[s].search.remote(self.payload, at)] = s
+        direct = self.cluster.channel(s)
+        if direct is not None:
+            self.calls[direct.call("search", self.payload, at)] = s
+        else:
+            self.calls[self.cluster.shards[s].search.remote(self._ray_payload(), at)] = s
+
+    def _ray_payload(self):
+        """The payload for a Ray call: for several shards and a large query, put into the object
+        store once (a put costs about a millisecond, more than a few small copies)."""
+        query = self.payload[0]
+        if self.n == 1 or sum(a.nbytes for a in query) < PUT_BYTES:
+            return self.payload
+        if self._stored is None:
+            import ray
+
+            self._stored = ray.put(self.payload)
+        return self._stored
+
+    def future(self, call) -> Future:
+        """`call` as a Future (a Ray ref's made once), to wait for it beside a channel's."""
+        if isinstance(call, Future):
+            return call
+        if call not in self._futures:
+            self._futures[call] = call.future()
+        return self._futures[call]
 
     def _ask_point(self, wait_s: float = 0.0) -> None:
         self.calls[self.cluster.coordinator.read_point.remote(wait_s)] = -1
@@ -122,11 +175,12 @@ class Read:
         from ray.exceptions import RayActorError, RayTaskError
 
         s = self.calls.pop(ref)
+        self._futures.pop(ref, None)
         try:
-            got = ray.get(ref)
+            got = ref.result() if isinstance(ref, Future) else ray.get(ref)
         except RayTaskError as e:
             raise e.cause from e
-        except RayActorError:
+        except (RayActorError, channel.ChannelClosed):
             if s < 0:
                 self.coordinator_failed = True
                 self._ask_point()  # fails again every few seconds while it restarts
@@ -157,6 +211,7 @@ class Read:
                 self._ask_point(RECOVERY_POLL_S if behind else 0.0)
             return
         self.answers[s] = got
+        self.cluster.connect(s, got.endpoint)
         if self.cached and got.version != self.point[1][s]:
             # Something changed since the last read point (maybe acknowledged before this read
             # began): only the coordinator says at which version to read now.
@@ -221,20 +276,37 @@ class Read:
         return Gathered(results, self.point[0], self.missing(), rows_scored, timings)
 
     def wait(self, until: float) -> bool:
-        """Wait for one call until `until` (monotonic seconds) and take it; False if none came."""
-        import ray
-
+        """Wait for a call until `until` (monotonic seconds) and take those done; False if none
+        came."""
         left = until - time.monotonic()
         if left <= 0:
             return False
         if not self.calls:  # nothing out (not expected): no spinning until `until`
             time.sleep(min(left, 0.05))
             return False
-        ready, _ = ray.wait(list(self.calls), num_returns=1, timeout=left)
-        if not ready:
-            return False
-        self.take(ready[0])
-        return True
+        done = ready([self], left)
+        for _, call in done:
+            self.take(call)
+        return bool(done)
+
+
+def ready(reads: Sequence[Read], timeout: float) -> list[tuple[Read, Any]]:
+    """The calls out of `reads` that are done, as (read, call), waiting up to `timeout` seconds
+    for one: Ray's refs through `ray.wait`, and, beside a channel's calls, as Futures."""
+    owner = {call: read for read in reads for call in read.calls}
+    if not owner:
+        return []
+    if any(isinstance(call, Future) for call in owner):
+        futures = {owner[call].future(call): call for call in owner}
+        finished, _ = wait_futures(futures, timeout=timeout, return_when=FIRST_COMPLETED)
+        return [(owner[futures[f]], futures[f]) for f in finished]
+    import ray
+
+    refs = list(owner)
+    done, rest = ray.wait(refs, num_returns=1, timeout=timeout)
+    if done and rest:
+        done += ray.wait(rest, num_returns=len(rest), timeout=0)[0]
+    return [(owner[ref], ref) for ref in done]
 
 
 class Cluster:
@@ -243,6 +315,13 @@ class Cluster:
 
     def __init__(self, shards: list, coordinator) -> None:
         self.shards, self.coordinator = list(shards), coordinator
+        # Channels to the shards on this process's node, connected from their answers; not
+        # pickled: each process that holds the handle connects its own.
+        self.direct = channel.available()  # whether to connect them (else Ray calls only)
+        self._channels: dict[int, channel.Channel] = {}
+        self._refused: set[tuple[str, str]] = set()  # endpoints not to try again
+        self._channel_lock = threading.Lock()
+        self._node: str | None = None
         # Shards that are down as this handle saw them: a call failed, or a deadline passed
         # unanswered; cleared by any answer. Set operations are atomic, and reads share it.
         self.down: set[int] = set()
@@ -279,7 +358,7 @@ class Cluster:
                 num_cpus=options.shard_cpus,
                 num_gpus=options.shard_gpus,
                 max_concurrency=options.max_concurrency,
-            ).remote(str(shard_dir(state, i)), i, options.device)
+            ).remote(str(shard_dir(state, i)), i, options.device, options.max_concurrency)
             for i in range(n)
         ]
         # A shard whose folder cannot be opened fails here, with its error (a constructor that
@@ -298,6 +377,32 @@ class Cluster:
 
     def __reduce__(self):
         return (Cluster, (self.shards, self.coordinator))
+
+    def channel(self, s: int) -> channel.Channel | None:
+        """The open channel to shard s, if any."""
+        found = self._channels.get(s)
+        return found if found is not None and not found.closed else None
+
+    def connect(self, s: int, endpoint: tuple[str, str] | None) -> None:
+        """Connect to shard s's channel at `endpoint` (from its answer), if it is on this node
+        and none is open; an endpoint that refuses is not tried again (its process is gone,
+        and the next process has another)."""
+        if endpoint is None or not self.direct or self.channel(s) is not None:
+            return
+        with self._channel_lock:
+            if self.channel(s) is not None or endpoint in self._refused:
+                return
+            if self._node is None:
+                import ray
+
+                self._node = ray.get_runtime_context().get_node_id()
+            if endpoint[0] != self._node:
+                self._refused.add(endpoint)
+                return
+            try:
+                self._channels[s] = channel.Channel(endpoint[1])
+            except OSError:
+                self._refused.add(endpoint)
 
     def saw(self, point: tuple[int, list[int]]) -> None:
         """Keep `point` as the last read point if it is the newest seen."""
@@ -403,15 +508,9 @@ class Cluster:
         requests: Sequence[tuple[Any, Mapping]],
         ks: Sequence[int],
     ) -> Read:
-        """Start a read: every shard and the coordinator asked. The query and requests travel
-        in the calls, or, for several shards and a large query, through the object store once
-        (a put costs about a millisecond, more than a few small copies)."""
-        import ray
-
-        payload = (query, list(requests), list(ks))
-        if len(self.shards) > 1 and sum(a.nbytes for a in query) >= PUT_BYTES:
-            payload = ray.put(payload)
-        return Read(self, payload)
+        """Start a read: every shard asked (and the coordinator, without a last read point).
+        The query and requests travel in the calls (`Read._ray_payload`)."""
+        return Read(self, (query, list(requests), list(ks)))
 
     def search(
         self,

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from starlette.exceptions import HTTPException
 
-from m31.cluster.cluster import Cluster, Read
+from m31.cluster.cluster import Cluster, Read, ready
 from m31.engine import Retriever
 from m31.engine.ad_encoder import AdEncoder
 from m31.engine.load import model_and_features
@@ -213,21 +213,15 @@ class _Waiter:
     def _step(batches: list[_Batch]) -> None:
         """Take what came for any batch (waiting up to the next deadline, or the poll for new
         batches), then answer what can be."""
-        import ray
-
-        owner = {ref: b for b in batches for ref in b.read.calls}
+        owner = {b.read: b for b in batches}
         wake = min(b.next_deadline() for b in batches)
         timeout = max(min(wake - time.monotonic(), WAITER_POLL_S), 0.0)
-        if owner:
-            ready, _ = ray.wait(list(owner), num_returns=1, timeout=timeout)
-            if ready:
-                rest = [r for r in owner if r != ready[0]]
-                ready += ray.wait(rest, num_returns=len(rest), timeout=0)[0] if rest else []
-            for ref in ready:
+        if any(read.calls for read in owner):
+            for read, call in ready(list(owner), timeout):
                 try:
-                    owner[ref].read.take(ref)
+                    read.take(call)
                 except Exception as e:  # a shard's bug: the batch's calls fail with it
-                    owner[ref].settle(e)
+                    owner[read].settle(e)
         else:
             time.sleep(timeout)
         for b in batches:

@@ -77,6 +77,9 @@ class Answer:
     version: int
     rows: int  # rows scored (N)
     timings_ms: dict[str, float]  # mask, score_topk
+    # (node id, name) of the channel the shard serves searches on (`m31.cluster.channel`):
+    # set on answers through Ray, so that an ingress on its node connects
+    endpoint: tuple[str, str] | None = None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,192 @@
+"""A shard's searches asked by an ingress on its machine without Ray's call path: a socket the
+shard actor serves beside Ray (Linux). Ray stays the control plane: it places the shards,
+restarts them, carries the two-phase commit and the read points, and every call to a shard on
+another machine.
+
+Why: on the 2-core development machine a Ray actor call that computes 10 ms costs about 2.3 ms
+beyond it (1.2 ms to arrive, 1.1 ms back; an empty one about 1 ms, but the threads on its path
+sleep while the call computes and each wakes late), as much as a fifth of a B = 1 call over
+HTTP; a call on this socket costs about 0.5 ms (docs/SCALING.md). Ray's compiled graphs, which
+keep a channel between two actors, cost about 1.4 ms there, hung in a test, and are torn down
+for good by an actor's death.
+
+How: a shard answers each search asked through Ray with its endpoint (its node and the socket's
+name); an ingress on that node connects then and asks its later searches here. A channel that
+breaks (the shard's process died) fails the calls on it with `ChannelClosed`, which the reader
+takes as the failed Ray call it stands for: the shard is down, is asked again through Ray, and
+its restarted process's answer carries the endpoint to connect to next. A process that stops
+answers nothing either way (its deadline). The socket is in Linux's abstract namespace (no
+file to leave behind) and takes only connections of its own user (SO_PEERCRED), who can reach
+the process anyway.
+
+Wire: frames of (payload length u64, call id u64, payload) in little endian, the payload a
+pickle (protocol 5). A call is (method, args); an answer is (ok, value or exception).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import pickle
+import secrets
+import socket
+import struct
+import sys
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+_HEADER = struct.Struct("<QQ")
+
+
+class ChannelClosed(ConnectionError):
+    """The channel broke (the shard's process died, or the connection failed): what a failed
+    Ray call would have said."""
+
+
+def available() -> bool:
+    return sys.platform.startswith("linux")
+
+
+def _send(sock: socket.socket, call_id: int, obj: Any) -> None:
+    payload = pickle.dumps(obj, protocol=5)
+    sock.sendall(_HEADER.pack(len(payload), call_id) + payload)
+
+
+def _receive(sock: socket.socket, size: int) -> bytearray:
+    buf = bytearray(size)
+    view, got = memoryview(buf), 0
+    while got < size:
+        n = sock.recv_into(view[got:])
+        if not n:
+            raise EOFError("the channel closed")
+        got += n
+    return buf
+
+
+def _frame(sock: socket.socket) -> tuple[int, bytearray]:
+    size, call_id = _HEADER.unpack(_receive(sock, _HEADER.size))
+    return call_id, _receive(sock, size)
+
+
+class Server:
+    """Serves `methods` (name -> function) to the connections of this process's user, each
+    call on a pool of `workers` threads (as Ray's threaded actor serves its calls)."""
+
+    def __init__(self, methods: Mapping[str, Callable], workers: int) -> None:
+        self.methods = dict(methods)
+        self.name = f"\0m31-shard-{os.getpid()}-{secrets.token_hex(8)}"
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(self.name)
+        self._listener.listen()
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers, "m31-channel")
+        threading.Thread(target=self._accept, name="m31-channel-accept", daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            conn, _ = self._listener.accept()
+            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            if struct.unpack("3i", creds)[1] != os.getuid():
+                conn.close()
+                continue
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        lock = threading.Lock()  # one answer on the wire at a time
+
+        def answer(call_id: int, done: concurrent.futures.Future) -> None:
+            error = done.exception()
+            message = (True, done.result()) if error is None else (False, error)
+            with lock:
+                try:
+                    try:
+                        _send(conn, call_id, message)
+                    except (pickle.PicklingError, TypeError, AttributeError) as e:
+                        _send(
+                            conn,
+                            call_id,
+                            (False, RuntimeError(f"an answer that cannot be sent: {e}")),
+                        )
+                except OSError:
+                    pass  # the caller is gone
+
+        with conn:
+            while True:
+                try:
+                    call_id, payload = _frame(conn)
+                except (EOFError, OSError):
+                    return
+                self._pool.submit(self._run, payload).add_done_callback(
+                    lambda done, call_id=call_id: answer(call_id, done)
+                )
+
+    def _run(self, payload: bytearray):
+        method, args = pickle.loads(payload)
+        return self.methods[method](*args)
+
+
+class Channel:
+    """The ingress's end: `call` sends, one reader thread settles the Futures. Thread-safe."""
+
+    def __init__(self, name: str, timeout_s: float = 1.0) -> None:
+        self.name = name
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(timeout_s)
+        self._sock.connect(name)
+        self._sock.settimeout(None)
+        self._lock = threading.Lock()
+        self._pending: dict[int, concurrent.futures.Future] = {}
+        self._next = 0
+        self.closed = False
+        threading.Thread(target=self._read, name="m31-channel", daemon=True).start()
+
+    def call(self, method: str, *args) -> concurrent.futures.Future:
+        """A Future of `method(*args)` on the shard: its value, the shard's own exception, or
+        `ChannelClosed`."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self.closed:
+                future.set_exception(ChannelClosed(f"channel {self.name[1:]!r} closed"))
+                return future
+            self._next += 1
+            self._pending[self._next] = future
+            try:
+                _send(self._sock, self._next, (method, args))
+            except OSError as e:
+                self._close_locked(e)
+        return future
+
+    def _read(self) -> None:
+        while True:
+            try:
+                call_id, payload = _frame(self._sock)
+            except (EOFError, OSError) as e:
+                with self._lock:
+                    self._close_locked(e)
+                return
+            with self._lock:
+                future = self._pending.pop(call_id, None)
+            if future is None:
+                continue
+            try:
+                ok, value = pickle.loads(payload)
+            except Exception as e:  # an exception class this process lacks: fail the call alone
+                ok, value = False, RuntimeError(f"an answer that does not unpickle here: {e!r}")
+            (future.set_result if ok else future.set_exception)(value)
+
+    def close(self) -> None:
+        with self._lock:
+            self._close_locked(None)
+
+    def _close_locked(self, why: BaseException | None) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        pending, self._pending = self._pending, {}
+        for future in pending.values():
+            future.set_exception(ChannelClosed(f"channel {self.name[1:]!r} closed: {why}"))
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
