@@ -65,7 +65,7 @@ import shutil
 import struct
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -104,6 +104,8 @@ class _Record:
     op: str
     version: int
     args: dict[str, Any]  # numpy arrays and arrow tables travel as blobs, the rest as JSON
+    # what `args` mean once checked, when the writer has it (not logged: replay checks again)
+    checked: Any = field(default=None, compare=False, repr=False)
 
     def encode(self) -> bytes:
         """The framed record, ready to append."""
@@ -155,8 +157,7 @@ def _apply(index: AdIndex, users: UserStore | None, record: _Record) -> int:
         if users is None:
             raise ValueError(f"a {record.op} record, and no user store to apply it to")
         if record.op == "events":
-            t = a["events"]
-            events = users.check(*(t[c].to_pylist() for c in ("user_id", "ad_id", "ts", "surface")))
+            events = record.checked or users.check(a["user_id"], a["ad_id"], a["ts"], a["surface"])
             users.add(events, record.version, a.get("key"))
         else:
             for user_id, codes in a["users"]:
@@ -529,16 +530,17 @@ class DurableIndex:
                 return done
 
             def prepare(version: int) -> _Record:
-                users.check(user_ids, ad_ids, ts, surfaces)  # ValueError: nothing logged
-                table = pa.table({
-                    "user_id": pa.array(user_ids, pa.int64()),
-                    "ad_id": pa.array(ad_ids, pa.int64()),
-                    "ts": pa.array(ts, pa.int64()),
-                    "surface": pa.array(surfaces, pa.string()),
-                    "type": pa.array(types or [None] * len(ts), pa.string()),
-                    "weight": pa.array(weights or [None] * len(ts), pa.float64()),
-                })  # fmt: skip
-                return _Record("events", version, {"events": table, "key": key})
+                checked = users.check(user_ids, ad_ids, ts, surfaces)  # ValueError: no log
+                args = {
+                    "user_id": checked.user_id,  # [n] int64 blobs
+                    "ad_id": checked.ad_id,
+                    "ts": checked.ts,
+                    "surface": list(surfaces),  # names, not codes: JSON
+                    "type": list(types) if types is not None else None,
+                    "weight": list(weights) if weights is not None else None,
+                    "key": key,
+                }
+                return _Record("events", version, args, checked)
 
             return self._mutate_locked(prepare)
 
