@@ -45,7 +45,7 @@ def _counts(text: str | None, option: str) -> tuple[int, ...] | None:
 
 def _dtypes(text: str) -> tuple[str, ...]:
     """--engine-dtype "bfloat16,int8" -> names of index table dtypes, each known, none twice."""
-    from m31.index.ad_index import _DTYPES
+    from m31.index.snapshot import DTYPES as _DTYPES
 
     names = tuple(v.strip() for v in text.split(","))
     bad = [v for v in names if v not in _DTYPES]

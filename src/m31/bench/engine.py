@@ -97,7 +97,7 @@ def run_engine(
     score·top-K times. Every dtype's index holds the same ads and answers the same requests."""
     from m31.engine import AdRequest, Retriever
     from m31.features import FeatureConfig, build_features
-    from m31.index.ad_index import _DTYPES
+    from m31.index.snapshot import DTYPES as _DTYPES
     from m31.model import build_model, model_preset, vocab_sizes
     from m31.world.config import preset
     from m31.world.generate import generate

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -45,19 +44,19 @@ from typing import Any, NamedTuple
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 import torch
 
-from m31.data.dataset import DatasetError, write_atomic
 from m31.data.schema import BUILT_IN_VOCAB, STATUSES
+from m31.index import snapshot
 from m31.index.attributes import (
-    KINDS,
+    BASE_FIELDS,
     AttributeTable,
     check_schema,
     columns_from_arrow,
     columns_from_rows,
 )
 from m31.index.eligibility import Eligibility
+from m31.index.errors import AdIndexError
 from m31.index.filters import CompiledFilter, compile_filter
 from m31.index.limits import (
     COUNTRY_CODE,
@@ -69,26 +68,6 @@ from m31.index.limits import (
 from m31.ops.masks import PackedMask
 from m31.ops.quant import Int8Table, quantize_ad_table
 
-FORMAT = "m31.ad_index"
-FORMAT_VERSION = 1
-
-# Attributes every index has. Schedule and age bounds are nullable (null = open) and may be
-# empty (min > max targets nobody, as the synthetic world draws some); a targeting list that is
-# empty means "no restriction". A null advertiser_id is an ad without an advertiser: no
-# advertiser filter or exclusion ever matches it.
-BASE_FIELDS: dict[str, str] = {
-    "advertiser_id": "int",
-    "status": "str",
-    "schedule_start": "int",  # Unix seconds, eligible from this second on
-    "schedule_end": "int",  # Unix seconds, eligible strictly before it
-    "target_countries": "str_list",
-    "target_age_min": "int",
-    "target_age_max": "int",
-    "target_genders": "str_list",
-    "target_platforms": "str_list",
-    "target_surfaces": "str_list",
-    "tags": "str_list",
-}
 # Columns of the dataset's ads table that `from_table` keeps for filters.
 TABLE_EXTRA_FIELDS: dict[str, str] = {
     "campaign_id": "int",
@@ -105,33 +84,6 @@ TARGETING_VOCAB: dict[str, str] = {  # targeting list -> the vocabulary of its v
     "target_platforms": "platform",
     "target_surfaces": "surface",
 }
-_DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-    "int8": torch.int8,
-}
-# bf16 and fp16 tables are stored as float32 .npy (exact: both are subsets of float32), so
-# that numpy alone reads a snapshot; the manifest's "dtype" says what to cast back to. An int8
-# table is stored as its codes and per-row scales, so a snapshot reloads to the same bytes.
-_NPY = {"g": np.float32, "x": np.float32, "b": np.float32, "ids": np.int64}
-_NPY_INT8 = {
-    "g": np.int8,
-    "g_scale": np.float32,
-    "x": np.int8,
-    "x_scale": np.float32,
-    "b": np.float32,
-    "ids": np.int64,
-}
-
-
-def _npy_files(dtype: str) -> dict[str, type]:
-    """The arrays of a snapshot of this table dtype: name -> numpy dtype."""
-    return _NPY_INT8 if dtype == "int8" else _NPY
-
-
-class AdIndexError(ValueError):
-    """An invalid index operation or snapshot; the index is unchanged when this is raised."""
 
 
 @dataclass(frozen=True)
@@ -303,8 +255,8 @@ class AdIndex:
         targeting: Mapping[str, Sequence[str]] | None = None,
     ):
         """`targeting`: the values each targeting list may hold (`TARGETING_VOCAB`'s keys)."""
-        if dtype not in _DTYPES.values():
-            raise AdIndexError(f"dtype {dtype} not supported (one of {list(_DTYPES)})")
+        if dtype not in snapshot.DTYPES.values():
+            raise AdIndexError(f"dtype {dtype} not supported (one of {list(snapshot.DTYPES)})")
         for name, dim in (("dim_g", dim_g), ("dim_x", dim_x), ("capacity", capacity - 1)):
             if not isinstance(dim, int) or dim < 0:
                 raise AdIndexError(f"{name} must be a non-negative int (capacity >= 1)")
@@ -910,73 +862,31 @@ class AdIndex:
                 name: (a.float() if a.is_floating_point() else a).cpu().numpy()
                 for name, a in arrays.items()
             }
-            dtype = str(self.dtype).removeprefix("torch.")
-            assert {k: a.dtype for k, a in arrays.items()} == _npy_files(dtype)
             attributes = self._attrs.to_arrow(live)
             manifest = {
-                "format": FORMAT,
-                "format_version": FORMAT_VERSION,
                 "index_version": self._version,
                 "dim_g": self.dim_g,
                 "dim_x": self.dim_x,
-                "dtype": dtype,
+                "dtype": str(self.dtype).removeprefix("torch."),
                 "count": len(live),
                 "model_hash": model_hash,
                 "fields": dict(self._schema),
                 "targeting": {name: list(values) for name, values in self.targeting.items()},
             }
 
-        def fill(tmp: Path) -> None:
-            for name, arr in arrays.items():
-                np.save(tmp / f"{name}.npy", arr)
-            pq.write_table(attributes, tmp / "attributes.parquet")
-            files = sorted(p.name for p in tmp.iterdir())
-            manifest["files"] = {f: {"bytes": (tmp / f).stat().st_size} for f in files}
-            (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-            if beside is not None:
-                beside(tmp)
-
-        try:
-            return write_atomic(Path(path), fill, overwrite=overwrite)
-        except DatasetError as e:
-            raise AdIndexError(str(e)) from e
+        return snapshot.write(Path(path), arrays, attributes, manifest, overwrite, beside)
 
     @classmethod
     def load(cls, path: str | Path, device: str | torch.device = "cpu") -> AdIndex:
         """Read a snapshot written by `save`, checking the manifest against every file."""
-        path = Path(path)
-        manifest = read_manifest(path)
-        count, dims = manifest["count"], {"g": manifest["dim_g"], "x": manifest["dim_x"]}
-        arrays = {}
-        for name, dtype in _npy_files(manifest["dtype"]).items():
-            file = path / f"{name}.npy"
-            try:
-                arr = np.load(file, allow_pickle=False)
-            except (OSError, ValueError) as e:
-                raise AdIndexError(f"{file}: unreadable ({e})") from e
-            shape = (count, dims[name]) if name in dims else (count,)
-            if arr.shape != shape or arr.dtype != dtype:
-                raise AdIndexError(
-                    f"{file}: {arr.dtype} {list(arr.shape)} does not match the manifest "
-                    f"({np.dtype(dtype)} {list(shape)})"
-                )
-            arrays[name] = arr
-        file = path / "attributes.parquet"
-        try:
-            attributes = pq.read_table(file)
-        except (OSError, pa.ArrowInvalid) as e:
-            raise AdIndexError(f"{file}: unreadable ({e})") from e
-        if attributes.num_rows != count or attributes.column_names != list(manifest["fields"]):
-            raise AdIndexError(
-                f"{file}: {attributes.num_rows} rows with columns {attributes.column_names} do "
-                f"not match the manifest ({count} rows, fields {list(manifest['fields'])})"
-            )
+        manifest, arrays, attributes = snapshot.read(Path(path))
+        count = manifest["count"]
         extra = {k: v for k, v in manifest["fields"].items() if k not in BASE_FIELDS}
         index = cls(
             manifest["dim_g"],
             manifest["dim_x"],
             device,
-            _DTYPES[manifest["dtype"]],
+            snapshot.DTYPES[manifest["dtype"]],
             max(count, 1),
             extra_fields=extra,
             targeting=manifest.get("targeting"),
@@ -1010,63 +920,3 @@ class AdIndex:
         if (t.g == -128).any() or (t.x == -128).any():
             raise AdIndexError("g, x: an int8 code of -128 (the symmetric range is ±127)")
         self._append(ids, t, self._columns(attributes, ids))
-
-
-def read_manifest(path: str | Path) -> dict:
-    """The validated `manifest.json` of a snapshot folder.
-
-    Layout: `manifest.json` (format, format_version, index_version, dim_g, dim_x, dtype, count,
-    model_hash, fields = attribute name -> kind, files = name -> {"bytes": size}), `g.npy`
-    [count, dim_g], `x.npy` [count, dim_x], `b.npy` [count] (float32 whatever `dtype` is: bf16
-    and fp16 values are exact in float32; for int8, g and x are the int8 codes and
-    `g_scale.npy`, `x_scale.npy` [count] float32 their row scales), `ids.npy` [count] int64,
-    `attributes.parquet` (one row per ad, in the same order; list columns are sets).
-    """
-    path = Path(path)
-    file = path / "manifest.json"
-    if not file.is_file():
-        raise AdIndexError(f"{file}: missing (not an index snapshot?)")
-    try:
-        manifest = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise AdIndexError(f"{file}: not valid JSON ({e})") from e
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise AdIndexError(f"{file}: not an {FORMAT} manifest")
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise AdIndexError(
-            f"{file}: format_version {manifest.get('format_version')!r}, this m31 reads "
-            f"{FORMAT_VERSION}"
-        )
-    types = {
-        "index_version": int,
-        "dim_g": int,
-        "dim_x": int,
-        "count": int,
-        "dtype": str,
-        "fields": dict,
-        "files": dict,
-    }
-    for key, t in types.items():
-        if not isinstance(manifest.get(key), t) or isinstance(manifest.get(key), bool):
-            raise AdIndexError(f"{file}: {key!r} missing or not a {t.__name__}")
-    if manifest["dtype"] not in _DTYPES:
-        raise AdIndexError(f"{file}: dtype {manifest['dtype']!r} not one of {list(_DTYPES)}")
-    fields = manifest["fields"]
-    if any(fields.get(k) != v for k, v in BASE_FIELDS.items()) or any(
-        v not in KINDS for v in fields.values()
-    ):
-        raise AdIndexError(f"{file}: fields {fields} lack the built-in attributes or kinds")
-    if not isinstance(manifest.get("model_hash"), str | None):
-        raise AdIndexError(f"{file}: 'model_hash' must be a string or null")
-    expected = {f"{name}.npy" for name in _npy_files(manifest["dtype"])} | {"attributes.parquet"}
-    if set(manifest["files"]) != expected:
-        raise AdIndexError(
-            f"{file}: files {sorted(manifest['files'])}, expected {sorted(expected)}"
-        )
-    for name, info in manifest["files"].items():
-        f = path / name
-        if not f.is_file():
-            raise AdIndexError(f"{f}: missing")
-        if not isinstance(info, dict) or f.stat().st_size != info.get("bytes"):
-            raise AdIndexError(f"{f}: size {f.stat().st_size} differs from the manifest ({info})")
-    return manifest

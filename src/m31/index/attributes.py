@@ -23,6 +23,24 @@ import torch
 
 from m31.index.limits import MAX_VOCABULARY
 
+# Attributes every index has. Schedule and age bounds are nullable (null = open) and may be
+# empty (min > max targets nobody, as the synthetic world draws some); a targeting list that is
+# empty means "no restriction". A null advertiser_id is an ad without an advertiser: no
+# advertiser filter or exclusion ever matches it.
+BASE_FIELDS: dict[str, str] = {
+    "advertiser_id": "int",
+    "status": "str",
+    "schedule_start": "int",  # Unix seconds, eligible from this second on
+    "schedule_end": "int",  # Unix seconds, eligible strictly before it
+    "target_countries": "str_list",
+    "target_age_min": "int",
+    "target_age_max": "int",
+    "target_genders": "str_list",
+    "target_platforms": "str_list",
+    "target_surfaces": "str_list",
+    "tags": "str_list",
+}
+
 KINDS: tuple[str, ...] = ("int", "float", "str", "str_list")
 ARROW_TYPES: dict[str, pa.DataType] = {
     "int": pa.int64(),

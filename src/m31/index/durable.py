@@ -74,8 +74,9 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from m31.index.ad_index import AdIndex, AdIndexError, read_manifest
+from m31.index.ad_index import AdIndex, AdIndexError
 from m31.index.framing import frame, next_intact, parse, sync_dir, sync_file, write_all
+from m31.index.snapshot import read_manifest
 from m31.index.users import UserStore
 
 logger = logging.getLogger(__name__)
