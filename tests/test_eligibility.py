@@ -1,5 +1,5 @@
 """The row-bitmap eligibility index (`m31.index.eligibility`) against the column builder it
-replaced (`AdIndex._eligible_reference`) and a plain-Python evaluation, through random worlds,
+replaced (`m31.index.eligibility.reference_mask`) and a plain-Python evaluation, through random worlds,
 filters and mutation sequences."""
 
 import random
@@ -16,7 +16,7 @@ from m31.data.schema import GENDERS, PLATFORMS, STATUSES, SURFACES
 from m31.index import AdIndex, RequestContext, compile_filter, evaluate_row
 from m31.index import eligibility as elig
 from m31.index.ad_index import BASE_FIELDS
-from m31.index.eligibility import _assign
+from m31.index.eligibility import _assign, reference_mask
 from m31.ops.masks import _pack_torch, _unpack_torch, pack, unpack
 
 G, D = 2, 3
@@ -173,7 +173,7 @@ def check(index: AdIndex, model: dict[int, dict], batch, filters) -> None:
     row_ids = index.table()[3]
     assert masks.shape == (len(batch), index.num_rows)
     for mask, r, expr in zip(masks, batch, filters, strict=True):
-        assert torch.equal(mask, index._eligible_reference(r, expr))
+        assert torch.equal(mask, reference_mask(index, r, expr))
         expected = {i for i, a in model.items() if plain_eligible(i, a, r, expr)}
         assert set(row_ids[mask].tolist()) == expected
     view = index.frozen_view()
@@ -278,7 +278,7 @@ def test_requests_with_one_key_share_one_computation_and_keep_their_exclusions()
     # Keys: (US, no filter) for requests 0, 2, 3, 4; (DE, none); (US, tags) for 5 and 6.
     assert _bitmaps(view).key_masks == 3
     for mask, r, f in zip(masks, batch, filters, strict=True):
-        assert torch.equal(mask, index._eligible_reference(r, f))
+        assert torch.equal(mask, reference_mask(index, r, f))
     assert torch.equal(masks[0], masks[3]) and torch.equal(masks[5], masks[6])
     assert not masks[2, :4].any() and torch.equal(masks[2, 4:], masks[0, 4:])
     assert masks[0, :4].any(), "the excluded ads are eligible for the others"
@@ -293,7 +293,7 @@ def test_a_batch_sharing_one_mask_gets_it_expanded():
     r = RequestContext("US", 30, "F", "ios", "feed", NOW)
     masks = index.eligible_masks([r] * 5)
     assert masks.shape == (5, index.num_rows) and masks.stride(0) == 0
-    assert torch.equal(masks[4], index._eligible_reference(r, None))
+    assert torch.equal(masks[4], reference_mask(index, r, None))
     assert index.eligible_masks([]).shape == (0, index.num_rows)
 
 
@@ -312,7 +312,7 @@ def test_predicates_a_frozen_copy_computes_are_cached_by_the_index_for_the_next_
     slot = _bitmaps(view)._slots[key]
     assert unpack(_bitmaps(view)._cache[slot], index.num_rows)[0]  # ad 0's row, kept up to date
     mask = view.eligible_masks([r], [tags])[0]
-    assert torch.equal(mask, index._eligible_reference(r, tags))
+    assert torch.equal(mask, reference_mask(index, r, tags))
 
 
 def test_the_predicate_cache_is_bounded(monkeypatch):
@@ -321,7 +321,7 @@ def test_the_predicate_cache_is_bounded(monkeypatch):
     r = RequestContext("US", 30, "F", "ios", "feed", NOW)
     for k in range(20):
         expr = {"contains": ["tags", f"x{k}"]}
-        assert torch.equal(index.eligible_mask(r, expr), index._eligible_reference(r, expr))
+        assert torch.equal(index.eligible_mask(r, expr), reference_mask(index, r, expr))
     bitmaps = index._bitmaps
     assert len(bitmaps._slots) == len(bitmaps._fns) == 5 and len(bitmaps._cache) <= 5
 

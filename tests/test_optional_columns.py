@@ -31,6 +31,7 @@ from m31.engine.build import index_from_model
 from m31.engine.load import load_engine, serving_folder
 from m31.features import FeatureConfig, build_features
 from m31.index import AdIndex, RequestContext
+from m31.index.eligibility import reference_mask
 from m31.model import build_model, load_checkpoint, model_preset, vocab_sizes
 from m31.model.checkpoint import FORMAT
 from m31.model.towers import advertiser_embedding
@@ -259,7 +260,7 @@ def test_ads_without_an_advertiser_or_a_start(tmp_path, recorded_texts):
     assert index.eligible_mask(everyone).all()
     blocked = RequestContext(None, None, None, None, None, ts=0, exclude_advertisers=(0, 1))
     assert index.eligible_mask(blocked).all()
-    assert torch.equal(index._eligible_reference(blocked, None), index.eligible_mask(blocked))
+    assert torch.equal(reference_mask(index, blocked, None), index.eligible_mask(blocked))
     assert not index.eligible_mask(everyone, {"in": ["advertiser_id", [0]]}).any()
     assert index.eligible_mask(everyone, {"not": {"eq": ["advertiser_id", 0]}}).all()
     # An upsert may leave the advertiser out.

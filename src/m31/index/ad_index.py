@@ -6,9 +6,10 @@ call, cap the allocated capacity (N <= cap).
 `AdIndex` holds the ad table g, x, b and the ads' attributes in an `AttributeTable`
 (`m31.index.attributes`); eligibility is the built-in targeting rules of a `RequestContext`
 and, optionally, a filter (`m31.index.filters`), and comes out as a bool mask [N] over rows.
-It is computed from row bitmaps that every mutation keeps up to date (`m31.index.eligibility`);
-`_eligible_reference` computes the same mask from the attribute columns, the plain definition.
-`m31.index.durable` puts an index behind a write-ahead log.
+It is computed from row bitmaps that every mutation keeps up to date (`m31.index.eligibility`,
+whose `reference_mask` is the plain definition from the attribute columns). Beside it:
+`checks` (what a mutation is given), `snapshot` (the format on disk), `tables` (an index of a
+dataset's ads table), `durable` (an index behind a write-ahead log).
 
 The table is stored in bfloat16 (the default), float16, float32 or int8. An int8 index holds the
 8-bit table of DESIGN §4 (`m31.ops.quant`): each row is quantized on upsert with its own scales
@@ -43,39 +44,24 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import torch
 
 from m31.data.schema import BUILT_IN_VOCAB, STATUSES
-from m31.index import snapshot
+from m31.index import checks, snapshot
 from m31.index.attributes import (
     BASE_FIELDS,
     AttributeTable,
     check_schema,
-    columns_from_arrow,
-    columns_from_rows,
 )
 from m31.index.eligibility import Eligibility
 from m31.index.errors import AdIndexError
 from m31.index.filters import CompiledFilter, compile_filter
 from m31.index.limits import (
-    COUNTRY_CODE,
-    COUNTRY_FIELDS,
-    MAX_LIST_VALUES,
-    MAX_VALUE_CHARS,
     MAX_VOCABULARY,
 )
 from m31.ops.masks import PackedMask
 from m31.ops.quant import Int8Table, quantize_ad_table
 
-# Columns of the dataset's ads table that `from_table` keeps for filters.
-TABLE_EXTRA_FIELDS: dict[str, str] = {
-    "campaign_id": "int",
-    "objective": "str",
-    "format": "str",
-    "topic": "int",
-    "category": "int",
-}
 # Targeting lists hold values of closed vocabularies, the model's (`AdIndex(targeting=...)`):
 # a typo would silently make an ad ineligible everywhere. Without one given, the built-in
 # marketplace's, which snapshots written before the vocabularies were recorded hold.
@@ -186,59 +172,6 @@ class IndexView:
                     f"{self._index._version} (use it inside its snapshot_view block)"
                 )
             yield
-
-
-def _ids(ad_ids: Any, what: str = "ad_ids") -> np.ndarray:
-    """Any sequence of integer ids (or one id) -> int64 [n]."""
-    if isinstance(ad_ids, pa.Array | pa.ChunkedArray):
-        ad_ids = ad_ids.to_numpy()
-    elif isinstance(ad_ids, torch.Tensor):
-        ad_ids = ad_ids.cpu().numpy()
-    arr = np.atleast_1d(np.asarray(ad_ids))
-    if arr.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    if arr.ndim != 1 or arr.dtype.kind not in "iu":
-        raise AdIndexError(
-            f"{what}: expected a 1-d sequence of integers, got {arr.dtype} {arr.shape}"
-        )
-    if arr.dtype == np.uint64 and arr.max() > np.iinfo(np.int64).max:
-        raise AdIndexError(f"{what}: ids must fit in int64")
-    return arr.astype(np.int64)
-
-
-def _shape(a: Any) -> tuple[int, ...]:
-    return tuple(a.shape) if hasattr(a, "shape") else np.shape(a)
-
-
-def _check_list(col: pa.ListArray, name: str, ids: np.ndarray) -> None:
-    """Refuse a country that is not shaped like a code, or a free-form list beyond its limits."""
-    values = pc.list_flatten(col)
-    if name in COUNTRY_FIELDS:
-        bad = pc.invert(pc.match_substring_regex(values, f"^{COUNTRY_CODE}$"))
-        problem = "is not an ISO 3166-1 alpha-2 country code (two uppercase letters)"
-    else:
-        lengths = pc.list_value_length(col)
-        over = pc.greater(lengths, MAX_LIST_VALUES)
-        if pc.any(over).as_py():
-            row = pc.index(over, True).as_py()
-            raise AdIndexError(
-                f"attributes: ad {int(ids[row])}: {name} holds {lengths[row].as_py()} values "
-                f"(at most {MAX_LIST_VALUES})"
-            )
-        bad = pc.greater(pc.utf8_length(values), MAX_VALUE_CHARS)
-        problem = f"is longer than {MAX_VALUE_CHARS} characters"
-    if pc.any(bad).as_py():
-        entry = pc.index(bad, True).as_py()
-        row = pc.list_parent_indices(col)[entry].as_py()
-        word = values[entry].as_py()
-        shown = repr(word) if len(word) <= MAX_VALUE_CHARS else repr(word[:MAX_VALUE_CHARS]) + "…"
-        raise AdIndexError(f"attributes: ad {int(ids[row])}: {name} value {shown} {problem}")
-
-
-def _no_duplicates(ids: np.ndarray, what: str) -> None:
-    uniq, counts = np.unique(ids, return_counts=True)
-    if (counts > 1).any():
-        raise AdIndexError(f"{what}: ad id {int(uniq[counts > 1][0])} appears more than once")
 
 
 class AdIndex:
@@ -459,53 +392,6 @@ class AdIndex:
     ) -> torch.Tensor:
         return self._eligible_bits([request], [filter_fn]).unpack()[0]  # a fresh tensor
 
-    def _eligible_reference(
-        self, request: RequestContext, filter_fn: CompiledFilter | Mapping | None
-    ) -> torch.Tensor:
-        """The mask of `_eligible` from the attribute columns alone, the definition it keeps."""
-        if isinstance(filter_fn, Mapping):
-            filter_fn = compile_filter(filter_fn, self._schema)
-        attrs, n = self._attrs, self._n
-        mask = self._live[:n].clone()  # [N]
-        active = attrs.code("status", "active")
-        if active is None:
-            return torch.zeros_like(mask)
-        mask &= attrs.codes("status") == active
-        ts = int(request.ts)
-        start, has_start = attrs.numeric("schedule_start")
-        end, has_end = attrs.numeric("schedule_end")
-        mask &= ~has_start | (start <= ts)
-        mask &= ~has_end | (ts < end)
-        lo, has_lo = attrs.numeric("target_age_min")
-        hi, has_hi = attrs.numeric("target_age_max")
-        if request.age is None:
-            mask &= ~has_lo & ~has_hi
-        else:
-            mask &= (~has_lo | (lo <= int(request.age))) & (~has_hi | (int(request.age) <= hi))
-        for name, value in (
-            ("target_countries", request.country),
-            ("target_genders", request.gender),
-            ("target_platforms", request.platform),
-            ("target_surfaces", request.surface),
-        ):
-            mask &= ~attrs.nonempty(name) | attrs.contains(name, value)
-        if len(request.exclude_ads):
-            # By id over the rows, not through the id -> row map, so that a frozen view needs
-            # no copy of that map; rows of other versions of an ad are not live anyway.
-            excluded = torch.tensor(
-                [int(a) for a in request.exclude_ads], dtype=torch.int64, device=self.device
-            )
-            mask &= ~torch.isin(self._row_ids[:n], excluded)
-        if len(request.exclude_advertisers):
-            blocked = torch.tensor(
-                [int(a) for a in request.exclude_advertisers], dtype=torch.int64, device=self.device
-            )
-            advertiser, has_advertiser = attrs.numeric("advertiser_id")
-            mask &= ~(has_advertiser & torch.isin(advertiser, blocked))
-        if filter_fn is not None:
-            mask &= filter_fn(attrs)
-        return mask
-
     def numeric_values(self, ad_ids: Sequence[int] | np.ndarray, name: str) -> list[int | None]:
         """The value of the int field `name` of each live ad (None: null, or no such ad)."""
         with self._lock:
@@ -541,9 +427,9 @@ class AdIndex:
         to the table dtype; float32 for an 8-bit table, which quantizes them on apply) and
         attributes (dicts or an arrow table). `check_vocabulary` then checks the attributes
         against the index."""
-        ids = _ids(ad_ids)
+        ids = checks.ids_of(ad_ids)
         n = len(ids)
-        _no_duplicates(ids, "upsert")
+        checks.no_duplicates(ids, "upsert")
         return CheckedUpsert(
             ids,
             self._matrix(g, n, self.dim_g, "g"),  # [n, G]
@@ -579,65 +465,17 @@ class AdIndex:
 
     def check_delete(self, ad_ids: Any) -> np.ndarray:
         """Validate a delete; the ids [n] int64 of live ads, distinct."""
-        ids = _ids(ad_ids)
-        _no_duplicates(ids, "delete")
+        ids = checks.ids_of(ad_ids)
+        checks.no_duplicates(ids, "delete")
         for i in ids.tolist():
             self._row_of(i)
         return ids
 
     def _matrix(self, a: Any, n: int, dim: int | None, what: str) -> torch.Tensor:
-        try:
-            t = a if isinstance(a, torch.Tensor) else torch.as_tensor(np.asarray(a))
-        except (ValueError, TypeError) as e:
-            raise AdIndexError(f"{what}: not a numeric array ({e})") from e
-        shape = (n,) if dim is None else (n, dim)
-        if tuple(t.shape) != shape:
-            raise AdIndexError(f"{what}: expected shape {list(shape)}, got {list(t.shape)}")
-        if t.dtype == torch.bool or t.is_complex():
-            raise AdIndexError(f"{what}: expected real numbers, got {t.dtype}")
-        t = t.to(device=self.device, dtype=self._value_dtype)
-        bad = ~torch.isfinite(t) if dim is None else ~torch.isfinite(t).all(1)
-        if bad.any():
-            raise AdIndexError(
-                f"{what}: row {int(bad.nonzero()[0])} holds NaN or inf (or overflows "
-                f"{self._value_dtype})"
-            )
-        return t
+        return checks.matrix(a, n, dim, what, self.device, self._value_dtype)
 
     def _columns(self, attributes: Any, ids: np.ndarray) -> pa.Table:
-        """Attributes of the ads `ids` [n] (dicts or an arrow table) -> validated arrow table of
-        the schema. Checks each ad on its own; `check_vocabulary` checks them against the index.
-        """
-        n = len(ids)
-        try:
-            if isinstance(attributes, pa.Table):
-                table = columns_from_arrow(attributes, self._schema)
-            elif isinstance(attributes, Sequence) and not isinstance(attributes, str):
-                table = columns_from_rows(attributes, self._schema)
-            else:
-                raise ValueError(
-                    f"expected a list of dicts or a pyarrow.Table, got {type(attributes).__name__}"
-                )
-        except ValueError as e:
-            raise AdIndexError(f"attributes: {e}") from e
-        if table.num_rows != n:
-            raise AdIndexError(f"attributes: {table.num_rows} rows for {n} ads")
-        table = table.set_column(
-            table.schema.get_field_index("status"),
-            "status",
-            pc.fill_null(table.column("status"), "active"),
-        )
-        for name, allowed in self._allowed.items():
-            col = table.column(name)
-            values = pc.list_flatten(col) if self._schema[name] == "str_list" else col
-            bad = pc.invert(pc.is_in(values, value_set=pa.array(allowed, pa.string())))
-            if pc.any(bad).as_py():
-                word = values.filter(bad)[0].as_py()
-                raise AdIndexError(f"attributes: {name} {word!r} is not one of {allowed}")
-        for name, kind in self._schema.items():
-            if kind == "str_list" and name not in self._allowed:
-                _check_list(table.column(name).combine_chunks(), name, ids)
-        return table
+        return checks.columns(attributes, ids, self._schema, self._allowed)
 
     # ---- mutations (each returns the new version) -----------------------------------------
 
@@ -771,66 +609,12 @@ class AdIndex:
     # ---- building and snapshots -----------------------------------------------------------
 
     @classmethod
-    def from_table(
-        cls,
-        ads: pa.Table,
-        g: Any,
-        x: Any,
-        b: Any,
-        device: str | torch.device = "cpu",
-        dtype: torch.dtype = torch.bfloat16,
-        capacity: int = 1024,
-        targeting: Mapping[str, Sequence[str]] | None = None,
-        extra_fields: Mapping[str, str] | None = None,
-    ) -> AdIndex:
-        """An index over the dataset's ads table (`m31.data.schema.ADS`), rows aligned with g, x, b.
+    def from_table(cls, ads: pa.Table, g: Any, x: Any, b: Any, **options: Any) -> AdIndex:
+        """An index over a dataset's ads table, rows aligned with g, x, b
+        (`m31.index.tables.from_ads_table`, where `options` are described)."""
+        from m31.index.tables import from_ads_table
 
-        The schedule starts at `created_at` (null: open) and never ends; `tags` and
-        `target_surfaces` are taken when the table has them and are empty otherwise. Nulls are
-        kept as nulls (an open age bound, an ad without an advertiser, a filter that never
-        matches). `targeting`: as `AdIndex`'s. `extra_fields`: more columns of the table to keep
-        as filter fields, name -> kind (a dataset's `item_attributes`); one named `tags` or
-        `target_surfaces` feeds that attribute.
-        """
-        renamed = {"schedule_start": "created_at"}  # index attribute -> ads table column
-        kept = [
-            "advertiser_id",
-            "status",
-            "target_countries",
-            "target_age_min",
-            "target_age_max",
-            "target_genders",
-            "target_platforms",
-        ]
-        optional = ["target_surfaces", "tags", *TABLE_EXTRA_FIELDS]
-        extra = dict(extra_fields or {})
-        taken = sorted(set(extra) & {"ad_id", *renamed.values(), *kept, *TABLE_EXTRA_FIELDS})
-        if taken:
-            raise AdIndexError(f"extra field {taken[0]!r} is a column the index reads already")
-        # Any other built-in attribute an extra field names is refused by the constructor.
-        fed = {k for k, v in extra.items() if k in optional[:2] and v == "str_list"}
-        fields = {**TABLE_EXTRA_FIELDS, **{k: v for k, v in extra.items() if k not in fed}}
-        missing = [
-            c for c in ["ad_id", *renamed.values(), *kept, *extra] if c not in ads.column_names
-        ]
-        if missing:
-            raise AdIndexError(f"ads table: missing column {missing[0]!r}")
-        columns = {name: ads.column(col) for name, col in renamed.items()}
-        columns |= {c: ads.column(c) for c in [*kept, *optional, *extra] if c in ads.column_names}
-        g_shape, x_shape = _shape(g), _shape(x)
-        if len(g_shape) != 2 or len(x_shape) != 2:
-            raise AdIndexError(f"g and x must be 2-d, got shapes {list(g_shape)}, {list(x_shape)}")
-        index = cls(
-            g_shape[1],
-            x_shape[1],
-            device,
-            dtype,
-            max(capacity, ads.num_rows),
-            extra_fields=fields,
-            targeting=targeting,
-        )
-        index.upsert(ads.column("ad_id"), g, x, b, pa.table(columns))
-        return index
+        return from_ads_table(cls, ads, g, x, b, **options)
 
     def save(
         self,
@@ -839,22 +623,16 @@ class AdIndex:
         overwrite: bool = False,
         beside: Callable[[Path], None] | None = None,
     ) -> Path:
-        """Write a snapshot folder of the live ads atomically (layout: `read_manifest`).
+        """Write a snapshot folder of the live ads atomically (`m31.index.snapshot.write`).
 
         Only live rows are written, in row order, so the snapshot is the compacted index; the
-        index itself is not changed. `model_hash` records the checkpoint that made g, x, b. An
-        interrupted save leaves no folder behind and any previous snapshot at `path` intact.
-        `beside(folder)` may add a subfolder of its own (the engine's online features) to the
-        folder before it is renamed into place; the manifest does not list it.
+        index itself is not changed. `model_hash` records the checkpoint that made g, x, b;
+        `beside(folder)` may add a subfolder of its own (the engine's online features).
         """
         with self._lock:
             live = self._live[: self._n].nonzero().squeeze(1)  # [n_live]
-            arrays = {
-                "g": self._g[live],  # [n_live, G]
-                "x": self._x[live],  # [n_live, D]
-                "b": self._b[live],  # [n_live]
-                "ids": self._row_ids[live],  # [n_live]
-            }
+            arrays = {"g": self._g[live], "x": self._x[live], "b": self._b[live]}  # [n_live, ·]
+            arrays["ids"] = self._row_ids[live]  # [n_live]
             if self.quantized:
                 arrays |= {"g_scale": self._g_scale[live], "x_scale": self._x_scale[live]}
             # bf16 and fp16 widened to float32 (exactly); int8 codes, scales and ids as they are
@@ -873,7 +651,6 @@ class AdIndex:
                 "fields": dict(self._schema),
                 "targeting": {name: list(values) for name, values in self.targeting.items()},
             }
-
         return snapshot.write(Path(path), arrays, attributes, manifest, overwrite, beside)
 
     @classmethod
@@ -905,8 +682,8 @@ class AdIndex:
     def _load_int8(self, arrays: dict[str, np.ndarray], attributes: pa.Table) -> None:
         """Append a snapshot's 8-bit rows as stored (codes and scales, shapes checked by
         `load`): requantizing their dequantized values could move a scale by an ulp."""
-        ids = _ids(arrays["ids"])
-        _no_duplicates(ids, "snapshot")
+        ids = checks.ids_of(arrays["ids"])
+        checks.no_duplicates(ids, "snapshot")
         t = Int8Table(*(torch.from_numpy(arrays[k]).to(self.device) for k in Int8Table._fields))
         ok = {"g_scale": t.g_scale > 0, "x_scale": t.x_scale > 0, "b": torch.isfinite(t.b)}
         for name, good in ok.items():

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -378,3 +378,51 @@ class Eligibility:
         empty = torch.zeros(0, self.width, dtype=torch.uint8, device=self.device)
         bits = torch.stack(maps) if maps else empty  # [U, W]
         return PackedMask(bits, torch.tensor(which, dtype=torch.int64, device=self.device), n)
+
+
+def reference_mask(index, request, filter_fn: CompiledFilter | Mapping | None) -> torch.Tensor:
+    """The eligibility mask [N] of `index` (an `AdIndex`) for `request` (a `RequestContext`)
+    from the attribute columns alone: the definition the bitmaps of this module keep (tests
+    compare the two)."""
+    if isinstance(filter_fn, Mapping):
+        filter_fn = compile_filter(filter_fn, index._schema)
+    attrs, n = index._attrs, index._n
+    mask = index._live[:n].clone()  # [N]
+    active = attrs.code("status", "active")
+    if active is None:
+        return torch.zeros_like(mask)
+    mask &= attrs.codes("status") == active
+    ts = int(request.ts)
+    start, has_start = attrs.numeric("schedule_start")
+    end, has_end = attrs.numeric("schedule_end")
+    mask &= ~has_start | (start <= ts)
+    mask &= ~has_end | (ts < end)
+    lo, has_lo = attrs.numeric("target_age_min")
+    hi, has_hi = attrs.numeric("target_age_max")
+    if request.age is None:
+        mask &= ~has_lo & ~has_hi
+    else:
+        mask &= (~has_lo | (lo <= int(request.age))) & (~has_hi | (int(request.age) <= hi))
+    for name, value in (
+        ("target_countries", request.country),
+        ("target_genders", request.gender),
+        ("target_platforms", request.platform),
+        ("target_surfaces", request.surface),
+    ):
+        mask &= ~attrs.nonempty(name) | attrs.contains(name, value)
+    if len(request.exclude_ads):
+        # By id over the rows, not through the id -> row map, so that a frozen view needs
+        # no copy of that map; rows of other versions of an ad are not live anyway.
+        excluded = torch.tensor(
+            [int(a) for a in request.exclude_ads], dtype=torch.int64, device=index.device
+        )
+        mask &= ~torch.isin(index._row_ids[:n], excluded)
+    if len(request.exclude_advertisers):
+        blocked = torch.tensor(
+            [int(a) for a in request.exclude_advertisers], dtype=torch.int64, device=index.device
+        )
+        advertiser, has_advertiser = attrs.numeric("advertiser_id")
+        mask &= ~(has_advertiser & torch.isin(advertiser, blocked))
+    if filter_fn is not None:
+        mask &= filter_fn(attrs)
+    return mask
