@@ -8,122 +8,19 @@ K' = min(k, N), best first, ties to the lower row; a request with fewer eligible
 NO_ROW and scores -inf. The returned scores are the reference's own (`rounded_score`: the §2
 formula in fp64, rounded to fp32 once), so they depend on an ad's row alone.
 
-Two cases skip the filters below. Requests with at most K' eligible ads: every eligible ad is in
-the answer, so step 4 alone scores and sorts them (a filter could drop nothing, and its threshold
-would stay at -inf while it tried). Inputs whose logits or scores could pass 2¹⁰⁰ in magnitude
-(by Cauchy–Schwarz on the norms), or a table holding NaN or ±inf: the reference scores them,
-since the bounds' arithmetic assumes finite intermediates (`_in_range`).
+The table is streamed once, in blocks of n ads that `threads` worker threads take in turn (torch
+on one core each; the products release the GIL): 1. an affinity filter (one bf16 product per
+block gives an upper bound U on every pair's score), 2. the gate for the survivors only (bounds
+ℓ ≤ s ≤ h), 3. a threshold top-K shared by the workers (τ_r, the K-th largest ℓ, never above
+the K-th best score), 4. an exact finish (the last candidates rescored with `rounded_score`,
+an exact stable top-K). Why this is exact, the bounds with their exact expressions, the 8-bit
+path (`cpu_score_topk_int8`, compiled as `cpu_int8.c` where a C compiler is at hand) and where
+the time goes: DESIGN §5, "The cpu kernel and why it is exact".
 
-How (the ad table is streamed once, in blocks of n ads, after a few shorter warm-up blocks, that
-`threads` worker threads take in turn; each worker runs torch on one core, and the matrix
-products release the GIL):
-
-1. Affinity filter (dense, one bf16 matrix product per block). `Â = v̂ x_blkᵀ` [B·E, n], with
-   fp32 accumulation (oneDNN / cpublas) and the result rounded to bf16. A score is a convex
-   combination of the expert affinities plus the bias, s ≤ max_e A_e + b, so with a bound on the
-   rounding (it needs the ads' norms ‖x‖: a pass over the table as long as the product's at B = 1,
-   so they are computed once per table and kept while the table is unchanged, see `_table_stats`)
-   this gives an upper bound U ≥ s for every pair from one reduction over E. Ineligible pairs and
-   pairs with U below the request's running threshold τ stop here: about 90% of them over a pass
-   on random data at N = 1 M, more the sharper the gate (the K-th best score then sits near the
-   best affinity).
-2. Gate (sparse, fp32, survivors only). `L̂ = g_blk q̂ᵀ` [n, B·E] (bf16; with one request, only
-   for the surviving ads), its rows gathered for the survivors into [S, E] and Â into [E, S];
-   softmax over E, weighted sum and bias in fp32 give s̃, and the bound ε below gives
-   ℓ = s̃ - ε ≤ s ≤ h = s̃ + ε. Pairs with h < τ stop here.
-3. Threshold top-K. The workers share, per request r, the K largest ℓ seen so far; τ_r is the
-   K-th of them (K eligible ads score at least that much, so τ_r ≤ s_K, the K-th best score) and
-   rises after every batch of step 2, so a threshold found by one worker prunes the other's blocks.
-   Each worker keeps its surviving (request, row, h) and drops the entries with h < τ_r whenever
-   its buffer has doubled.
-4. Exact finish. The final candidates (h ≥ τ) are rescored with `rounded_score`, as the
-   reference scores them, and an exact stable top-K (ties to the lower row) picks the result.
-
-Why the result is exact. Let s_K be the K-th best score of eligible ads for a request, s being
-the reference's score (within 2⁻²⁴ of the real value, relative: closer than any fp32
-evaluation). Every bound used holds for s and for any fp32 evaluation of the formula, and
-τ ≤ s_K at all times. An ad with s ≥ s_K has U ≥ s ≥ τ and h ≥ s ≥ τ, so no filter ever drops
-it; step 4 therefore sees every ad that scores at least s_K, including every ad tied with the
-K-th, and its exact sort gives the same top K as the reference's sort of all N scores. Assumed:
-inputs in the range above, no bf16 subnormals in the products (AVX-512 bf16 dot products flush
-them), products accumulated in fp32, and a table that is only changed in place through torch
-between calls (its norms are kept, `_table_stats`).
-
-The bounds (u: unit roundoff of the product dtype, 2⁻⁸ for bf16 and 0 for fp32 products;
-γ_k = k·2⁻²⁴/(1 - k·2⁻²⁴), fp32 accumulation of k terms; δq_e = q̂_e - q_e/√G and δv_e = v̂_e - v_e
-the rounding of the query, measured exactly once per call; C-S is Cauchy–Schwarz):
-
-* Affinity: |Â_e - A_e| ≤ ‖δv_e‖‖x‖ + γ_D‖v̂_e‖‖x‖ + u'|Â_e|, u' = u/(1 - u) (query rounding by
-  C-S, accumulation, output rounding relative to the stored value).
-* U: as Â ↦ Â + u'|Â| is increasing, max_e A_e ≤ M̂ + u'|M̂| + (δV + γ_D V̂)‖x‖ with M̂ = max_e Â_e,
-  δV = max_e ‖δv_e‖, V̂ = max_e ‖v̂_e‖. The fp32 evaluation of s is a weighted sum with weights
-  ≥ 0 that add to 1 within (E + 8)·2⁻²⁴, of affinities within γ_D V̂‖x‖ of A, so it too stays
-  below max_e A_e + b up to a further c·V̂‖x‖ + 2⁻²³|b| with c = 2γ_D + 4κ (κ below).
-* Gate: if every logit is off by at most η, the softmax weights' ratios to the exact ones lie in
-  [e^(-2η), e^(2η)], so |Σ_e (w̃_e - w_e) A_e| ≤ (e^(2η) - 1) Σ_e w̃_e |A_e|. Here
-  η = ‖δq‖‖g‖ + (2γ_G + 2⁻²³) Q̂ ‖g‖ + u'Λ̂ + 2⁻²¹(Λ̂ + P) + 2⁻¹⁸, with Q̂ = max_e ‖q̂_e‖,
-  Λ̂ = max_e |L̂_e|, P = max_e |p_e|: rounding of q (C-S), accumulation and the division by √G on
-  both sides, output rounding, the fp32 additions of p on both sides, and the exponential's own
-  error (a weight within a relative 2⁻¹⁹ of e^l, as the compiled step 2's are, is e^(l + δ)
-  with |δ| < 2⁻¹⁸). Weights of logits below -86 may come out as anything in [0, 2⁻¹²⁴); that
-  happens only after the shift that makes a pair's largest logit 0 (weight 1), so it moves s̃ by
-  less than E·2⁻¹²⁴ max_e |A_e|, far inside the (1 + 2⁻¹⁰) below (a ≥ 2⁻²³ V̂‖x‖).
-* Total, with m = Σ_e w̃_e |Â_e| and a = (δV + 2γ_D V̂)‖x‖:
-  |s̃ - s| ≤ ε_gate = (1 + 2⁻¹⁰)·[(e^(2η) - 1)(m(1 + u') + a) + a + u'm + κ(2m + |s̃| + |b|)],
-  κ = (2E + 64)·2⁻²⁴ covering the fp32 softmax, products, sums, division and bias on both sides
-  and the rounding of the bound arithmetic itself. The factor (1 + 2⁻¹⁰) also covers e^(2η) - 1
-  evaluated within a relative 2⁻¹⁵ (the compiled step 2's `expm1_f`; torch's within an ulp).
-* Without the gate: s and s̃ are both convex combinations of the affinities plus b (up to the
-  rounding κ covers), and every A_e lies within u'|Â_e| + a of Â_e, so with M̂ = max_e |Â_e|
-  |s̃ - s| ≤ ε_free = (1 + 2⁻¹⁰)·[(max_e Â_e - min_e Â_e)(1 + 2⁻²³) + a + u'M̂
-  + κ(2M̂ + |s̃| + |b|)]. ε = min(ε_gate, ε_free). ε_free is what keeps ε finite where e^(2η)
-  overflows (gate logits of 10⁴ and more): there ε_gate is inf, or NaN when m = a = 0 (an ad
-  with x = 0, or a request with v = 0), and the minimum skips a NaN.
-
-8-bit tables (`cpu_score_topk_int8`, an `Int8Table` read as stored: the answer is the exact top K
-of its dequantized table). The query is rounded to integers too, about 16 bits per value in two
-int8 parts (`_split_query`), so both products are exact integer products (`torch._int_mm`, VNNI
-on x86): step 1 reads 1 byte per value of x, a quarter of fp32's and half of bf16's, and on a CPU
-without bf16 arithmetic runs the product at several times the bf16 rate. The same bounds hold
-with u' = 2⁻²¹ (the fp32 scaling of an exact integer product, `_plan_int8`) and the measured
-rounding of the query in δq, δv. The logits are computed per request over its survivors' rows of
-g at the gate step (`_Worker.logits_int8`), not for every pair of a block. Where int8 products
-are not exact on the CPU (`int8_products_exact`), the dequantized table takes the path above.
-Where a C compiler is at hand, steps 1-3 of an 8-bit table run as compiled loops
-(`m31.ops.native`, `cpu_int8.c`; 2.2x the torch ops at B = 1, 3.1x at B = 64, N = 1 M, on an
-Ice Lake Xeon with VNNI; far more where torch's int8 products have no VNNI, see bench/RESULTS.md),
-one call per worker thread over all the blocks it takes (`_compiled_pass`), so that the threads
-take the GIL only to start and to hand back their candidates: step 1 in one pass per block over
-the eligible pairs only (with AVX-512, four experts' int16 multiply-adds at a time; with AVX2,
-eight, and from two requests on the ads in the lanes with no lane sums; elsewhere loops that the
-compiler vectorizes), step 2 in one pass over the survivors, 256 pairs at a time, with
-exponentials of its own (`exp_f`: within a relative 2⁻¹⁹, which η above covers), step 3 with τ
-shared by the threads under a lock. Step 1 computes the same integer products and the same fp32
-operations in the same order, so its survivors and their values are the torch ops' own; step 2
-is another fp32 evaluation of the same formulas (its sums over E in expert order), which the
-bounds above allow for.
-
-The bounds are worst cases (typically 5-20× the actual error), which only costs extra survivors.
-fp32 (or fp16) tables take the same path with fp32 products (u = 0): a quarter of the product
-rate, but tighter bounds; measured 1.3× slower than bf16 at N = 200 K, B = 1 and 64 on a CPU with
-bf16 dot products (AVX-512 BF16). On a CPU without them, where torch emulates bf16 products,
-bf16 tables take fp32 products too (exact for bf16 values) once B·E ≥ 32, and at any B·E without
-AVX-512 (`_product_dtype`): 1.8x faster at N = 1 M, B = 64 on an Ice Lake Xeon, 2.1x at B = 1 on
-a Zen 3 EPYC (AVX2).
-
-Where the time goes (N = 1 M, E = 8, G = D = 64, K = 100, half eligible, one core): at B = 64
-the two bf16 products take 40% (about 200 GFLOP/s, near the core's bf16 rate), the rest of step 1
-(max over E, threshold, extracting the survivors) about 20%, gathering and bounding the ~11% of
-pairs that survive it most of the rest; at B = 1 the affinity product streams x from memory
-(~40%), and the gate logits of the ~8% surviving ads (a gather of their rows of g, bound by
-memory latency) and step 2 take most of the rest. The survival rate falls slowly over the pass as
-τ rises (at B = 1 from ~9% of the pairs a quarter of the way in to ~4% at the end; with τ known in
-advance the pass would take 20-30% less), and is higher on small tables (where the K-th score is
-not far in the tail): below roughly 100-200 K ads a compiled dense scorer wins. An 8-bit table
-through the compiled pass, the same shape, one core of a Zen 3 EPYC (AVX2): at B = 1 step 1 takes
-about 60% (26 ns per eligible ad), step 2 20% (76 K pairs, 56 ns each), the plan and the exact
-finish most of the rest; at B = 64 step 1 about 65% (15 ns per eligible pair), step 2 30% (17% of
-the eligible pairs, 39 ns each).
+Two cases skip the filters. Requests with at most K' eligible ads: every eligible ad is in the
+answer, so step 4 alone scores and sorts them. Inputs whose logits or scores could pass 2¹⁰⁰ in
+magnitude (by Cauchy–Schwarz on the norms), or a table holding NaN or ±inf: the reference scores
+them, since the bounds' arithmetic assumes finite intermediates (`_in_range`).
 """
 
 from __future__ import annotations
@@ -769,7 +666,7 @@ def _compiled_pass(
     """Steps 1-3 on an 8-bit table in compiled code (`m31_pass` in `cpu_int8.c`): each worker
     thread one call that takes the spans in turn with the others and shares τ with them, so
     that the GIL is taken only to start the calls and to collect their candidates. The same
-    steps as `_Worker`'s, with step 2's exponentials compiled too (see the module docstring).
+    steps as `_Worker`'s, with step 2's exponentials compiled too (DESIGN §5).
     -> (req, row, h) of the candidates, and τ for the final filter ([B] `for_refine`)."""
     ptr, n_req = native.ptr, plan.n_req
     mode, mask_data, mask_stride, mask_index = _mask_args(mask)
