@@ -945,6 +945,45 @@ static void prune(m31_shared *sh, m31_cands *c) {
     c->count = kept;
 }
 
+/* The arguments of `m31_pass`, one struct (mirrored by `native.PassArgs`, field by field). */
+typedef struct {
+    const int64_t *spans;
+    int64_t n_spans;
+    int64_t block;
+    const int8_t *x;
+    const float *x_scale;
+    int64_t d;
+    const int8_t *g;
+    const float *g_scale;
+    int64_t gdim;
+    const float *per_ad;
+    const float *scan_bias;
+    int64_t n_ads;
+    const int16_t *w;
+    const float *v_scale;
+    const int16_t *wq;
+    const float *q_scale;
+    const float *p_t;
+    const float *coef;
+    int64_t n_req;
+    int64_t n_exp;
+    float alpha;
+    double shift_base;
+    float eta_l;
+    float kappa;
+    float one_u;
+    float u_2kappa;
+    int64_t mask_mode;
+    const uint8_t *mask;
+    int64_t mask_stride;
+    const int64_t *mask_index;
+    int64_t refine_pairs;
+    int64_t room;
+} m31_pass_args;
+
+/* Its size, so that the caller can check its mirror of the struct. */
+int64_t m31_pass_args_size(void) { return (int64_t)sizeof(m31_pass_args); }
+
 /* `_Worker.scan` .. `finish` for one thread on an 8-bit table (cpu_score_topk's steps 1-3):
  * takes the spans [lo, hi) of spans [n_spans, 2] in turn with the other workers of sh; per
  * span, step 1 (`m31_scan_int8`, with offset[a] = scan_bias[a] + x_norm[a]·alpha, as
@@ -955,15 +994,39 @@ static void prune(m31_shared *sh, m31_cands *c) {
  * Arguments as `m31_scan_int8` and `m31_step2` take them (x, x_scale, g, g_scale of the whole
  * table; w = v_int, wq = q_int). Returns the candidates in *out, and their count, or -1 when
  * out of memory. */
-int64_t m31_pass(m31_shared *sh, const int64_t *spans, int64_t n_spans, int64_t block,
-                 const int8_t *x, const float *x_scale, int64_t d, const int8_t *g,
-                 const float *g_scale, int64_t gdim, const float *per_ad, const float *scan_bias,
-                 int64_t n_ads, const int16_t *w, const float *v_scale, const int16_t *wq,
-                 const float *q_scale, const float *p_t, const float *coef, int64_t n_req,
-                 int64_t n_exp, float alpha, double shift_base, float eta_l, float kappa,
-                 float one_u, float u_2kappa, int64_t mask_mode, const uint8_t *mask,
-                 int64_t mask_stride, const int64_t *mask_index, int64_t refine_pairs,
-                 int64_t room, m31_cands **out) {
+int64_t m31_pass(m31_shared *sh, const m31_pass_args *a, m31_cands **out) {
+    const int64_t *spans = a->spans;
+    int64_t n_spans = a->n_spans;
+    int64_t block = a->block;
+    const int8_t *x = a->x;
+    const float *x_scale = a->x_scale;
+    int64_t d = a->d;
+    const int8_t *g = a->g;
+    const float *g_scale = a->g_scale;
+    int64_t gdim = a->gdim;
+    const float *per_ad = a->per_ad;
+    const float *scan_bias = a->scan_bias;
+    int64_t n_ads = a->n_ads;
+    const int16_t *w = a->w;
+    const float *v_scale = a->v_scale;
+    const int16_t *wq = a->wq;
+    const float *q_scale = a->q_scale;
+    const float *p_t = a->p_t;
+    const float *coef = a->coef;
+    int64_t n_req = a->n_req;
+    int64_t n_exp = a->n_exp;
+    float alpha = a->alpha;
+    double shift_base = a->shift_base;
+    float eta_l = a->eta_l;
+    float kappa = a->kappa;
+    float one_u = a->one_u;
+    float u_2kappa = a->u_2kappa;
+    int64_t mask_mode = a->mask_mode;
+    const uint8_t *mask = a->mask;
+    int64_t mask_stride = a->mask_stride;
+    const int64_t *mask_index = a->mask_index;
+    int64_t refine_pairs = a->refine_pairs;
+    int64_t room = a->room;
     const float *x_norm = per_ad + n_ads;
     const int64_t cap = refine_pairs + n_req * block; /* pending pairs: a block's on top */
     int64_t *p_req = malloc((size_t)cap * sizeof *p_req);

@@ -671,14 +671,18 @@ def _compiled_pass(
     ptr, n_req = native.ptr, plan.n_req
     mode, mask_data, mask_stride, mask_index = _mask_args(mask)
     span_at = torch.tensor(spans, dtype=torch.long)  # [n_spans, 2]
-    args = (
-        ptr(span_at), len(spans), block, ptr(table.x), ptr(table.x_scale), table.x.shape[1],
-        ptr(table.g), ptr(table.g_scale), table.g.shape[1], ptr(stats.per_ad),
-        ptr(stats.scan_bias), len(stats.scan_bias), ptr(plan.v_int), ptr(plan.v_scale),
-        ptr(plan.q_int), ptr(plan.q_scale), ptr(plan.p_t), ptr(plan.coef), n_req, plan.n_exp,
-        _offset_alpha(plan), plan.p_abs_max + math.log(plan.n_exp), plan.eta_l, plan.kappa,
-        1 + plan.u_a, plan.u_a + 2 * plan.kappa, mode, ptr(mask_data), mask_stride,
-        ptr(mask_index), plan.refine_pairs, plan.candidate_room,
+    args = native.PassArgs(
+        spans=ptr(span_at), n_spans=len(spans), block=block,
+        x=ptr(table.x), x_scale=ptr(table.x_scale), d=table.x.shape[1],
+        g=ptr(table.g), g_scale=ptr(table.g_scale), gdim=table.g.shape[1],
+        per_ad=ptr(stats.per_ad), scan_bias=ptr(stats.scan_bias), n_ads=len(stats.scan_bias),
+        w=ptr(plan.v_int), v_scale=ptr(plan.v_scale), wq=ptr(plan.q_int), q_scale=ptr(plan.q_scale),
+        p_t=ptr(plan.p_t), coef=ptr(plan.coef), n_req=n_req, n_exp=plan.n_exp,
+        alpha=_offset_alpha(plan), shift_base=plan.p_abs_max + math.log(plan.n_exp),
+        eta_l=plan.eta_l, kappa=plan.kappa, one_u=1 + plan.u_a,
+        u_2kappa=plan.u_a + 2 * plan.kappa, mask_mode=mode, mask=ptr(mask_data),
+        mask_stride=mask_stride, mask_index=ptr(mask_index),
+        refine_pairs=plan.refine_pairs, room=plan.candidate_room,
     )  # fmt: skip
     shared = lib.m31_shared_new(n_req, plan.k, _SLACK, plan.u_scan + _SLACK)
     if not shared:
@@ -687,7 +691,7 @@ def _compiled_pass(
 
     def work(_: int) -> None:
         cands = ctypes.c_void_p()
-        count = lib.m31_pass(shared, *args, ctypes.byref(cands))
+        count = lib.m31_pass(shared, ctypes.byref(args), ctypes.byref(cands))
         if count < 0:
             raise MemoryError("the cpu kernel's compiled pass: out of memory")
         try:

@@ -45,6 +45,48 @@ _FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-pthread", "-ffp-contract=off"
 _ARCH = ("-march=native",)
 
 _p, _i64, _f, _d = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_double
+
+
+class PassArgs(ctypes.Structure):
+    """The arguments of `m31_pass`, as its `m31_pass_args` struct lays them out (same names,
+    types and order): pointers are addresses (`ptr`), the rest numbers."""
+
+    _fields_ = [
+        ("spans", _p),
+        ("n_spans", _i64),
+        ("block", _i64),
+        ("x", _p),
+        ("x_scale", _p),
+        ("d", _i64),
+        ("g", _p),
+        ("g_scale", _p),
+        ("gdim", _i64),
+        ("per_ad", _p),
+        ("scan_bias", _p),
+        ("n_ads", _i64),
+        ("w", _p),
+        ("v_scale", _p),
+        ("wq", _p),
+        ("q_scale", _p),
+        ("p_t", _p),
+        ("coef", _p),
+        ("n_req", _i64),
+        ("n_exp", _i64),
+        ("alpha", _f),
+        ("shift_base", _d),
+        ("eta_l", _f),
+        ("kappa", _f),
+        ("one_u", _f),
+        ("u_2kappa", _f),
+        ("mask_mode", _i64),
+        ("mask", _p),
+        ("mask_stride", _i64),
+        ("mask_index", _p),
+        ("refine_pairs", _i64),
+        ("room", _i64),
+    ]
+
+
 _SIGNATURES = {
     "m31_scan_int8": (_i64, [_p, _p, _p, _i64, _i64, _p, _p, _p, _i64, _i64, _i64, _p, _i64, _p,
                              _i64, _p, _p, _p, _i64]),
@@ -54,9 +96,8 @@ _SIGNATURES = {
     "m31_shared_new": (_p, [_i64, _i64, _f, _f]),
     "m31_shared_free": (None, [_p]),
     "m31_shared_tau": (None, [_p, _p]),
-    "m31_pass": (_i64, [_p, _p, _i64, _i64, _p, _p, _i64, _p, _p, _i64, _p, _p, _i64, _p, _p, _p,
-                        _p, _p, _p, _i64, _i64, _f, _d, _f, _f, _f, _f, _i64, _p, _i64, _p, _i64,
-                        _i64, ctypes.POINTER(_p)]),
+    "m31_pass": (_i64, [_p, ctypes.POINTER(PassArgs), ctypes.POINTER(_p)]),
+    "m31_pass_args_size": (_i64, []),
     "m31_cands_take": (None, [_p, _p, _p, _p]),
     "m31_cands_free": (None, [_p]),
     "m31_simd": (ctypes.c_char_p, []),
@@ -161,6 +202,11 @@ def _compile_and_load(defines: tuple[str, ...]) -> ctypes.CDLL | None:
         for name, (restype, argtypes) in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = restype, argtypes
+        if lib.m31_pass_args_size() != ctypes.sizeof(PassArgs):  # a mirror out of step
+            raise RuntimeError(
+                f"{SOURCE.name}: m31_pass_args is {lib.m31_pass_args_size()} bytes, "
+                f"native.PassArgs {ctypes.sizeof(PassArgs)}: update one to the other"
+            )
         return lib
     log.warning("building %s failed, the cpu kernel's 8-bit path runs in torch ops:\n%s",
                 SOURCE.name, "\n".join(errors))  # fmt: skip
