@@ -381,9 +381,29 @@ def train_cmd(
     model: Annotated[str, typer.Option(help="moe, two-tower or ranking.")],
     data: Annotated[Path, typer.Option(help="Dataset folder (features are built into it once).")],
     out: Annotated[Path, typer.Option(help="Checkpoint file to write.")],
-    preset: Annotated[str, typer.Option(help="Model preset: tiny or demo.")] = "demo",
+    preset: Annotated[
+        str,
+        typer.Option(help="Model preset: tiny, demo or sasrec (the sequence expert alone)."),
+    ] = "demo",
     epochs: Annotated[int | None, typer.Option(help="Override the preset's epoch count.")] = None,
+    patience: Annotated[
+        int | None, typer.Option(help="Override the epochs without validation gain to stop at.")
+    ] = None,
     split: Annotated[str, typer.Option(help="leave-last-out or time.")] = "leave-last-out",
+    protocol: Annotated[
+        str | None,
+        typer.Option(
+            help="Select the epoch under an evaluation protocol (loo-position: every validation "
+            "request, the history excluded, NDCG@10); implies its split."
+        ),
+    ] = None,
+    sequence_encoder: Annotated[
+        str | None,
+        typer.Option(
+            help="The sequence expert: transformer (causal self-attention, a target at every "
+            "position) or pool (the attention pool, for ablations)."
+        ),
+    ] = None,
     seed: Annotated[int | None, typer.Option(help="Random seed.")] = None,
     max_len: Annotated[
         int | None,
@@ -440,13 +460,15 @@ def train_cmd(
     """Train a model and write a checkpoint (weights, config, vocabularies, history)."""
     import json as _json
 
+    from m31.eval.protocol import protocol as named_protocol
     from m31.model import model_preset, save_checkpoint
     from m31.pipeline import features_for
     from m31.training import train
 
     cfg = model_preset(preset, model).with_overrides(
-        epochs=epochs, seed=seed, max_len=max_len, lr=lr
-    )
+        epochs=epochs, seed=seed, max_len=max_len, lr=lr, patience=patience,
+        sequence_encoder=sequence_encoder,
+    )  # fmt: skip
     if hard_negatives is None and (hard is not None or hard_pool is not None):
         _fail("--hard and --hard-pool go with --hard-negatives")
     if hard_negatives is not None:
@@ -470,6 +492,9 @@ def train_cmd(
         cfg = cfg.with_overrides(balance_weight=balance_weight)
     if base is not None and model != "ranking":
         _fail(f"--base: the ranking model takes a base, not {model!r}")
+    if protocol is not None:
+        proto = named_protocol(protocol)
+        split, cfg = proto.split, proto.training(cfg)
     bar, callback = progress_bar()
     with bar:
         feats = features_for(data, split, progress=callback)
@@ -486,12 +511,15 @@ def train_cmd(
     trained, history = train(
         cfg, feats, device=device, log=typer.echo, progress=sys.stderr.isatty(),
         retriever=retriever, base=base_model,
+        on_best=lambda m, h: save_checkpoint(out, m, feats, h),
     )  # fmt: skip
     save_checkpoint(out, trained, feats, history)
-    best = max(history, key=lambda h: h["val_hr@50"])
+    key = f"val_{cfg.val_metric}"
+    best = max(history, key=lambda h: h[key])
     typer.echo(
-        f"wrote {out} after {time.perf_counter() - start:.0f} s; best epoch {best['epoch']}: "
-        f"val HR@10 {best['val_hr@10']:.4f}, HR@50 {best['val_hr@50']:.4f}; "
+        f"wrote {out} after {time.perf_counter() - start:.0f} s; best epoch {best['epoch']} of "
+        f"{history[-1]['epoch']}: val HR@10 {best['val_hr@10']:.4f}, HR@50 "
+        f"{best['val_hr@50']:.4f}, {cfg.val_metric} {best[key]:.4f}; "
         f"{trained.flops_per_pair():,} FLOPs per (request, ad) pair"
     )
     if "experts" in best:
@@ -600,6 +628,14 @@ def eval_cmd(
         ),
     ] = False,
     split: SplitOption = "leave-last-out",
+    protocol: Annotated[
+        str | None,
+        typer.Option(
+            help="A published protocol (loo-position: the last item test, every item ranked for "
+            "every user, the history excluded, HR and NDCG @5/10/20); sets the split, cut-offs "
+            "and exclusions, and refuses models reading more history than it allows."
+        ),
+    ] = None,
     max_users: MaxUsersOption = None,
     ks: Annotated[str, typer.Option(help="Cut-offs, comma-separated.")] = "10,50,100,500",
     reference: Annotated[
@@ -622,6 +658,7 @@ def eval_cmd(
     from m31.data.dataset import repeat_engagement
     from m31.eval import evaluate, plot_recall_at_k
     from m31.eval.baselines import make_baselines
+    from m31.eval.protocol import protocol as named_protocol
     from m31.eval.stats import (
         aggregate_seeds,
         format_paired,
@@ -636,6 +673,12 @@ def eval_cmd(
         cutoffs = tuple(int(k) for k in ks.split(","))
     except ValueError:
         _fail(f"--ks: expected comma-separated integers, got {ks!r}")
+    proto = None
+    if protocol is not None:
+        proto = named_protocol(protocol)
+        if max_users is not None or exclude_seen is False:
+            _fail(f"--protocol {protocol}: every user is evaluated, the history excluded")
+        split, cutoffs, exclude_seen = proto.split, proto.ks, proto.exclude_history
     runs = _named_runs(model or [], "--model")
     two_stage = None
     if rerank is not None:
@@ -681,6 +724,8 @@ def eval_cmd(
         for key, paths in groups.items():
             if s < len(paths):
                 m, blob = load_checkpoint(paths[s], feats, device=device)
+                if proto is not None:
+                    proto.check_model(m.cfg, paths[s])
                 name = blob["config"]["kind"] if key.startswith("\0") else key
                 if name in fns:
                     _fail(f"two models are named {name!r}; name them NAME=PATH")

@@ -7,6 +7,9 @@ from dataclasses import asdict, dataclass, field, replace
 
 EXPERT_FAMILIES = ("sequence", "cohort", "semantic", "coengagement")
 MODEL_KINDS = ("moe", "two-tower", "ranking")
+# The sequence expert: causal self-attention over the engagements (`m31.model.sequence`), or the
+# attention pool with one learned query per slot that preceded it (kept for ablations).
+SEQUENCE_ENCODERS = ("transformer", "pool")
 
 
 @dataclass(frozen=True)
@@ -22,6 +25,14 @@ class ModelConfig:
     value_dim: int = 64  # D
     hidden: int = 64  # width of embeddings and tower trunks
     max_len: int = 20  # engagement-sequence length
+    sequence_encoder: str = "transformer"  # one of SEQUENCE_ENCODERS
+    sequence_blocks: int = 2  # causal self-attention blocks of the transformer
+    sequence_heads: int = 2
+    sequence_time: bool = True  # embed each engagement's time-since-request bucket
+    dropout: float = 0.2  # of the transformer's attention, residual branches and input
+    # train the sequence expert with a target at every history position (the next engagement),
+    # not only at the request (transformer only; `m31.training.train`)
+    every_position: bool = True
     id_buckets: int = 1 << 17  # hashed ad-id embedding rows (unseen ids still land somewhere)
     advertiser_buckets: int = 1 << 14
     ranking_mlp: tuple[int, ...] = (256, 128)
@@ -43,7 +54,11 @@ class ModelConfig:
     balance_weight: float = 0.02  # weight of the gate's load-balancing (mutual information) term
     epochs: int = 5
     patience: int = 2  # epochs without validation improvement before stopping
-    val_requests: int = 2000
+    val_requests: int = 2000  # 0: every request of the validation split
+    val_metric: str = "hr@50"  # the validation metric the best epoch is chosen on
+    # exclude the user's engaged ads from validation's ranking: None lets the dataset's
+    # `repeat_engagement` decide; a protocol (`m31.eval.protocol`) sets it
+    val_exclude_seen: bool | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -56,9 +71,25 @@ class ModelConfig:
             )
         if self.n_experts < 1 or any(v < 0 for v in self.experts.values()):
             raise ValueError(f"experts needs at least one slot, got {self.experts}")
-        for name in ("hidden", "value_dim", "max_len", "batch_size", "epochs"):
+        for name in ("hidden", "value_dim", "max_len", "batch_size", "epochs", "sequence_blocks"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.sequence_encoder not in SEQUENCE_ENCODERS:
+            raise ValueError(
+                f"sequence_encoder must be one of {', '.join(SEQUENCE_ENCODERS)}, "
+                f"got {self.sequence_encoder!r}"
+            )
+        if self.sequence_heads < 1 or self.hidden % self.sequence_heads:
+            raise ValueError(
+                f"sequence_heads must divide hidden ({self.hidden}), got {self.sequence_heads}"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must lie in [0, 1), got {self.dropout}")
+        if self.val_requests < 0:
+            raise ValueError(f"val_requests must be >= 0 (0: all), got {self.val_requests}")
+        kind, _, k = self.val_metric.partition("@")
+        if kind not in ("hr", "ndcg") or not k.isdigit() or int(k) < 1:
+            raise ValueError(f"val_metric must be hr@K or ndcg@K, got {self.val_metric!r}")
         if self.gate_dim < 0:
             raise ValueError(f"gate_dim must be >= 0 (0: no per-ad routing), got {self.gate_dim}")
         if not (math.isfinite(self.lr) and self.lr > 0):
@@ -87,6 +118,26 @@ class ModelConfig:
         return 1 if self.kind == "two-tower" else sum(self.experts.values())
 
     @property
+    def val_k(self) -> int:
+        """The cut-off of `val_metric`."""
+        return int(self.val_metric.partition("@")[2])
+
+    @property
+    def trains_every_position(self) -> bool:
+        """Whether training puts a target at every history position (`every_position`): with
+        the causal sequence encoder and a sequence expert; for the two-tower model, only when
+        no family pools the whole history (its one query needs every family at every
+        position: `UserFeatures.position_families`)."""
+        used = {name for name, k in self.experts.items() if k > 0}
+        return (
+            self.every_position
+            and self.sequence_encoder == "transformer"
+            and self.kind != "ranking"
+            and "sequence" in used
+            and (self.kind == "moe" or used <= {"sequence", "cohort"})
+        )
+
+    @property
     def effective_gate_dim(self) -> int:
         return 0 if self.kind == "two-tower" else self.gate_dim
 
@@ -101,6 +152,8 @@ class ModelConfig:
     def from_dict(cls, d: dict) -> ModelConfig:
         d = dict(d)
         d["ranking_mlp"] = tuple(d["ranking_mlp"])
+        # a config written before the transformer had the attention pool
+        d.setdefault("sequence_encoder", "pool")
         return cls(**d)
 
     def with_overrides(self, **kw) -> ModelConfig:
@@ -125,6 +178,22 @@ PRESETS: dict[str, ModelConfig] = {
         val_requests=200,
     ),
     "demo": ModelConfig(),
+    # The sequence expert alone, SASRec's shape (Kang & McAuley 2018, as run by S3-Rec on the
+    # Amazon files): h = 64, 2 blocks, 2 heads, 50 engagements, dropout 0.5, lr 1e-3, batches of
+    # 256; one slot and no gate keys, so the moe is a two-tower over it. The data has no clock
+    # (`"clock": "order"`), so no time input. Epochs up to 200, stopping after 10 without gain.
+    "sasrec": ModelConfig(
+        experts={"sequence": 1, "cohort": 0, "semantic": 0, "coengagement": 0},
+        gate_dim=0,
+        max_len=50,
+        sequence_heads=2,
+        sequence_time=False,
+        dropout=0.5,
+        lr=1e-3,
+        batch_size=256,
+        epochs=200,
+        patience=10,
+    ),
 }
 
 

@@ -55,7 +55,40 @@ class RetrievalModel(nn.Module):
         self, r: RequestInputs, catalog: Catalog, fold_context: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q [B, E, G], v [B, E, D], p [B, E]); with `fold_context`, v already holds M^T v."""
-        states = self.user(r, catalog)  # family -> [B, k, h]
+        return self._query(self.user(r, catalog), r, fold_context)
+
+    def encode_positions(self, r: RequestInputs, catalog: Catalog):
+        """The query at the request, as `encode_requests`, and after every history position:
+        (q [B, L, E', G], v [B, L, E', D], p [B, L, E']) from the slots of the families with a
+        state there (`UserFeatures.position_families`: the causal sequence expert, the cohort),
+        which the moe's gate then weighs alone; the two-tower model needs all its families to
+        have one. v is folded with the request's context map."""
+        states, at = self.user.states(r, catalog, every_position=True)
+        families = self.user.position_families
+        if "sequence" not in families:
+            raise ValueError("a query at every position needs the causal sequence expert")
+        if self.cfg.kind == "moe":
+            slots, start = [], 0
+            for name, k in self.user.slots.items():
+                if name in families:
+                    slots += range(start, start + k)
+                start += k
+            hcat = torch.cat([at[n] for n in families], dim=2)  # [B, L, E', h]
+            w, bias = self.head_w[slots], self.head_b[slots]
+            out = torch.einsum("bleh,eho->bleo", hcat, w) + bias  # [B, L, E', G+D+1]
+        else:
+            if set(families) != set(self.user.slots):
+                raise ValueError(
+                    "a two-tower query at every position needs every family to have one; "
+                    f"{sorted(set(self.user.slots) - set(families))} pool the whole history"
+                )
+            flat = torch.cat([at[n].flatten(2) for n in self.user.slots], dim=2)  # [B, L, k·h]
+            out = self.joint(flat)[:, :, None, :]  # [B, L, 1, D+1]
+        q, v, p = out.split([self.G, self.D, 1], dim=-1)
+        v = torch.einsum("bij,blei->blej", self.context_map(r), v)
+        return self._query(states, r), (q, v, p[..., 0])
+
+    def _query(self, states: dict[str, torch.Tensor], r: RequestInputs, fold_context: bool = True):
         if self.cfg.kind == "moe":
             hcat = torch.cat([states[n] for n in self.user.slots], dim=1)  # [B, E, h]
             out = torch.einsum("beh,eho->beo", hcat, self.head_w) + self.head_b  # [B, E, G+D+1]

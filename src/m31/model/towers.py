@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from m31.model.inputs import N_TIME_BUCKETS, Catalog, RequestInputs
+from m31.model.sequence import CausalSequenceEncoder
 
 _HASH_MULT = 0x5DEECE66D  # odd multiplier: spreads consecutive ids across buckets
 
@@ -119,10 +120,18 @@ def masked_mean(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 class UserFeatures(nn.Module):
     """Per-family hidden states of a request: family name -> [B, k, h].
 
-    * sequence: attention over the engaged ads (content, surface, time since), context-queried;
+    * sequence: causal self-attention over the engaged ads (content, surface, position, time
+      since; `m31.model.sequence`), its state after the latest engagement plus a learned offset
+      per slot; or, with `sequence_encoder="pool"`, attention over them with one context-shifted
+      learned query per slot;
     * cohort: demographic and cohort embeddings with the context;
     * semantic: attention over sentence embeddings of the engaged ads' texts;
     * coengagement: organic-engagement topics and the engaged ads' co-engagement embeddings.
+
+    `states(r, catalog, every_position=True)` also gives the states after every history
+    position, [B, L, k, h], of the families that read no later engagement there: the causal
+    sequence encoder's, and the cohort family's (no history; the same at every position).
+    Semantic and co-engagement pool the whole history, so they have none.
     """
 
     def __init__(self, cfg, sizes: dict[str, int], item: ItemEncoder, text_dim: int, cooc_dim: int):
@@ -133,9 +142,11 @@ class UserFeatures(nn.Module):
         self.context = ContextEncoder(h, sizes)
         self.hist_surface = vocab_embedding(sizes, "surface", h)
         self.hist_time = nn.Embedding(N_TIME_BUCKETS, h)
+        self.sequence_time = cfg.sequence_time
+        self.causal = cfg.sequence_encoder == "transformer"
         pools, trunks, offsets = {}, {}, {}
         for name, k in self.slots.items():
-            if name in ("sequence", "semantic"):
+            if name == "semantic" or (name == "sequence" and not self.causal):
                 pools[name] = AttentionPool(h, k)
             else:
                 offsets[name] = nn.Parameter(torch.randn(k, h) * 0.1)
@@ -145,6 +156,10 @@ class UserFeatures(nn.Module):
         self.pools = nn.ModuleDict(pools)
         self.trunks = nn.ModuleDict(trunks)
         self.offsets = nn.ParameterDict(offsets)
+        if "sequence" in self.slots and self.causal:
+            self.encoder = CausalSequenceEncoder(
+                h, cfg.max_len, cfg.sequence_blocks, cfg.sequence_heads, cfg.dropout
+            )
         if "semantic" in self.slots:
             self.sem_text = nn.Linear(text_dim, h)
         if "cohort" in self.slots:
@@ -156,19 +171,35 @@ class UserFeatures(nn.Module):
             self.organic = vocab_embedding(sizes, "topic", h)
             self.cooc = nn.Linear(cooc_dim, h)
 
+    @property
+    def position_families(self) -> list[str]:
+        """The families with a state at every history position (see the class docstring)."""
+        return [n for n in self.slots if n == "cohort" or (n == "sequence" and self.causal)]
+
     def forward(self, r: RequestInputs, catalog: Catalog) -> dict[str, torch.Tensor]:
+        return self.states(r, catalog)[0]
+
+    def states(
+        self, r: RequestInputs, catalog: Catalog, every_position: bool = False
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
+        """(family -> [B, k, h] at the request; with `every_position`, family -> [B, L, k, h]
+        after each history position for the `position_families`, else None)."""
         ctx = self.context(r)  # [B, h]
         valid = r.hist_item >= 0  # [B, L]
         hist = catalog.take(r.hist_item)
-        out = {}
-        for name, k in self.slots.items():
+        out, at = {}, {} if every_position else None
+        for name in self.slots:
             if name == "sequence":
-                seq = (
-                    self.item(hist)
-                    + self.hist_surface(r.hist_surface)
-                    + self.hist_time(r.hist_time)
-                )
-                pooled = self.pools[name](seq, valid, ctx)  # [B, k, h]
+                seq = self.item(hist) + self.hist_surface(r.hist_surface)  # [B, L, h]
+                if self.sequence_time:
+                    seq = seq + self.hist_time(r.hist_time)
+                if self.causal:
+                    after = self.encoder(seq, valid)  # [B, L, h]
+                    if at is not None:
+                        at[name] = self._trunk(name, after[:, :, None] + self.offsets[name], ctx)
+                    pooled = after[:, -1, None] + self.offsets[name][None]  # [B, k, h]
+                else:
+                    pooled = self.pools[name](seq, valid, ctx)  # [B, k, h]
             elif name == "semantic":
                 seq = self.sem_text(hist.text_emb) + self.hist_time(r.hist_time)
                 pooled = self.pools[name](seq, valid, ctx)
@@ -185,9 +216,15 @@ class UserFeatures(nn.Module):
                 organic = masked_mean(self.organic(r.organic.clamp_min(0)), org_valid)
                 cooc = masked_mean(self.cooc(hist.cooc_emb), valid)
                 pooled = (organic + cooc)[:, None, :] + self.offsets[name][None]
-            both = torch.cat([pooled, ctx[:, None, :].expand(-1, k, -1)], dim=-1)  # [B, k, 2h]
-            out[name] = self.trunks[name](both)  # [B, k, h]
-        return out
+            out[name] = self._trunk(name, pooled, ctx)  # [B, k, h]
+            if at is not None and name == "cohort":
+                at[name] = out[name][:, None].expand(-1, valid.shape[1], -1, -1)  # [B, L, k, h]
+        return out, at
+
+    def _trunk(self, name: str, pooled: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
+        """The family's trunk over its slots' states [B, .., k, h] with the context [B, h]."""
+        c = ctx.view(ctx.shape[0], *([1] * (pooled.dim() - 2)), -1).expand_as(pooled)
+        return self.trunks[name](torch.cat([pooled, c], dim=-1))
 
 
 class AdTower(nn.Module):

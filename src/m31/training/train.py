@@ -13,8 +13,17 @@ it can also draw `ranking_hard` negatives per request from that model's top
 A ranking model with a base (`ModelConfig.ranking_base`) takes the base's weights from the
 trained retrieval model given, validates by re-ranking the base's top `ranking_hard_pool` ads,
 and its validation before the first epoch (the base's order) is the one to beat.
-Early stopping reads the validation split through `m31.eval`, which is why training lives
-outside `m31.model`.
+Early stopping reads the validation split through `m31.eval` (`cfg.val_metric` on
+`cfg.val_requests` requests; a protocol, `m31.eval.protocol`, sets them), which is why training
+lives outside `m31.model`.
+
+A target at every position (`ModelConfig.trains_every_position`, the causal sequence expert):
+a batch is a set of *anchor* examples, each user's last train example and every `max_len`-th
+before it, so that each train engagement is a target once per epoch. The request's query scores
+the anchor's ad, as above; the query after each history position i (`encode_positions`: the
+families that read nothing after i) scores engagement i + 1 against its own ad and the same
+shared candidates, with the same logQ correction. A position whose next engagement falls in the
+same second has no target: a request knows only what happened strictly before it.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ from m31.model.retrieval import (
     expert_usage,
     sampled_softmax_loss,
 )
+from m31.ops import score
 
 Log = Callable[[str], None]
 
@@ -66,9 +76,10 @@ def requests_for(
 def _validate(
     model, feats: Features, catalog: Catalog, cfg: ModelConfig, exclude_seen: bool
 ) -> dict:
-    """HR@10 and HR@50 on `cfg.val_requests` validation requests: over the whole corpus, or for
-    a ranking model with a base, over the base's top `cfg.ranking_hard_pool` ads it re-ranks
-    (where it is used; also a small fraction of the pairs of the whole corpus)."""
+    """HR@10, HR@50 and `cfg.val_metric` on `cfg.val_requests` validation requests (0: all),
+    the user's engaged ads excluded if `exclude_seen`: over the whole corpus, or for a ranking
+    model with a base, over the base's top `cfg.ranking_hard_pool` ads it re-ranks (where it is
+    used; also a small fraction of the pairs of the whole corpus)."""
     fn = ScoreFunction(model, feats, catalog)
     base = getattr(model, "base", None)
     if base is None:
@@ -80,8 +91,8 @@ def _validate(
         fns,
         feats,
         split="val",
-        ks=(10, 50),
-        max_users=cfg.val_requests,
+        ks=tuple(sorted({10, 50, cfg.val_k})),
+        max_users=cfg.val_requests or None,
         exclude_seen=exclude_seen,
         rerank=rerank,
     )
@@ -131,13 +142,17 @@ def train(
     progress: bool = True,
     retriever: ScoreFunction | None = None,
     base: RetrievalModel | None = None,
+    on_best: Callable[[torch.nn.Module, list[dict]], None] | None = None,
 ):
-    """Train a model on `feats` (train split; early stopping on the val split's HR@50).
+    """Train a model on `feats` (train split; early stopping on the val split's
+    `cfg.val_metric`).
 
     `retriever`: for a ranking model with `cfg.ranking_hard` > 0, the trained retrieval model
     whose top `cfg.ranking_hard_pool` ads per request the hard negatives come from.
     `base`: for a ranking model with `cfg.ranking_base`, the trained retrieval model (of that
     config) whose score it corrects.
+    `on_best(model, history)`: called after every epoch that improves on the best so far, with
+    the model in that state (e.g. to write a checkpoint a long run can be stopped at).
     Returns (model, history) where history holds per-epoch loss, validation metrics, time, and
     for the MoE the experts' usage; for a ranking model with a base it starts with epoch 0, the
     base alone (loss None).
@@ -169,7 +184,9 @@ def train(
     n, n_ads = len(train_split["user"]), feats.n_ads
     if n == 0:
         raise ValueError("the train split is empty")
-    exclude_seen = not repeat_engagement(feats.meta)
+    exclude_seen = (
+        not repeat_engagement(feats.meta) if cfg.val_exclude_seen is None else cfg.val_exclude_seen
+    )
     pop = np.bincount(train_split["item"], minlength=n_ads) / n  # in-batch sampling probability
     hard = None  # [n, pool] the hard negatives' pool of each example
     if (cfg.ranking_hard > 0) != (retriever is not None):
@@ -181,7 +198,9 @@ def train(
             f"hard negatives: {cfg.ranking_hard} per request from the retriever's top "
             f"{cfg.ranking_hard_pool} ({time.perf_counter() - start:.0f} s)"
         )
-    steps = math.ceil(n / cfg.batch_size)
+    examples = _anchors(train_split, cfg.max_len) if cfg.trains_every_position else np.arange(n)
+    steps = math.ceil(len(examples) / cfg.batch_size)
+    metric = cfg.val_metric
     history: list[dict] = []
     best, best_state, bad_epochs = -1.0, None, 0
     bar = Progress(
@@ -199,7 +218,7 @@ def train(
         val = _validate(model, feats, catalog, cfg, exclude_seen)
         history.append({"epoch": 0, "loss": None, **{f"val_{k}": v for k, v in val.items()}})
         log(f"epoch 0 (the base alone): val HR@10 {val['hr@10']:.4f}, HR@50 {val['hr@50']:.4f}")
-        best, best_state = val["hr@50"], copy.deepcopy(model.state_dict())
+        best, best_state = val[metric], copy.deepcopy(model.state_dict())
     with bar:
         for epoch in range(cfg.epochs):
             task = bar.add_task(
@@ -207,7 +226,7 @@ def train(
             )
             model.train()
             start, losses, gates = time.perf_counter(), [], []
-            perm = rng.permutation(n)
+            perm = rng.permutation(examples)
             for step in range(steps):
                 rows = perm[step * cfg.batch_size : (step + 1) * cfg.batch_size]
                 r = requests_for(feats, train_split, rows, cfg.max_len).to(device)
@@ -216,6 +235,13 @@ def train(
                     hard_ads = None if hard is None else _draw(hard[rows], cfg.ranking_hard, rng)
                     loss = _ranking_step(
                         model, r, catalog, pos, pop, n_ads, cfg, rng, device, hard_ads
+                    )
+                elif cfg.trains_every_position:
+                    _, _, hist_ts, _ = feats.history(
+                        train_split["user"][rows], train_split["ts"][rows], cfg.max_len
+                    )
+                    loss, gate = _position_step(
+                        model, r, catalog, pos, hist_ts, pop, n_ads, cfg, rng, device
                     )
                 else:
                     loss, gate = _retrieval_step(
@@ -242,11 +268,15 @@ def train(
             history.append(entry)
             log(
                 f"epoch {epoch + 1}: loss {entry['loss']:.4f}, val HR@10 {val['hr@10']:.4f}, "
-                f"HR@50 {val['hr@50']:.4f} ({entry['seconds']:.0f} s)"
+                f"HR@50 {val['hr@50']:.4f}"
+                + (f", {metric} {val[metric]:.4f}" if metric not in ("hr@10", "hr@50") else "")
+                + f" ({entry['seconds']:.0f} s)"
                 + (f", expert evenness {entry['experts']['evenness']:.3f}" if gates else "")
             )
-            if val["hr@50"] > best:
-                best, best_state, bad_epochs = val["hr@50"], copy.deepcopy(model.state_dict()), 0
+            if val[metric] > best:
+                best, best_state, bad_epochs = val[metric], copy.deepcopy(model.state_dict()), 0
+                if on_best is not None:
+                    on_best(model, history)
             else:
                 bad_epochs += 1
                 if bad_epochs >= cfg.patience:
@@ -265,6 +295,56 @@ def _retrieval_step(model, r, catalog, pos, pop, n_ads, cfg, rng, device):
     q = b * torch.from_numpy(pop).to(device)[cand] + cfg.uniform_negatives / n_ads
     scores, gate = model(r, catalog, catalog.take(cand))  # [B, C], [B, C, E]
     loss = sampled_softmax_loss(scores, q.log(), torch.arange(b, device=device), cand, pos)
+    if cfg.kind == "moe" and cfg.balance_weight > 0:
+        loss = loss + cfg.balance_weight * balance_loss(gate)
+    return loss, gate
+
+
+def _anchors(split: dict[str, np.ndarray], every: int) -> np.ndarray:
+    """Rows of the anchor examples of training with a target at every position: each user's
+    last train example (by time) and every `every`-th before it."""
+    order = np.lexsort((split["ts"], split["user"]))  # each user's examples in time order
+    user = split["user"][order]
+    starts = np.r_[0, np.flatnonzero(user[1:] != user[:-1]) + 1]  # each user's run
+    ends = np.r_[starts[1:], len(user)]
+    from_end = np.repeat(ends, ends - starts) - 1 - np.arange(len(user))  # 0: the user's last
+    return np.sort(order[from_end % every == 0])
+
+
+def _position_step(model, r, catalog, pos, hist_ts, pop, n_ads, cfg, rng, device):
+    """The loss with a target at every position: the request's query against the anchors'
+    ads (in-batch) and uniform negatives, as `_retrieval_step`; the query after each history
+    position against the next engagement and the same candidates (module docstring).
+    hist_ts [B, L] the history's times."""
+    b = len(pos)
+    neg = torch.from_numpy(rng.integers(0, n_ads, cfg.uniform_negatives)).to(device)
+    cand = torch.cat([pos, neg])  # [C]
+    pop_t = torch.from_numpy(pop).to(device)
+    log_q = (b * pop_t[cand] + cfg.uniform_negatives / n_ads).log()  # [C]
+    (qf, vf, pf), (q, v, p) = model.encode_positions(r, catalog)
+    g, x, bias = model.encode_ads(catalog.take(cand))  # [C, G], [C, D], [C]
+    scores, gate = score(qf, vf, pf, g, x, bias, return_gate=True)  # [B, C], [B, C, E]
+    final = sampled_softmax_loss(scores, log_q, torch.arange(b, device=device), cand, pos)
+    items = r.hist_item  # [B, L]
+    ts = torch.from_numpy(hist_ts).to(device)
+    nxt = items[:, 1:]  # [B, L-1] the target of each position but the last
+    has = (items[:, :-1] >= 0) & (nxt >= 0) & (ts[:, 1:] > ts[:, :-1])  # [B, L-1]
+    target = nxt[has]  # [P]
+    loss = final
+    if len(target):
+        qp, vp, pp = q[:, :-1][has], v[:, :-1][has], p[:, :-1][has]  # [P, E', G] ...
+        gt, xt, bt = model.encode_ads(catalog.take(target))  # [P, G], [P, D], [P]
+        own = score(qp, vp, pp, gt[:, None], xt[:, None], bt[:, None])  # [P, 1]
+        shared = score(qp, vp, pp, g, x, bias)  # [P, C]
+        own_q = (b * pop_t[target] + cfg.uniform_negatives / n_ads).log()  # [P]
+        at = sampled_softmax_loss(
+            torch.cat([own, shared], dim=1),
+            torch.cat([own_q[:, None], log_q.expand(len(target), -1)], dim=1),
+            torch.zeros(len(target), dtype=torch.long, device=device),
+            torch.cat([target[:, None], cand.expand(len(target), -1)], dim=1),
+            target,
+        )
+        loss = (final * b + at * len(target)) / (b + len(target))
     if cfg.kind == "moe" and cfg.balance_weight > 0:
         loss = loss + cfg.balance_weight * balance_loss(gate)
     return loss, gate

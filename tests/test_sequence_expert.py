@@ -1,0 +1,152 @@
+"""The sequence expert's causal self-attention (`m31.model.sequence`): no position sees a later
+engagement, padding is no input, an empty history is defined; the query after every history
+position and its training (a target at every position); the attention pool kept as an option."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from m31.features import FeatureConfig, build_features
+from m31.model import model_preset
+from m31.model.checkpoint import build_model, load_checkpoint, save_checkpoint, vocab_sizes
+from m31.model.config import ModelConfig
+from m31.model.inputs import Catalog
+from m31.model.sequence import CausalSequenceEncoder, causal_mask
+from m31.training import train
+from m31.training.train import _anchors, requests_for
+from m31.world.config import preset
+from m31.world.generate import generate
+
+
+@pytest.fixture(scope="module")
+def feats():
+    ds, _ = generate(preset("tiny").with_overrides(n_impressions=20_000), seed=3)
+    return build_features(ds, FeatureConfig(max_len=8, text_embeddings=False))
+
+
+def make(feats, **overrides):
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(model_preset("tiny", "moe"), **overrides)
+    model = build_model(cfg, vocab_sizes(feats), feats.text_emb.shape[1], feats.cooc_emb.shape[1])
+    return model.eval()
+
+
+def encoder(length=7, h=12):
+    torch.manual_seed(1)
+    return CausalSequenceEncoder(h, length, blocks=3, heads=3, dropout=0.3).eval()
+
+
+@pytest.mark.parametrize("i", [0, 3, 5])
+def test_no_position_sees_a_later_item(i):
+    enc = encoder()
+    seq = torch.randn(5, 7, 12)
+    valid = torch.ones(5, 7, dtype=torch.bool)
+    valid[1, :2] = False  # a shorter history, right-aligned
+    changed = seq.clone()
+    changed[:, i + 1 :] = torch.randn_like(changed[:, i + 1 :])
+    a, b = enc(seq, valid), enc(changed, valid)
+    assert torch.equal(a[:, : i + 1], b[:, : i + 1])
+    assert not torch.allclose(a[:, i + 1 :], b[:, i + 1 :])
+
+
+def test_the_mask_reads_earlier_valid_positions_and_padding_only_itself():
+    valid = torch.tensor([[False, True, True]])
+    m = causal_mask(valid)[0, 0].int().tolist()
+    assert m == [[1, 0, 0], [0, 1, 0], [0, 1, 1]]
+
+
+def test_padding_is_no_input_and_an_empty_history_is_defined():
+    enc = encoder()
+    seq, valid = torch.randn(3, 7, 12), torch.ones(3, 7, dtype=torch.bool)
+    valid[0, :4] = False
+    valid[2] = False
+    noise = seq.clone()
+    noise[0, :4] = torch.randn(4, 12)
+    noise[2] = torch.randn(7, 12)
+    a, b = enc(seq, valid), enc(noise, valid)
+    assert torch.equal(a[0, 4:], b[0, 4:]) and torch.equal(a[2, -1], b[2, -1])
+    assert torch.isfinite(a).all()
+
+
+def test_dropout_trains_and_eval_is_deterministic():
+    enc = encoder()
+    seq, valid = torch.randn(2, 7, 12), torch.ones(2, 7, dtype=torch.bool)
+    assert torch.equal(enc(seq, valid), enc(seq, valid))
+    enc.train()
+    assert not torch.equal(enc(seq, valid), enc(seq, valid))
+
+
+def test_the_models_query_after_each_position_is_causal(feats):
+    model = make(feats)
+    catalog = Catalog.from_features(feats)
+    test = feats.splits["test"]
+    r = requests_for(feats, test, np.arange(20), 8)
+    row, i = 3, 4
+    r.hist_item[row] = torch.arange(8) * 5  # a full history
+    changed = dataclasses.replace(r, hist_item=r.hist_item.clone())
+    changed.hist_item[row, i + 1 :] = (changed.hist_item[row, i + 1 :] + 7) % len(catalog)
+    with torch.no_grad():
+        (qf, vf, pf), (q, v, _) = model.encode_positions(r, catalog)
+        (_, vf2, _), (q2, v2, _) = model.encode_positions(changed, catalog)
+        alone = model.encode_requests(r, catalog)
+    assert v.shape[:3] == (20, 8, 2) and q.shape[-1] == 16  # the sequence and cohort slots
+    assert torch.equal(v[row, : i + 1], v2[row, : i + 1])
+    assert torch.equal(q[row, : i + 1], q2[row, : i + 1])
+    assert not torch.allclose(v[row, i + 1 :], v2[row, i + 1 :])
+    assert not torch.allclose(vf[row], vf2[row])  # the request sees every engagement
+    for a, b in zip((qf, vf, pf), alone, strict=True):
+        assert torch.equal(a, b)
+    # the sequence expert's slot at the last position is the request's sequence slot
+    assert torch.allclose(v[:, -1, 0], vf[:, 0], atol=1e-6)
+
+
+def test_anchors_make_each_train_engagement_one_target():
+    split = {"user": np.array([0, 0, 0, 0, 0, 1, 1, 2]), "ts": np.array([5, 1, 2, 3, 4, 9, 8, 1])}
+    # user 0 in time order: rows 1 2 3 4 0; every 2nd from the last: rows 0, 3, 1
+    assert _anchors(split, 2).tolist() == [0, 1, 3, 5, 7]
+    assert _anchors(split, 8).tolist() == [0, 5, 7]
+
+
+def test_every_position_training_and_the_pool_ablation(feats, tmp_path):
+    for encoder_name in ("transformer", "pool"):
+        cfg = dataclasses.replace(
+            model_preset("tiny", "moe"), sequence_encoder=encoder_name, epochs=2, patience=2
+        )
+        assert cfg.trains_every_position == (encoder_name == "transformer")
+        model, history = train(cfg, feats, "cpu", log=lambda _: None, progress=False)
+        assert all(np.isfinite(h["loss"]) for h in history)
+        path = save_checkpoint(tmp_path / f"{encoder_name}.pt", model, feats, history)
+        again, blob = load_checkpoint(path, feats)
+        assert blob["config"]["sequence_encoder"] == encoder_name
+        assert hasattr(again.user, "encoder") == (encoder_name == "transformer")
+
+
+def test_a_config_from_before_the_transformer_is_the_pool():
+    d = ModelConfig().to_dict()
+    del d["sequence_encoder"]
+    assert ModelConfig.from_dict(d).sequence_encoder == "pool"
+    assert ModelConfig().sequence_encoder == "transformer"
+    with pytest.raises(ValueError, match="sequence_encoder"):
+        ModelConfig(sequence_encoder="rnn")
+    with pytest.raises(ValueError, match="sequence_heads"):
+        ModelConfig(hidden=64, sequence_heads=3)
+
+
+def test_a_two_tower_over_the_sequence_alone_has_a_query_at_every_position(feats):
+    model = make(
+        feats,
+        kind="two-tower",
+        experts={"sequence": 1, "cohort": 0, "semantic": 0, "coengagement": 0},
+    )
+    r = requests_for(feats, feats.splits["test"], np.arange(4), 8)
+    with torch.no_grad():
+        _, (_, v, _) = model.encode_positions(r, Catalog.from_features(feats))
+    assert v.shape == (4, 8, 1, 16)
+    assert model.cfg.trains_every_position
+    assert not model_preset("tiny", "two-tower").trains_every_position  # it trains at the request
+    with pytest.raises(ValueError, match="pool the whole history"):
+        make(feats, kind="two-tower").encode_positions(r, Catalog.from_features(feats))
