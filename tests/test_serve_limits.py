@@ -18,7 +18,7 @@ import threading
 import httpx
 import pyarrow.parquet as pq
 import pytest
-from serve_helpers import ThreadServer, World, build_world, fresh_state
+from serve_helpers import ThreadServer, World, fresh_state
 
 from m31.index.filters import MAX_NODES
 from m31.serve.app import ServeConfig, create_app
@@ -29,8 +29,8 @@ LONG = 60_000  # ms: the longest deadline, where a test is about something else
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory) -> World:
-    return build_world(tmp_path_factory.mktemp("limits"))
+def world(served_world) -> World:
+    return served_world
 
 
 @pytest.fixture(scope="module")
@@ -151,8 +151,11 @@ def test_small_calls_run_between_the_slices_of_a_large_call(world, server):
     assert all(r.status_code == 200 for r in during), [r.text for r in during]
     # Each small call shared a device call with at most a slice of the large one; before, it
     # waited for a full batch of the large call and then ran with the next 63 of its requests.
+    # (A slice is at least twice one request's time: on a machine slow enough for that to be
+    # a full batch, a slice is a full batch.)
     sizes = [r.json()["batch_requests"] for r in during]
-    assert max(sizes) < 64, sizes
+    slice_size = server.server.config.app.state.batcher.slice_size()
+    assert max(sizes) < 64 or slice_size >= 63, (sizes, slice_size)
 
 
 def test_a_large_call_is_admitted_after_steady_small_traffic(world, server):
