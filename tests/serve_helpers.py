@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -67,10 +68,10 @@ def build_world(
 
 def fresh_state(world: World, name: str) -> Path:
     """A new serving folder (snapshot + empty log + online features) made from the world's
-    snapshot."""
+    snapshot, named after `name` (and unique: test modules share one world)."""
     from m31.engine.load import serving_folder
 
-    return serving_folder(world.snapshot, world.root / name)
+    return serving_folder(world.snapshot, Path(tempfile.mkdtemp(prefix=f"{name}-", dir=world.root)))
 
 
 def free_socket() -> socket.socket:

@@ -21,7 +21,6 @@ from serve_helpers import (
     ProcessServer,
     ThreadServer,
     World,
-    build_world,
     fresh_state,
     new_ad,
 )
@@ -33,8 +32,8 @@ from m31.serve.loadtest import _metric
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory) -> World:
-    return build_world(tmp_path_factory.mktemp("served"))
+def world(served_world) -> World:
+    return served_world
 
 
 def config(world: World, state, **over) -> ServeConfig:

@@ -19,7 +19,7 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 from schemathesis.config import SchemathesisConfig
 from schemathesis.core.failures import FailureGroup
-from serve_helpers import ADMIN, ThreadServer, build_world, fresh_state
+from serve_helpers import ADMIN, ThreadServer, fresh_state
 
 from m31.serve.app import ServeConfig, create_app
 
@@ -27,8 +27,8 @@ CHECKS = Path(__file__).resolve().parents[1] / "scripts" / "schemathesis.toml"
 
 
 @pytest.fixture(scope="module")
-def fuzzed_server(tmp_path_factory):
-    world = build_world(tmp_path_factory.mktemp("fuzz"))
+def fuzzed_server(served_world):
+    world = served_world
     config = ServeConfig(
         index=fresh_state(world, "fuzz"),
         model=world.model,

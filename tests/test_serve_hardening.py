@@ -19,7 +19,6 @@ from serve_helpers import (
     ProcessServer,
     ThreadServer,
     World,
-    build_world,
     fresh_state,
     new_ad,
 )
@@ -31,8 +30,8 @@ OK = {"user_id": 1, "surface": "feed", "platform": "ios", "k": 3}  # user 1 is s
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory) -> World:
-    return build_world(tmp_path_factory.mktemp("hardening"))
+def world(served_world) -> World:
+    return served_world
 
 
 @pytest.fixture(scope="module")

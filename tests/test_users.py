@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from serve_helpers import ADMIN, ProcessServer, ThreadServer, World, build_world, fresh_state
+from serve_helpers import ADMIN, ProcessServer, ThreadServer, World, fresh_state
 
 from m31.client import Client, ServiceError
 from m31.engine import AdRequest, InlineUser
@@ -123,8 +123,8 @@ def test_bytes_per_user_at_L_50():
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory) -> World:
-    return build_world(tmp_path_factory.mktemp("users"))
+def world(served_world) -> World:
+    return served_world
 
 
 def opened(world: World, state):
