@@ -125,10 +125,6 @@ class Coordinator:
                 self._why.pop(s, None)
                 self._state.notify_all()
 
-    def live_ads(self) -> int:
-        with self._state:
-            return sum(self.ads)
-
     def read_point(self, wait_s: float = 0.0) -> tuple[int, list[int], list[int]]:
         """(version, touched, recovering): `recovering` names the shards not resolved yet since
         this coordinator started; waits up to `wait_s` for them."""
