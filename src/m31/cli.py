@@ -1042,15 +1042,14 @@ def index_build(
     overwrite: Annotated[bool, typer.Option(help="Replace an existing folder.")] = False,
 ) -> None:
     """Run the model's ad tower over the dataset's catalogue and snapshot the ad index."""
-    import torch
 
+    from m31.api import DTYPES
     from m31.engine.build import build_index
 
-    dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.int8}
-    if dtype not in dtypes:
-        raise ValueError(f"--dtype: {dtype!r} is not one of {', '.join(dtypes)}")
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
     start = time.perf_counter()
-    index = build_index(data, model, out, device=device, dtype=dtypes[dtype], overwrite=overwrite)
+    index = build_index(data, model, out, device=device, dtype=DTYPES[dtype], overwrite=overwrite)
     typer.echo(
         f"wrote {out} in {time.perf_counter() - start:.1f} s: {len(index):,} ads, {dtype}, "
         f"G = {index.dim_g}, D = {index.dim_x}, model {index.model_hash}"
