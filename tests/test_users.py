@@ -169,9 +169,10 @@ def _stream_events(state: str, model: str, cycle: int, conn) -> None:
 
 
 def batch(cycle: int, n: int) -> tuple[list[int], list[int], list[int]]:
-    """(users, ad ids, times) of batch n of a kill cycle: ten users, one ad id and time per
-    batch, later in each cycle than in the one before."""
-    users = [10_000 + (n * 7 + j) % 50 for j in range(10)]
+    """(users, ad ids, times) of batch n of a kill cycle: ten users of their own (so that no
+    event of theirs rolls off the store's last L, whatever the number of batches), one ad id
+    and time per batch."""
+    users = [10_000 + cycle * 1_000_000 + n * 10 + j for j in range(10)]
     return users, [cycle * 10_000 + n] * 10, [cycle * 10_000 + n] * 10
 
 
