@@ -1,0 +1,115 @@
+"""What engagement events cost retrieval inside one server process, without HTTP (docs/SERVING.md,
+"Live users"): retrieves (B = 1, K = 100, stored users, one thread) timed in rounds that
+alternate with and without a writer thread adding batches of events through the serving
+folder's DurableIndex (logged, fsync'd, applied to the user store) at a given rate.
+
+    python scripts/serve_limits.py build data/events --ads 50000      # a served world, once
+    python scripts/events_engine.py data/events --rate 2000,10000,20000
+
+The HTTP figures (`m31 loadtest --event-clients`) add the HTTP stack and, on one machine, the
+load generator's own CPU; these isolate the engine: the store, the log and the version churn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from m31.engine import AdRequest
+from m31.engine.load import load_engine, serving_folder
+
+
+def measure(engine, rate: float, rounds: int, per_round: int, batch: int, seed: int) -> dict:
+    retriever = engine.retriever
+    users, ads = retriever.feats.users["user_id"], retriever.feats.ads["ad_id"]
+    surfaces = retriever.vocab["surface"] or (None,)
+    platforms = retriever.vocab["platform"] or (None,)
+    rng = np.random.default_rng(seed)
+    writing, stop = threading.Event(), threading.Event()
+    written = [0, 0.0]  # events, seconds writing
+
+    def writer() -> None:
+        wrng = np.random.default_rng(seed + 1)
+        period = batch / rate
+        while not stop.is_set():
+            if not writing.is_set():
+                time.sleep(0.005)
+                continue
+            t = time.perf_counter()
+            engine.store.add_events(
+                wrng.choice(users, batch).tolist(), wrng.choice(ads, batch).tolist(),
+                [int(time.time())] * batch, [surfaces[0]] * batch,
+            )  # fmt: skip
+            spent = time.perf_counter() - t
+            written[0] += batch
+            written[1] += spent
+            time.sleep(max(0.0, period - spent))
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    times: dict[bool, list[float]] = {False: [], True: []}
+    try:
+        for r in range(rounds):
+            with_events = r % 2 == 1
+            (writing.set if with_events else writing.clear)()
+            for _ in range(per_round):
+                request = AdRequest(
+                    int(rng.choice(users)),
+                    surface=surfaces[int(rng.integers(len(surfaces)))],
+                    platform=platforms[int(rng.integers(len(platforms)))],
+                )
+                t = time.perf_counter()
+                retriever.retrieve([request], k=100)
+                times[with_events].append(time.perf_counter() - t)
+    finally:
+        stop.set()
+        thread.join()
+    alone, beside = (np.array(times[w]) * 1000 for w in (False, True))
+    return {
+        "rate": rate,
+        "events_per_s": written[0] / max(sum(times[True]), 1e-9),  # over the rounds with them
+        "write_ms_per_call": 1000 * written[1] / max(written[0] / batch, 1),
+        "alone": (np.percentile(alone, 50), np.percentile(alone, 99)),
+        "beside": (np.percentile(beside, 50), np.percentile(beside, 99)),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("world", type=Path, help="a folder `scripts/serve_limits.py build` made")
+    ap.add_argument("--rate", default="2000,10000,20000", help="events per second, a list")
+    ap.add_argument("--batch", type=int, default=100, help="events per call")
+    ap.add_argument("--rounds", type=int, default=16, help="alternating rounds per rate")
+    ap.add_argument("--per-round", type=int, default=30, help="retrieves per round")
+    args = ap.parse_args()
+    rates = [float(r) for r in args.rate.split(",")]
+    if any(r <= 0 for r in rates) or args.batch < 1 or args.rounds < 2 or args.per_round < 1:
+        ap.error("rates must be positive, --batch and --per-round at least 1, --rounds 2")
+    tmp = Path(tempfile.mkdtemp())
+    try:
+        state = serving_folder(args.world / "index", tmp / "serving")
+        engine = load_engine(state, args.world / "runs" / "moe.pt")
+        try:
+            print("| events / s asked | written / s | ms per call of the writer | "
+                  "retrieve p50 / p99 alone | beside the events | ratio p50 / p99 |")  # fmt: skip
+            print("|---:|---:|---:|---:|---:|---:|")
+            for rate in rates:
+                m = measure(engine, rate, args.rounds, args.per_round, args.batch, seed=0)
+                (a50, a99), (b50, b99) = m["alone"], m["beside"]
+                print(f"| {rate:,.0f} | {m['events_per_s']:,.0f} | {m['write_ms_per_call']:.2f} "
+                      f"| {a50:.1f} / {a99:.1f} | {b50:.1f} / {b99:.1f} "
+                      f"| {b50 / a50:.2f}x / {b99 / a99:.2f}x |")  # fmt: skip
+        finally:
+            engine.close()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
