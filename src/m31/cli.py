@@ -1324,6 +1324,10 @@ def loadtest_cmd(
         raise ValueError(
             "--event-clients and --event-rate must be at least 0, --event-batch at least 1"
         )
+    if any(c < 0 for c in levels) or (0 in levels and not event_clients):
+        raise ValueError(
+            "--concurrency: client counts are at least 1 (0 only with --event-clients)"
+        )
     if event_clients and not admin_token:
         raise ValueError("--event-clients: events need the admin token ($M31_ADMIN_TOKEN)")
     user_ids, ad_ids, vocab = loadtest.inputs(data)
