@@ -143,6 +143,21 @@ def merge(parts: Sequence[Retrieved], k: int) -> Retrieved:
     return Retrieved(ad_ids=ids[order], scores=scores[order])
 
 
+def fold(
+    q: torch.Tensor, v: torch.Tensor, p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The query of a model without gate keys (G = 0) as one expert: every ad then gets the
+    same expert weights softmax(p), so its score Σ_e w_e <v_e, x> + b is <Σ_e w_e v_e, x> + b,
+    one dot product (2D + 1 FLOPs per pair instead of E of them plus a softmax). The folded
+    value is computed in fp64 and rounded once, so scores agree with the unfolded query's up to
+    fp32 rounding (answers up to near-ties). Other queries are returned as they are."""
+    if q.shape[-1] != 0 or q.shape[1] == 1:
+        return q, v, p
+    w = torch.softmax(p.double(), dim=1)  # [B, E]
+    folded = (w[:, :, None] * v.double()).sum(1, keepdim=True).to(v.dtype)  # [B, 1, D]
+    return q[:, :1], folded, torch.zeros_like(p[:, :1])
+
+
 def seed_users(feats: Features, length: int) -> UserStore:
     """The user store `feats` seed: every user of the features, their attributes and last
     `length` engagements (rows in the features' order, so a seeded user's row is its feature
@@ -198,6 +213,8 @@ class Retriever:
             length = model.cfg.max_len if feats.is_online else max(longest, model.cfg.max_len)
             users = seed_users(feats, length)
         self.users = users
+        # Whether a model without gate keys is scored as one query vector (`fold`).
+        self.fold = True
         # Whether caps per campaign or advertiser can be answered: they read the ads' groups
         # from `index`, which a cluster's ingress does not hold (`m31.cluster.service`).
         self.group_caps = True
@@ -456,7 +473,8 @@ class Retriever:
                 )
             )
         inputs = concat_requests(parts, np.argsort(np.array(stored + inline), kind="stable"))
-        return self.model.encode_requests(inputs.to(self.device), self.catalog)  # [B, E, *]
+        q, v, p = self.model.encode_requests(inputs.to(self.device), self.catalog)  # [B, E, *]
+        return fold(q, v, p) if self.fold else (q, v, p)
 
     def _prepared(
         self, requests: Sequence[AdRequest] | Sequence[PreparedRequest], k: int | None
