@@ -30,7 +30,9 @@ def feats():
 
 def make(feats, **overrides):
     torch.manual_seed(0)
-    cfg = dataclasses.replace(model_preset("tiny", "moe"), **overrides)
+    cfg = dataclasses.replace(
+        model_preset("tiny", "moe"), **{"sequence_encoder": "transformer", **overrides}
+    )
     model = build_model(cfg, vocab_sizes(feats), feats.text_emb.shape[1], feats.cooc_emb.shape[1])
     return model.eval()
 
@@ -129,7 +131,8 @@ def test_a_config_from_before_the_transformer_is_the_pool():
     d = ModelConfig().to_dict()
     del d["sequence_encoder"]
     assert ModelConfig.from_dict(d).sequence_encoder == "pool"
-    assert ModelConfig().sequence_encoder == "transformer"
+    assert ModelConfig().sequence_encoder == "pool"  # the tiny and demo presets' default
+    assert model_preset("sasrec", "moe").sequence_encoder == "transformer"
     with pytest.raises(ValueError, match="sequence_encoder"):
         ModelConfig(sequence_encoder="rnn")
     with pytest.raises(ValueError, match="sequence_heads"):

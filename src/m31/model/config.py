@@ -25,7 +25,10 @@ class ModelConfig:
     value_dim: int = 64  # D
     hidden: int = 64  # width of embeddings and tower trunks
     max_len: int = 20  # engagement-sequence length
-    sequence_encoder: str = "transformer"  # one of SEQUENCE_ENCODERS
+    # one of SEQUENCE_ENCODERS: the attention pool by default (the tiny and demo presets: on
+    # the demo world's 3 epochs the transformer trails it, docs/QUALITY.md), the causal
+    # transformer where sequences carry the signal (the sasrec preset)
+    sequence_encoder: str = "pool"
     sequence_blocks: int = 2  # causal self-attention blocks of the transformer
     sequence_heads: int = 2
     sequence_time: bool = True  # embed each engagement's time-since-request bucket
@@ -184,6 +187,7 @@ PRESETS: dict[str, ModelConfig] = {
     # (`"clock": "order"`), so no time input. Epochs up to 200, stopping after 10 without gain.
     "sasrec": ModelConfig(
         experts={"sequence": 1, "cohort": 0, "semantic": 0, "coengagement": 0},
+        sequence_encoder="transformer",
         gate_dim=0,
         max_len=50,
         sequence_heads=2,
