@@ -10,17 +10,10 @@ from hypothesis import strategies as st
 from test_score_topk import make_mask
 
 from m31.ops import NO_ROW, rounded_score, score
-from m31.ops import cpu_score_topk as cpu
-from m31.ops.cpu_score_topk import (
-    _affinity_offset,
-    _gate_bounds,
-    _plan,
-    _product_dtype,
-    _row_norms,
-    _table_stats,
-    _Threshold,
-    cpu_score_topk,
-)
+from m31.ops.cpu import bounds, cpu_score_topk
+from m31.ops.cpu.bounds import _product_dtype, affinity_offset, gate_bounds, plan_float
+from m31.ops.cpu.stats import _row_norms, table_stats
+from m31.ops.cpu.worker import Threshold
 from m31.ops.torch_score_topk import torch_score_topk
 
 
@@ -130,13 +123,13 @@ def native_bf16(request, monkeypatch):
     """Both product choices for bf16 tables, whatever this CPU has (`_product_dtype`): bf16
     products, or fp32 ones where bf16 arithmetic is emulated (for B·E ≥ 32, or any B·E
     without AVX-512)."""
-    monkeypatch.setattr(cpu, "_native_bf16", lambda: request.param)
+    monkeypatch.setattr(bounds, "_native_bf16", lambda: request.param)
     return request.param
 
 
 @pytest.mark.parametrize("avx512", [True, False])
 def test_the_product_dtype(native_bf16, avx512, monkeypatch):
-    monkeypatch.setattr(cpu, "_avx512", lambda: avx512)
+    monkeypatch.setattr(bounds, "_avx512", lambda: avx512)
     bf16, fp16 = torch.zeros(1, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.float16)
     assert _product_dtype(fp16, 1) == torch.float32
     few = torch.bfloat16 if native_bf16 or avx512 else torch.float32  # AVX2: bf16 is slow
@@ -153,13 +146,13 @@ def test_the_gate_error_bound_holds(dtype, scale, useful, native_bf16):
     query, table = random_problem(4, 3000, 8, 32, 48, seed=7, dtype=dtype, scale=scale)
     q, v, p = query
     g, x, b = table
-    plan = _plan(q, v, p, g, x, 10)
+    plan = plan_float(q, v, p, g, x, 10)
     n_req, n_exp, n_ads = 4, 8, 3000
     logits = (plan.qh @ g.to(plan.qh.dtype).T).view(n_req, n_exp, n_ads)  # product dtype
     aff = (plan.vh @ x.to(plan.vh.dtype).T).view(n_req, n_exp, n_ads)
     req = torch.arange(n_req).repeat_interleave(n_ads)  # every pair
     ad = torch.arange(n_ads).repeat(n_req)
-    approx, eps = _gate_bounds(
+    approx, eps = gate_bounds(
         plan,
         req,
         logits.permute(1, 0, 2).reshape(n_exp, -1),
@@ -185,11 +178,11 @@ def test_the_affinity_filter_keeps_every_ad_that_reaches_the_threshold(n_exp, gd
     v = v.to(torch.bfloat16).float()
     query = (q, v, p)
     g, x, b = table
-    plan = _plan(q, v, p, g, x, 1)
+    plan = plan_float(q, v, p, g, x, 1)
     best = (plan.vh @ x.to(plan.vh.dtype).T).view(64, n_exp, -1).amax(1)  # [B, N] M̂
-    offset = _affinity_offset(plan, _row_norms(x), _table_stats(g, x, b).scan_bias)
+    offset = affinity_offset(plan, _row_norms(x), table_stats(g, x, b).scan_bias)
     top_s, top_ad = score(*query, *table).max(dim=1)  # [B]
-    tau = _Threshold(64, 1, plan.u_scan)
+    tau = Threshold(64, 1, plan.u_scan)
     tau.offer(torch.arange(64), top_s)
     keep = best + offset >= tau.for_scan[:, None]  # [B, N]
     assert keep[torch.arange(64), top_ad].all()
@@ -212,18 +205,18 @@ def test_the_table_constants_follow_in_place_changes():
     mask = make_mask("shared", 3, 2000, seed=6)
     mask[:6] = True
     assert_same(cpu_score_topk(*query, *table, mask, 20), full_sort(query, table, mask, 20))
-    before = _table_stats(g, x, b)
-    assert _table_stats(g, x, b) is before  # cached
+    before = table_stats(g, x, b)
+    assert table_stats(g, x, b) is before  # cached
     # through a view: ads 0, 2, 4 become every request's best, which stale biases would filter out
     b[::2][:3] = 50.0
     x[1::3].mul_(4)
-    assert _table_stats(g, x, b) is not before
+    assert table_stats(g, x, b) is not before
     got = cpu_score_topk(*query, *table, mask, 20)
     assert_same(got, full_sort(query, table, mask, 20))
     assert (got[1][:, :3].sort(dim=1).values == torch.tensor([0, 2, 4])).all()
     with torch.inference_mode():  # no version counter: never cached
         frozen = tuple(t.clone() for t in table)
-    assert _table_stats(*frozen) is not _table_stats(*frozen)
+    assert table_stats(*frozen) is not table_stats(*frozen)
     assert_same(cpu_score_topk(*query, *frozen, mask, 20), full_sort(query, frozen, mask, 20))
 
 

@@ -22,18 +22,11 @@ from m31.ops import (
     score,
     score_topk,
 )
-from m31.ops import cpu_score_topk as cpu
-from m31.ops.cpu_score_topk import (
-    _affinity_offset,
-    _gate_bounds,
-    _int_products,
-    _plan_int8,
-    _split_query,
-    _table_stats,
-    _Threshold,
-    cpu_score_topk_int8,
-    int8_products_exact,
-)
+from m31.ops.cpu import cpu_score_topk_int8, int8
+from m31.ops.cpu.bounds import affinity_offset, gate_bounds
+from m31.ops.cpu.int8 import _split_query, int8_products_exact, int_products, plan_int8
+from m31.ops.cpu.stats import table_stats
+from m31.ops.cpu.worker import Threshold
 from m31.ops.torch_score_topk import torch_score_topk
 
 # Where the CPU's int8 products are not exact the kernel scores the dequantized table instead
@@ -141,11 +134,11 @@ def test_int_products_are_exact(cols):
         -127, 128, (2 if cols <= 516 else 1, 3, cols), dtype=torch.int8, generator=gen
     )
     ads = torch.randint(-127, 128, (37, cols), dtype=torch.int8, generator=gen)
-    got = _int_products(query.reshape(-1, cols), ads, 3, None)
+    got = int_products(query.reshape(-1, cols), ads, 3, None)
     w = query[0].long() * 255 + query[1].long() if len(query) == 2 else query[0].long()
     assert torch.equal(got.long(), w @ ads.long().T)
     buf = torch.empty(len(query) * 3 * 40, dtype=torch.int32)
-    assert torch.equal(_int_products(query.reshape(-1, cols), ads, 3, buf), got)
+    assert torch.equal(int_products(query.reshape(-1, cols), ads, 3, buf), got)
 
 
 @needs_exact_int8
@@ -156,7 +149,7 @@ def test_two_part_products_at_the_int32_limit():
     query[:, 1] = -127
     ads = torch.full((3, cols), -128, dtype=torch.int8)
     ads[1] = 127
-    got = _int_products(query.reshape(-1, cols), ads, 2, None).long()
+    got = int_products(query.reshape(-1, cols), ads, 2, None).long()
     want = (query[0].long() * 255 + query[1].long()) @ ads.long().T
     assert torch.equal(got, want) and want.abs().max() > 2**31 - 2**24  # near the limit
 
@@ -169,17 +162,15 @@ def test_the_gate_error_bound_holds(scale):
     n_req, n_ads, n_exp, gdim = 4, 3000, 8, 32
     query, quantized, dequantized = int8_problem(n_req, n_ads, n_exp, gdim, 48, seed=7, scale=scale)
     q, v, p = query
-    plan = _plan_int8(q, v, p, 10)
-    aff = _int_products(plan.vh, quantized.x, n_req * n_exp, None).float()  # [B·E, N]
+    plan = plan_int8(q, v, p, 10)
+    aff = int_products(plan.vh, quantized.x, n_req * n_exp, None).float()  # [B·E, N]
     aff = aff.view(n_req, n_exp, n_ads) * plan.v_scale[:, None, None] * quantized.x_scale
-    logits = torch.stack(
-        [_int_products(plan.qh[r], quantized.g, n_exp, None) for r in range(n_req)]
-    )
+    logits = torch.stack([int_products(plan.qh[r], quantized.g, n_exp, None) for r in range(n_req)])
     logits = logits.float() * plan.q_scale[:, None, None] * quantized.g_scale  # [B, E, N]
     req = torch.arange(n_req).repeat_interleave(n_ads)  # every pair
     ad = torch.arange(n_ads).repeat(n_req)
     g, x, b = dequantized
-    approx, eps = _gate_bounds(
+    approx, eps = gate_bounds(
         plan,
         req,
         logits.permute(1, 0, 2).reshape(n_exp, -1),
@@ -205,13 +196,13 @@ def test_the_affinity_filter_keeps_every_ad_that_reaches_the_threshold(n_exp, gd
         n_req, n_ads, n_exp, gdim, 24, seed=n_exp, scale=3.0
     )
     q, v, p = query
-    plan = _plan_int8(q, v, p, 1)
-    stats = _table_stats(*quantized[:2], quantized.b, quantized.g_scale, quantized.x_scale)
-    ints = _int_products(plan.vh, quantized.x, n_req * n_exp, None)
+    plan = plan_int8(q, v, p, 1)
+    stats = table_stats(*quantized[:2], quantized.b, quantized.g_scale, quantized.x_scale)
+    ints = int_products(plan.vh, quantized.x, n_req * n_exp, None)
     best = ints.view(n_req, n_exp, -1).amax(1).float() * plan.v_scale[:, None] * quantized.x_scale
-    offset = _affinity_offset(plan, stats.x_norm, stats.scan_bias)
+    offset = affinity_offset(plan, stats.x_norm, stats.scan_bias)
     top_s, top_ad = score(*query, *dequantized).max(dim=1)  # [B]
-    tau = _Threshold(n_req, 1, plan.u_scan)
+    tau = Threshold(n_req, 1, plan.u_scan)
     tau.offer(torch.arange(n_req), top_s)
     keep = best + offset >= tau.for_scan[:, None]  # [B, N]
     assert keep[torch.arange(n_req), top_ad].all()
@@ -222,8 +213,8 @@ def test_the_table_constants_follow_in_place_changes(helpers):
     query, quantized, _ = int8_problem(3, 2000, 4, 8, 8, seed=5)
     mask = make_mask("shared", 3, 2000, seed=6)
     mask[:6] = True
-    stats = _table_stats(*quantized[:2], quantized.b, quantized.g_scale, quantized.x_scale)
-    assert _table_stats(*quantized[:2], quantized.b, quantized.g_scale, quantized.x_scale) is stats
+    stats = table_stats(*quantized[:2], quantized.b, quantized.g_scale, quantized.x_scale)
+    assert table_stats(*quantized[:2], quantized.b, quantized.g_scale, quantized.x_scale) is stats
     # ads 0, 2, 4 become every request's best: stale norms or biases would filter them out
     quantized.b[[0, 2, 4]] = 50.0
     quantized.x_scale[1::3].mul_(4)
@@ -236,7 +227,7 @@ def test_the_table_constants_follow_in_place_changes(helpers):
 def test_without_exact_int8_products_it_scores_the_dequantized_table(monkeypatch):
     query, quantized, dequantized = int8_problem(3, 900, 4, 8, 8, seed=2)
     mask = make_mask("per-request", 3, 900, seed=3)
-    monkeypatch.setattr(cpu, "int8_products_exact", lambda: False)
+    monkeypatch.setattr(int8, "int8_products_exact", lambda: False)
     got = cpu_score_topk_int8(*query, quantized, mask, 30)
     assert_same(got, full_sort(query, dequantized, mask, 30))
 

@@ -547,11 +547,13 @@ def test_an_8_bit_index_quantizes_each_row_on_its_own_and_scores_as_stored():
 def test_frozen_view_is_one_object_per_version(dtype, monkeypatch):
     """Every call of one version returns the same view, tensors and all: what a kernel keeps
     per table object (the cpu kernel's row norms) is found again by the next request."""
-    from m31.ops import cpu_score_topk as cpu
+    from m31.ops.cpu import stats
 
     norms = []
-    row_norms = cpu._row_norms
-    monkeypatch.setattr(cpu, "_row_norms", lambda *a, **kw: norms.append(1) or row_norms(*a, **kw))
+    row_norms = stats._row_norms
+    monkeypatch.setattr(
+        stats, "_row_norms", lambda *a, **kw: norms.append(1) or row_norms(*a, **kw)
+    )
     index = build({i: {"advertiser_id": i} for i in range(6)}, dtype=dtype)
     view = index.frozen_view()
     assert index.frozen_view() is view

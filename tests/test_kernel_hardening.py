@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from m31.ops import NO_ROW, NonFiniteQueryError, rounded_score, score_topk
-from m31.ops.cpu_score_topk import _gate_bounds, _in_range, _plan, _table_stats, cpu_score_topk
+from m31.ops.cpu import cpu_score_topk
+from m31.ops.cpu.bounds import gate_bounds, plan_float
+from m31.ops.cpu.stats import in_range, table_stats
 from m31.ops.quant import quantize_ad_table
 from m31.ops.torch_score_topk import torch_score_topk
 
@@ -95,18 +97,18 @@ def test_the_cpu_kernel_takes_its_filters_on_huge_logits():
     query, table = huge_logits(3, 1001, seed=10, zero_rows=torch.arange(5, 1001, 3))
     q, v, p = query
     g, x, b = table
-    assert _in_range(q, v, p, _table_stats(g, x, b))
+    assert in_range(q, v, p, table_stats(g, x, b))
     want = torch_score_topk(q, v, p, g, x, b, None, 10)
     assert torch.equal(cpu_score_topk(q, v, p, g, x, b, None, 10, block=128, threads=2)[1], want[1])
     for v_case in (v, torch.zeros_like(v)):
-        plan = _plan(q, v_case, p, g, x, 10)
+        plan = plan_float(q, v_case, p, g, x, 10)
         n_req, n_exp, n_ads = 3, 4, 1001
         # [B, E, N] in the product dtype this CPU takes (`_product_dtype`: bf16 or fp32)
         logits = (plan.qh @ g.T.to(plan.qh.dtype)).view(n_req, n_exp, n_ads)
         aff = (plan.vh @ x.T.to(plan.vh.dtype)).view(n_req, n_exp, n_ads)
         req = torch.arange(n_req).repeat_interleave(n_ads)  # every pair
         ad = torch.arange(n_ads).repeat(n_req)
-        approx, eps = _gate_bounds(
+        approx, eps = gate_bounds(
             plan,
             req,
             logits.permute(1, 0, 2).reshape(n_exp, -1),

@@ -1,7 +1,7 @@
 """m31.ops.native: the cpu kernel's compiled helpers (cpu_int8.c), built with the real compiler.
 
 Step 1 must return the torch path's survivors and affinities bit for bit, step 2 the same kept
-pairs with bounds within fp32 rounding of the torch ops' (the bounds of cpu_score_topk are
+pairs with bounds within fp32 rounding of the torch ops' (the bounds of the cpu kernel are
 proved for any such evaluation, and for the compiled exponentials' stated error, checked here):
 compared block by block on odd sizes and every mask kind, for this CPU's build (AVX-512 or AVX2
 loops) and the plain one. The whole compiled pass (`m31_pass`) is checked end to end against the
@@ -19,16 +19,13 @@ from test_cpu_score_topk_int8 import int8_problem, needs_exact_int8
 from test_score_topk import make_mask
 
 from m31.ops import PackedMask, native, rounded_score, score
-from m31.ops import cpu_score_topk as cpu_module
-from m31.ops.cpu_score_topk import (
-    _affinity_offset,
-    _mask_args,
-    _plan_int8,
-    _table_stats,
-    _Threshold,
-    _Worker,
-    cpu_score_topk_int8,
-)
+from m31.ops.cpu import cpu_score_topk_int8, native_pass
+from m31.ops.cpu.bounds import affinity_offset
+from m31.ops.cpu.int8 import plan_int8
+from m31.ops.cpu.native_pass import _mask_args, compiled_pass
+from m31.ops.cpu.partition import block_spans
+from m31.ops.cpu.stats import table_stats
+from m31.ops.cpu.worker import Threshold, Worker
 from m31.ops.masks import pack
 from m31.ops.native import ptr
 
@@ -54,12 +51,12 @@ def setup_block(n_req, n_ads, n_exp, gdim, ddim, mask_kind, seed):
         mask = PackedMask.of(mask)
     elif mask_kind == "packed-shared":  # one bitmap for every request
         mask = PackedMask(pack(mask[None]), torch.zeros(n_req, dtype=torch.int64), n_ads)
-    plan = _plan_int8(*query, 5)
-    stats = _table_stats(table.g, table.x, table.b, table.g_scale, table.x_scale)
-    shared = _Threshold(n_req, 1, plan.u_scan)
+    plan = plan_int8(*query, 5)
+    stats = table_stats(table.g, table.x, table.b, table.g_scale, table.x_scale)
+    shared = Threshold(n_req, 1, plan.u_scan)
     level = torch.randn(n_req, generator=torch.Generator().manual_seed(seed)) * 0.1
     shared.offer(torch.arange(n_req), level)
-    worker = _Worker(plan, table, stats, mask, shared, block=n_ads)
+    worker = Worker(plan, table, stats, mask, shared, block=n_ads)
     worker.refine_pairs = math.inf  # keep step 1's survivors pending
     return worker, plan
 
@@ -67,7 +64,7 @@ def setup_block(n_req, n_ads, n_exp, gdim, ddim, mask_kind, seed):
 def compiled_scan(lib, worker, n_ads):
     """`m31_scan_int8` on the worker's block of all n_ads: (req, row, Â [E, S])."""
     plan, stats, table = worker.plan, worker.stats, worker.table
-    offset = _affinity_offset(plan, stats.x_norm, stats.scan_bias)
+    offset = affinity_offset(plan, stats.x_norm, stats.scan_bias)
     tau = worker.shared.for_scan.contiguous()
     mode, data, stride, index = _mask_args(worker.mask)
     cap = plan.n_req * n_ads + 3  # a stride that is not the count
@@ -282,12 +279,12 @@ def test_the_helpers_refuse_strided_tensors():
 
 
 def test_more_experts_than_the_stack_scratch_take_the_torch_ops(monkeypatch):
-    monkeypatch.setattr(cpu_module, "_NATIVE_MAX_EXPERTS", 4)
+    monkeypatch.setattr(native_pass, "_MAX_EXPERTS", 4)
 
     def refuse(*args):
         raise AssertionError("the compiled pass ran")
 
-    monkeypatch.setattr(cpu_module, "_compiled_pass", refuse)
+    monkeypatch.setattr(native_pass, "compiled_pass", refuse)
     query, table, dequantized = int8_problem(2, 300, 5, 8, 8, seed=1)
     mask = make_mask("shared", 2, 300, seed=1)
     got = cpu_score_topk_int8(*query, table, mask, 7, block=64)
@@ -303,13 +300,11 @@ def test_the_compiled_pass_shares_a_threshold_that_is_valid_and_tight(n_req, k, 
     n_ads = 3000
     query, table, dequantized = int8_problem(n_req, n_ads, 4, 8, 16, seed=k)
     mask = make_mask("per-request", n_req, n_ads, seed=k)
-    plan = _plan_int8(*query, k)
-    stats = _table_stats(table.g, table.x, table.b, table.g_scale, table.x_scale)
-    spans = cpu_module._spans(n_ads, block)
+    plan = plan_int8(*query, k)
+    stats = table_stats(table.g, table.x, table.b, table.g_scale, table.x_scale)
+    spans = block_spans(n_ads, block)
     lib = native.library()
-    req, row, _, tau = cpu_module._compiled_pass(
-        lib, plan, table, stats, mask, spans, block, threads
-    )
+    req, row, _, tau = compiled_pass(lib, plan, table, stats, mask, spans, block, threads)
     scores = rounded_score(*query, *dequantized).masked_fill(~mask, -math.inf)  # [B, N]
     kth = scores.topk(k, dim=1).values[:, -1]  # [B]
     assert (tau <= kth).all()

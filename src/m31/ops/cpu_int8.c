@@ -3,7 +3,7 @@
  * Shapes: B requests, E experts, D value dim, G gate-key dim, n ads in a block, S pairs.
  *
  * Step 1 (`m31_scan_int8`) computes exactly what the torch operations it replaces in
- * m31/ops/cpu_score_topk.py compute: the same exact integer products, converted to fp32 and
+ * m31/ops/cpu/worker.py compute: the same exact integer products, converted to fp32 and
  * multiplied by the same scales in the same order, so its survivors and their values are the
  * torch path's bit for bit. Step 2 (`m31_step2`) is another fp32 evaluation of the same
  * formulas, with exponentials of its own whose error the bounds proved there allow for. Both
@@ -566,13 +566,13 @@ INLINE int64_t scan_tiled(const int8_t *x, const float *x_scale, const float *of
 }
 #endif
 
-/* Step 1 on a block of n ads (`_Worker.scan_int8`): for every eligible pair (r, a), the
+/* Step 1 on a block of n ads (`Worker.scan_int8`): for every eligible pair (r, a), the
  * integer affinities I_e = w[r, e]·x[a], the bound
  *     M = ((float)max_e I_e · v_scale[r]) · x_scale[a] + offset[a]
  * and, where M >= tau[r], the pair as a survivor: out_req, out_ad (block-local) and
  * out_aff[e·cap + s] = ((float)I_e · v_scale[r]) · x_scale[a].
- * x [n, d] int8, x_scale [n], offset [n] (`_affinity_offset`), w [B, E, d] int16,
- * v_scale [B], tau [B] (`_Threshold.for_scan`). cap >= B·n. Returns S; the pairs come by
+ * x [n, d] int8, x_scale [n], offset [n] (`affinity_offset`), w [B, E, d] int16,
+ * v_scale [B], tau [B] (`Threshold.for_scan`). cap >= B·n. Returns S; the pairs come by
  * request, then ad. `scan_tiled` where it is built (AVX2) for two or more requests and rows of a
  * multiple of 16 values up to TILE_DIM; `scan` otherwise, which gives the same. */
 int64_t m31_scan_int8(const int8_t *x, const float *x_scale, const float *offset, int64_t n,
@@ -645,7 +645,7 @@ INLINE float exp_f(float l) {
 /* e^y - 1 for y >= 0 within a relative 2^-15: its Taylor polynomial of degree 5 below 1/16
  * (tail < 2^-28, roundings < 10u), exp_f(y) - 1 above (exp_f's 2^-19 of e^y is at most
  * 2^-19·e^y/(e^y - 1) < 2^-15 of e^y - 1 for y >= 1/16). Step 2's bound multiplies it by
- * (1 + 2^-10), which covers this with the bound's own roundings (`_gate_bounds`). */
+ * (1 + 2^-10), which covers this with the bound's own roundings (`gate_bounds`). */
 INLINE float expm1_f(float y) {
     float s = y * 0x1.111112p-7f + 0x1.555556p-5f;
     s = s * y + 0x1.555556p-3f;
@@ -668,18 +668,18 @@ void m31_exp(const float *in, float *out, int64_t n, int64_t which) {
         for (int64_t i = 0; i < n; i++) out[i] = exp_f(in[i]);
 }
 
-/* Step 2 on S pairs of an 8-bit table (`_Worker.bounds`: the logits of its `logits_int8`, then
- * `_gate_bounds` and the filter h >= tau), BOUNDS_CHUNK pairs at a time. Pair s = (req[s], row[s]):
+/* Step 2 on S pairs of an 8-bit table (`Worker.bounds`: the logits of its `logits_int8`, then
+ * `gate_bounds` and the filter h >= tau), BOUNDS_CHUNK pairs at a time. Pair s = (req[s], row[s]):
  *   L_e = ((float)(wq[req, e]·g[row]) · q_scale[req]) · g_scale[row]   (none when gdim = 0)
  *   l_e = L_e + p_t[e, req], less the pair's largest l when max_e |L_e| + shift_base >= 80
  *         (shift_base = max |p| + ln E), where e^l or its sum could overflow; so l < 81
  *   2η = 2·((coef[req, 1] + coef[req, 0]·‖g‖) + max_e |L_e|·eta_l)
- *   weights exp_f(l_e), e^(2η) - 1 as expm1_f, then s~ and ε as `_gate_bounds` computes them,
+ *   weights exp_f(l_e), e^(2η) - 1 as expm1_f, then s~ and ε as `gate_bounds` computes them,
  *   each sum over E in expert order.
  * g [N, gdim] int8, g_scale [N], wq [B, E, gdim] int16, q_scale [B], p_t [E, B], coef [B, 3]
- * (`_Plan.coef`, its η constant including `_EXP_ETA`), per_ad [3, N] the table's ‖g‖ and ‖x‖
+ * (`Plan.coef`, its η constant including `_EXP_ETA`), per_ad [3, N] the table's ‖g‖ and ‖x‖
  * bounds and b; aff[e·stride + s] step 1's affinities; kappa, one_u = 1 + u',
- * u_2kappa = u' + 2κ (`_Plan`). Keeps the pairs with h = s~ + ε >= tau[req]: writes them
+ * u_2kappa = u' + 2κ (`Plan`). Keeps the pairs with h = s~ + ε >= tau[req]: writes them
  * (req, row, ℓ = s~ - ε, h) in order and returns how many. */
 INLINE int64_t step2(const int8_t *g, const float *g_scale, int64_t gdim, int64_t chunks,
                      const int16_t *wq, const float *q_scale, const float *p_t, int64_t n_req,
@@ -807,7 +807,7 @@ int64_t m31_step2(const int8_t *g, const float *g_scale, int64_t gdim, const int
 }
 
 /* ---- The pass: steps 1-3 over the whole table in compiled code, one call per worker thread,
- * the threads sharing τ (`_Threshold`'s counterpart) and the blocks still to scan. ---- */
+ * the threads sharing τ (`Threshold`'s counterpart) and the blocks still to scan. ---- */
 
 /* fp32 values written under the lock and read without it */
 INLINE float load_f(const float *p) {
@@ -819,7 +819,7 @@ INLINE void store_f(float *p, float v) { __atomic_store(p, &v, __ATOMIC_RELAXED)
 
 /* τ [B]: per request the K largest lower bounds ℓ offered so far (a min-heap), τ the K-th of
  * them (-inf until there are K); tau_refine and tau_scan lowered by the slack of the two
- * filters as `_Threshold` lowers them. */
+ * filters as `Threshold` lowers them. */
 typedef struct {
     pthread_mutex_t lock;
     int64_t n_req, k, next_span;
@@ -836,7 +836,7 @@ void m31_shared_free(m31_shared *sh) {
     free(sh);
 }
 
-/* c_refine = slack, c_scan = u'' + slack (`_Threshold`). NULL when out of memory. */
+/* c_refine = slack, c_scan = u'' + slack (`Threshold`). NULL when out of memory. */
 m31_shared *m31_shared_new(int64_t n_req, int64_t k, float c_refine, float c_scan) {
     m31_shared *sh = calloc(1, sizeof *sh);
     if (!sh) return NULL;
@@ -984,10 +984,10 @@ typedef struct {
 /* Its size, so that the caller can check its mirror of the struct. */
 int64_t m31_pass_args_size(void) { return (int64_t)sizeof(m31_pass_args); }
 
-/* `_Worker.scan` .. `finish` for one thread on an 8-bit table (cpu_score_topk's steps 1-3):
+/* `Worker.scan` .. `finish` for one thread on an 8-bit table (the cpu kernel's steps 1-3):
  * takes the spans [lo, hi) of spans [n_spans, 2] in turn with the other workers of sh; per
  * span, step 1 (`m31_scan_int8`, with offset[a] = scan_bias[a] + x_norm[a]·alpha, as
- * `_affinity_offset`); step 2 (`m31_step2`) on the pending survivors once there are
+ * `affinity_offset`); step 2 (`m31_step2`) on the pending survivors once there are
  * refine_pairs of them or after a span shorter than block; the pairs with ℓ above τ offered to
  * sh; those with h >= tau_refine kept as candidates, which are pruned whenever they pass room
  * (then doubled).

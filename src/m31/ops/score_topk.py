@@ -5,7 +5,7 @@ Shapes: B requests, N ads, E experts, G gate-key dim, D value dim, K results.
 Implementations of one contract (exact top-K, ties to the lower row):
 * `torch`  — the chunked plain-PyTorch reference (`torch_score_topk`), the definition of correct;
 * `cpu`    — blocked bf16 (8-bit tables: int8) products, proven bounds, a threshold top-K
-  (`cpu_score_topk`, `cpu_score_topk_int8`);
+  (`m31.ops.cpu`: `cpu_score_topk`, `cpu_score_topk_int8`);
 * `triton` — the fused GPU kernel (`triton_score_topk`); on CPU only under `TRITON_INTERPRET=1`.
 `kernel="auto"` takes triton for CUDA tensors and cpu otherwise. An 8-bit table
 (`m31.ops.quant.Int8Table`) is scored as its dequantized table; the `cpu` and `triton` kernels
@@ -101,11 +101,11 @@ def score_topk(
             return tr.triton_score_topk_int8(q, v, p, ad_table, mask, k)
         return tr.triton_score_topk(q, v, p, g, x, b, mask, k)
     if name == "cpu":
-        from m31.ops import cpu_score_topk as cpu
+        from m31.ops.cpu import cpu_score_topk, cpu_score_topk_int8
 
         if quantized:
-            return cpu.cpu_score_topk_int8(q, v, p, ad_table, mask, k)
-        return cpu.cpu_score_topk(q, v, p, g, x, b, mask, k)
+            return cpu_score_topk_int8(q, v, p, ad_table, mask, k)
+        return cpu_score_topk(q, v, p, g, x, b, mask, k)
     if quantized:  # the 8-bit table's score is the score of its dequantized table
         g, x, b = ad_table.dequantize()
     return torch_score_topk(q, v, p, g, x, b, mask, k)
