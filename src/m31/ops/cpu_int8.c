@@ -994,41 +994,11 @@ int64_t m31_pass_args_size(void) { return (int64_t)sizeof(m31_pass_args); }
  * Arguments as `m31_scan_int8` and `m31_step2` take them (x, x_scale, g, g_scale of the whole
  * table; w = v_int, wq = q_int). Returns the candidates in *out, and their count, or -1 when
  * out of memory. */
-int64_t m31_pass(m31_shared *sh, const m31_pass_args *a, m31_cands **out) {
-    const int64_t *spans = a->spans;
-    int64_t n_spans = a->n_spans;
-    int64_t block = a->block;
-    const int8_t *x = a->x;
-    const float *x_scale = a->x_scale;
-    int64_t d = a->d;
-    const int8_t *g = a->g;
-    const float *g_scale = a->g_scale;
-    int64_t gdim = a->gdim;
-    const float *per_ad = a->per_ad;
-    const float *scan_bias = a->scan_bias;
-    int64_t n_ads = a->n_ads;
-    const int16_t *w = a->w;
-    const float *v_scale = a->v_scale;
-    const int16_t *wq = a->wq;
-    const float *q_scale = a->q_scale;
-    const float *p_t = a->p_t;
-    const float *coef = a->coef;
-    int64_t n_req = a->n_req;
-    int64_t n_exp = a->n_exp;
-    float alpha = a->alpha;
-    double shift_base = a->shift_base;
-    float eta_l = a->eta_l;
-    float kappa = a->kappa;
-    float one_u = a->one_u;
-    float u_2kappa = a->u_2kappa;
-    int64_t mask_mode = a->mask_mode;
-    const uint8_t *mask = a->mask;
-    int64_t mask_stride = a->mask_stride;
-    const int64_t *mask_index = a->mask_index;
-    int64_t refine_pairs = a->refine_pairs;
-    int64_t room = a->room;
-    const float *x_norm = per_ad + n_ads;
-    const int64_t cap = refine_pairs + n_req * block; /* pending pairs: a block's on top */
+int64_t m31_pass(m31_shared *sh, const m31_pass_args *args, m31_cands **out) {
+    const int64_t n_req = args->n_req, n_exp = args->n_exp, block = args->block;
+    const float *x_norm = args->per_ad + args->n_ads;
+    const int64_t cap = args->refine_pairs + n_req * block; /* pending pairs: a block's on top */
+    int64_t room = args->room; /* candidates kept before the next prune */
     int64_t *p_req = malloc((size_t)cap * sizeof *p_req);
     int64_t *p_row = malloc((size_t)cap * sizeof *p_row);
     float *p_aff = malloc((size_t)(n_exp * cap) * sizeof *p_aff); /* Â [E, cap] */
@@ -1046,25 +1016,29 @@ int64_t m31_pass(m31_shared *sh, const m31_pass_args *a, m31_cands **out) {
     for (;;) {
         const int64_t span = __atomic_fetch_add(&sh->next_span, 1, __ATOMIC_RELAXED);
         int64_t lo = 0, n = 0;
-        if (span < n_spans) lo = spans[2 * span], n = spans[2 * span + 1] - lo;
+        if (span < args->n_spans) lo = args->spans[2 * span], n = args->spans[2 * span + 1] - lo;
         if (n > 0) { /* step 1 */
-            for (int64_t a = 0; a < n; a++) offset[a] = scan_bias[lo + a] + x_norm[lo + a] * alpha;
+            const float *bias = args->scan_bias + lo, *norm = x_norm + lo;
+            const float alpha = args->alpha; /* a local: a store to offset[] may alias args->alpha */
+            for (int64_t a = 0; a < n; a++) offset[a] = bias[a] + norm[a] * alpha;
             for (int64_t r = 0; r < n_req; r++) tau[r] = load_f(sh->tau_scan + r);
-            const uint8_t *mask_at = mask_mode == 1 ? mask + lo : mask; /* packed: lo as offset */
+            const int64_t mode = args->mask_mode; /* a bool mask from lo, a packed one at offset lo */
             const int64_t found = m31_scan_int8(
-                x + lo * d, x_scale + lo, offset, n, d, w, v_scale, tau, n_req, n_exp, mask_mode,
-                mask_at, mask_stride, mask_index, lo, p_req + pending, p_row + pending,
+                args->x + lo * args->d, args->x_scale + lo, offset, n, args->d, args->w,
+                args->v_scale, tau, n_req, n_exp, mode, mode == 1 ? args->mask + lo : args->mask,
+                args->mask_stride, args->mask_index, lo, p_req + pending, p_row + pending,
                 p_aff + pending, cap);
             for (int64_t s = pending; s < pending + found; s++) p_row[s] += lo;
             pending += found;
         }
-        const int last = span >= n_spans;
-        if (pending && (pending >= refine_pairs || n < block || last)) { /* step 2 */
+        const int last = span >= args->n_spans;
+        if (pending && (pending >= args->refine_pairs || n < block || last)) { /* step 2 */
             for (int64_t r = 0; r < n_req; r++) tau[r] = load_f(sh->tau_refine + r);
             const int64_t kept = m31_step2(
-                g, g_scale, gdim, wq, q_scale, p_t, n_req, n_exp, coef, per_ad, n_ads,
-                shift_base, eta_l, kappa, one_u, u_2kappa, p_req, p_row, p_aff, cap, pending,
-                tau, k_req, k_row, lower, upper);
+                args->g, args->g_scale, args->gdim, args->wq, args->q_scale, args->p_t, n_req,
+                n_exp, args->coef, args->per_ad, args->n_ads, args->shift_base, args->eta_l,
+                args->kappa, args->one_u, args->u_2kappa, p_req, p_row, p_aff, cap, pending, tau,
+                k_req, k_row, lower, upper);
             pending = 0;
             /* the pairs whose ℓ passes τ raise it (p_req, lower reused for them) */
             int64_t promoted = 0;
