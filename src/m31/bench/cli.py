@@ -11,7 +11,6 @@ module, and its other commands should not wait for PyTorch.
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated
@@ -70,52 +69,63 @@ def _variants(text: str) -> tuple[str, ...]:
     return names
 
 
+TimingsOption = Annotated[
+    bool, typer.Option("--timings", help="The timings: run unless --check or --engine alone.")
+]
+CheckOption = Annotated[
+    bool, typer.Option("--check", help="Kernels vs the reference; exit 1 if not.")
+]
+EngineOption = Annotated[bool, typer.Option("--engine", help="Retriever.retrieve end to end.")]
+CanonicalOption = Annotated[
+    bool, typer.Option("--canonical", help="Timings at DESIGN §6's shapes.")
+]
+QuickOption = Annotated[bool, typer.Option("--quick", help="Small shapes: a CPU smoke run.")]
+BatchesOption = Annotated[
+    str | None, typer.Option(help="Requests per batch (1,64,512 on cuda, 1,64 on cpu).")
+]
+ALL_VARIANTS = ",".join(VARIANTS)
+VariantsOption = Annotated[
+    str,
+    typer.Option(help=f"Comma-separated, of {', '.join(VARIANTS)} (all).", show_default=False),
+]
+MeasureLimitsOption = Annotated[
+    bool, typer.Option("--measure-limits", help="Measure the limits even on an H200.")
+]
+EngineNOption = Annotated[
+    str | None, typer.Option(help=f"Ads in the engine's index ({_DEFAULT_N}).")
+]
+EngineBatchesOption = Annotated[
+    str | None, typer.Option(help="Requests per call (1,64,256; 1,3 with --quick).")
+]
+EngineDtypeOption = Annotated[
+    str,
+    typer.Option(help="The engine index's table dtypes, each timed: bfloat16,int8 compares."),
+]
+EngineModelOption = Annotated[str, typer.Option(help="Model preset (demo: E = 8, G = D = 64).")]
+
+
 @app.command()
 def bench(
     device: Annotated[str, typer.Option(help="auto (cuda if available), cuda or cpu.")] = "auto",
-    timings: Annotated[
-        bool, typer.Option("--timings", help="The timings: run unless --check or --engine alone.")
-    ] = False,
-    check: Annotated[
-        bool, typer.Option("--check", help="Kernels vs the reference; exit 1 if not.")
-    ] = False,
-    engine: Annotated[
-        bool, typer.Option("--engine", help="Retriever.retrieve end to end.")
-    ] = False,
-    canonical: Annotated[
-        bool, typer.Option("--canonical", help="Timings at DESIGN §6's shapes.")
-    ] = False,
-    quick: Annotated[bool, typer.Option("--quick", help="Small shapes: a CPU smoke run.")] = False,
+    timings: TimingsOption = False,
+    check: CheckOption = False,
+    engine: EngineOption = False,
+    canonical: CanonicalOption = False,
+    quick: QuickOption = False,
     n: Annotated[str | None, typer.Option(help=f"Ads, e.g. 1M,10M ({_DEFAULT_N}).")] = None,
-    batches: Annotated[
-        str | None, typer.Option(help="Requests per batch (1,64,512 on cuda, 1,64 on cpu).")
-    ] = None,
+    batches: BatchesOption = None,
     k: Annotated[str | None, typer.Option(help="Results per request (100).")] = None,
     experts: Annotated[int, typer.Option(help="E.")] = 8,
     dim: Annotated[int, typer.Option(help="G = D.")] = 64,
-    variants: Annotated[
-        str,
-        typer.Option(help=f"Comma-separated, of {', '.join(VARIANTS)} (all).", show_default=False),
-    ] = ",".join(VARIANTS),
+    variants: VariantsOption = ALL_VARIANTS,
     repeat: Annotated[int, typer.Option(help="Timed calls per measurement, at most.")] = 5,
     budget: Annotated[float, typer.Option(help="Seconds of timed calls, at most.")] = 2.0,
-    measure_limits: Annotated[
-        bool, typer.Option("--measure-limits", help="Measure the limits even on an H200.")
-    ] = False,
-    engine_n: Annotated[
-        str | None, typer.Option(help=f"Ads in the engine's index ({_DEFAULT_N}).")
-    ] = None,
-    engine_batches: Annotated[
-        str | None, typer.Option(help="Requests per call (1,64,256; 1,3 with --quick).")
-    ] = None,
+    measure_limits: MeasureLimitsOption = False,
+    engine_n: EngineNOption = None,
+    engine_batches: EngineBatchesOption = None,
     engine_k: Annotated[int, typer.Option(help="Results per request of the engine.")] = 100,
-    engine_dtype: Annotated[
-        str,
-        typer.Option(help="The engine index's table dtypes, each timed: bfloat16,int8 compares."),
-    ] = "bfloat16",
-    engine_model: Annotated[
-        str, typer.Option(help="Model preset (demo: E = 8, G = D = 64).")
-    ] = "demo",
+    engine_dtype: EngineDtypeOption = "bfloat16",
+    engine_model: EngineModelOption = "demo",
     seed: Annotated[int, typer.Option(help="Seed of the tables, queries and world.")] = 0,
     out: Annotated[Path, typer.Option(help="Folder for CSV, MD, PNG.")] = Path("bench/out"),
 ) -> None:
@@ -124,27 +134,18 @@ def bench(
     timings run when asked for (--timings, --canonical) or when neither --check nor --engine is
     given. Progress goes to stderr; the tables go to stdout, last, and to --out.
     """
-    import torch
+    from m31.bench.suite import Plan, run_suite
 
-    from m31.bench import report
-    from m31.bench.cases import canonical_cases, plan_cases
-    from m31.bench.check import run_check
-    from m31.bench.common import Skip, device_limits, to_stderr
-    from m31.bench.engine import run_engine
-    from m31.bench.kernels import run_timings
-
-    ns, bs, ks = _counts(n, "--n"), _counts(batches, "--batches"), _counts(k, "--k")
-    engine_ns = _counts(engine_n, "--engine-n")
-    engine_bs = _counts(engine_batches, "--engine-batches")
-    engine_dtypes = _dtypes(engine_dtype)
-    chosen = _variants(variants)
-    if device == "auto":
-        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    else:
-        dev = torch.device(device)
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise typer.BadParameter("no CUDA device here", param_hint="--device")
-    if canonical and (ns or bs or ks):
+    plan = Plan(
+        device=torch_device(device), check=check, engine=engine, canonical=canonical,
+        timings=timings or canonical or not (check or engine), quick=quick,
+        n=_counts(n, "--n"), batches=_counts(batches, "--batches"), k=_counts(k, "--k"),
+        experts=experts, dim=dim, variants=_variants(variants), repeat=repeat, budget=budget,
+        measure_limits=measure_limits, engine_n=_counts(engine_n, "--engine-n"),
+        engine_batches=_counts(engine_batches, "--engine-batches"), engine_k=engine_k,
+        engine_dtypes=_dtypes(engine_dtype), engine_model=engine_model, seed=seed,
+    )  # fmt: skip
+    if canonical and (plan.n or plan.batches or plan.k):
         raise typer.BadParameter(
             "it sets N, B and K itself; drop --n, --batches and --k", param_hint="--canonical"
         )
@@ -152,61 +153,22 @@ def bench(
         raise typer.BadParameter(
             "must be positive", param_hint="--experts, --dim, --repeat, --budget, --engine-k"
         )
-    cuda = dev.type == "cuda"
-    default_n = (20_000,) if quick else (10_000_000,) if cuda else (1_000_000,)
-    out.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    sections: list[str] = []
-    failed = False
-
-    if check:
-        checks, recalls = run_check(dev, quick=quick, seed=seed)
-        report.write_csv(out / "check.csv", checks)
-        failed = any(c.status == "FAIL" for c in checks)
-        sections.append(report.check_report(checks, recalls, dev))
-        (out / "check.md").write_text(sections[-1] + "\n")
-
-    if timings or canonical or not (check or engine):
-        if canonical:
-            cases = canonical_cases(chosen)
-        else:
-            cases = plan_cases(
-                ns or default_n,
-                bs or ((1, 3) if quick else (1, 64, 512) if cuda else (1, 64)),
-                ks or (100,),
-                chosen,
-            )
-        rows = run_timings(cases, dev, experts, dim, repeat, budget, measure_limits, seed)
-        report.write_csv(out / "bench.csv", rows)
-        no_plot = report.plot(rows, out / "bench.png")
-        limits = device_limits(dev, measure_limits)
-        sections.append(report.timings_report(rows, limits, cuda, no_plot))
-        (out / "bench.md").write_text(sections[-1] + "\n")
-
-    if engine:
-        try:
-            engine_rows = run_engine(
-                dev,
-                (engine_ns or default_n)[0],
-                engine_bs or ((1, 3) if quick else (1, 64, 256)),
-                engine_k,
-                engine_model,
-                repeat,
-                budget,
-                seed,
-                dtypes=engine_dtypes,
-            )
-        except Skip as e:
-            sections.append(f"## Engine end to end: skipped ({e})")
-        else:
-            report.write_csv(out / "engine.csv", engine_rows)
-            sections.append(report.engine_report(engine_rows))
-        (out / "engine.md").write_text(sections[-1] + "\n")
-
-    to_stderr(f"wall time {time.perf_counter() - start:.0f} s; tables and plot in {out}")
-    print("\n\n".join(sections))
+    text, failed = run_suite(plan, out)
+    print(text)
     if failed:
         raise typer.Exit(1)
+
+
+def torch_device(name: str):
+    """--device: auto (cuda if available), cuda or cpu."""
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise typer.BadParameter("no CUDA device here", param_hint="--device")
+    return dev
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -3,6 +3,7 @@ them from here). Importing it loads neither FastAPI nor the engine."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,7 @@ __all__ = [
     "MAX_SLICE_MS",
     "TIMEOUT_MS",
     "ServeConfig",
+    "read_token",
 ]
 
 TIMEOUT_MS = 1000  # default deadline of a retrieve call
@@ -40,3 +42,34 @@ class ServeConfig:
     body_timeout_s: float = BODY_TIMEOUT_S
     admin_token: str | None = None  # bearer token of the write endpoints; None = disabled
     read_token: str | None = None  # bearer token of the read endpoints; None = open
+
+    def check(self) -> None:
+        """Raise on limits no server runs with; named as `m31 serve`'s options."""
+        for name, value in (
+            ("--max-batch-size", self.max_batch_size),
+            ("--max-queue", self.max_queue),
+            ("--timeout-ms", self.timeout_ms),
+        ):
+            if value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        if not self.body_timeout_s > 0:
+            raise ValueError(f"--body-timeout-s must be positive, got {self.body_timeout_s}")
+        if not self.max_slice_ms > 0 or not self.max_queue_delay_ms >= 0:
+            raise ValueError(
+                "--max-slice-ms must be positive and --max-queue-delay-ms at least 0, got "
+                f"{self.max_slice_ms} and {self.max_queue_delay_ms}"
+            )
+
+
+def read_token(env: str, file: Path | None, option: str) -> str | None:
+    """A bearer token: the text of `file` (stripped; `option` names it in errors), or else the
+    environment variable `env`; None where neither gives one."""
+    if file is not None:
+        try:
+            token = Path(file).read_text().strip()
+        except OSError as e:
+            raise ValueError(f"{option}: cannot read {file} ({e.strerror})") from e
+        if not token:
+            raise ValueError(f"{option}: {file} is empty")
+        return token
+    return os.environ.get(env) or None

@@ -269,6 +269,51 @@ def run(
     return result
 
 
+def run_levels(
+    url: str,
+    data: Path,
+    levels: Sequence[int],
+    duration: float = 10.0,
+    k: int = 100,
+    token: str | None = None,
+    *,
+    event_clients: int = 0,
+    event_batch: int = 100,
+    event_rate: float = 0.0,
+    admin_token: str | None = None,
+    log=print,
+) -> list[dict]:
+    """`m31 loadtest`: the rows (`LoadResult.row`) of `run` at each concurrency of `levels`,
+    with users and ads from `data` (`inputs`); with `event_clients`, each level runs twice,
+    alone and beside that many clients streaming events (0 clients: the events alone). Names
+    the command line's options in its messages; `log` tells each level as it starts."""
+    if event_clients < 0 or event_batch < 1 or event_rate < 0:
+        raise ValueError(
+            "--event-clients and --event-rate must be at least 0, --event-batch at least 1"
+        )
+    if any(c < 0 for c in levels) or (0 in levels and not event_clients):
+        raise ValueError(
+            "--concurrency: client counts are at least 1 (0 only with --event-clients)"
+        )
+    if event_clients and not admin_token:
+        raise ValueError("--event-clients: events need the admin token ($M31_ADMIN_TOKEN)")
+    user_ids, ad_ids, vocab = inputs(data)
+    events = [None]
+    if event_clients:
+        events.append(EventLoad(event_clients, event_batch, ad_ids, admin_token, event_rate))
+    rows = []
+    for c in levels:
+        for stream in events if c else events[1:]:  # 0 clients: the events alone
+            with_events = f", {event_clients} event clients" if stream else ""
+            log(f"concurrency {c}{with_events}: {duration:.0f} s …")
+            result = run(
+                url, user_ids, c, vocab["surface"], vocab["platform"], duration, k, token,
+                events=stream,
+            )  # fmt: skip
+            rows.append(result.row())
+    return rows
+
+
 def format_rows(rows: list[dict]) -> str:
     head = (
         "| concurrency | events / s | calls | QPS | p50 ms | p99 ms | requests / device call "

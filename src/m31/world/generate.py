@@ -9,12 +9,15 @@ so one seed gives identical tables. Ids equal row numbers (user_id = user row, a
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import torch
 
+from m31.data import dataset
 from m31.data.dataset import Dataset
 from m31.data.schema import (
     ADS,
@@ -299,6 +302,39 @@ def generate(
         users=users, advertisers=advertisers, ads=ads, events=events, organic=organic, meta=meta
     )
     return ds, truth
+
+
+def generate_folder(
+    out: Path,
+    cfg: WorldConfig,
+    seed: int = 0,
+    *,
+    reuse: bool = False,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> tuple[Dataset, bool]:
+    """(dataset, False): the world of `cfg` and `seed` written into the dataset folder `out`
+    (atomically, with its ground truth and its generation time in the meta). With `reuse`, a
+    folder made with the same settings is kept instead: (its dataset, True). Refuses to replace
+    a folder without `overwrite`, naming the command line's options."""
+    out = Path(out)
+    if out.exists() and reuse:
+        try:
+            existing = dataset.load(out)
+            same = WorldConfig.from_dict(existing.meta.get("config") or {}) == cfg
+        except (dataset.DatasetError, TypeError, ValueError):
+            existing, same = None, False
+        if same and existing.meta.get("seed") == seed:
+            return existing, True
+        if not overwrite:
+            raise ValueError(f"{out}: exists with other settings (pass --overwrite to replace it)")
+    elif out.exists() and not overwrite:
+        raise ValueError(f"{out}: already exists (pass --overwrite to replace it, or --reuse)")
+    start = time.perf_counter()
+    ds, truth = generate(cfg, seed, progress=progress)
+    ds.meta["generated_in_s"] = round(time.perf_counter() - start, 2)
+    dataset.save(ds, out, overwrite=True, extra=truth.to_arrays())
+    return ds, False
 
 
 def _event_log(

@@ -120,6 +120,21 @@ class GroundTruth:
             out[lo : lo + chunk] = other.double().mean(1).numpy()
         return out
 
+    def interest_mix(self, ks: tuple[int, ...] = (10, 100)) -> dict:
+        """How much the best ads mix each user's interests (`facet_share` at the log's end, at
+        each K of `ks`), over a seeded sample of up to 500 users (fewer on a large catalogue:
+        each costs a pass over every ad); with the mean number of facets per user."""
+        users = max(100, min(500, 25_000_000 // self.n_ads))
+        rows = np.random.default_rng(0).permutation(self.n_users)[:users]
+        ts = np.full(len(rows), self.t0 + self.span)
+        return {
+            "users": len(rows),
+            "facets_per_user": float((self.facet_topic >= 0).sum(1).mean()),
+            "other_facet_share": {
+                k: float(self.facet_share(rows, ts, k).mean()) for k in ks if k <= self.n_ads
+            },
+        }
+
     def logits(
         self,
         users: np.ndarray,

@@ -1,0 +1,151 @@
+"""`m31 train`: the options of a training job (`m31.training.job`)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from m31.cli.common import cli_errors, fail
+
+DataOption = Annotated[Path, typer.Option(help="Dataset folder (features are built into it once).")]
+PresetOption = Annotated[
+    str, typer.Option(help="Model preset: tiny, demo or sasrec (the sequence expert alone).")
+]
+PatienceOption = Annotated[
+    int | None, typer.Option(help="Override the epochs without validation gain to stop at.")
+]
+ProtocolOption = Annotated[
+    str | None,
+    typer.Option(
+        help="Select the epoch under an evaluation protocol (loo-position: every validation "
+        "request, the history excluded, NDCG@10); implies its split."
+    ),
+]
+SequenceEncoderOption = Annotated[
+    str | None,
+    typer.Option(
+        help="The sequence expert: transformer (causal self-attention, a target at every "
+        "position) or pool (the attention pool, for ablations)."
+    ),
+]
+MaxLenOption = Annotated[
+    int | None,
+    typer.Option(help="Override the preset's engagement-sequence length (the last events)."),
+]
+ExpertsOption = Annotated[
+    str | None,
+    typer.Option(
+        help="Expert slots per family, e.g. sequence=8,cohort=0 (0 drops a family); the "
+        "families not named keep the preset's."
+    ),
+]
+GateDimOption = Annotated[
+    int | None,
+    typer.Option(
+        help="moe only: override the gate-key width G; 0 routes every ad of a request with "
+        "the same expert weights (no per-ad routing)."
+    ),
+]
+BalanceWeightOption = Annotated[
+    float | None,
+    typer.Option(
+        help="moe only: override the weight of the gate's mutual-information term (preset "
+        "0.02); higher spreads the ads over the experts more evenly and routes each one more "
+        "decisively."
+    ),
+]
+HardNegativesOption = Annotated[
+    Path | None,
+    typer.Option(
+        help="Ranking model only: a trained moe or two-tower checkpoint (same data and "
+        "split); each request also gets --hard negatives drawn from its top --hard-pool ads."
+    ),
+]
+BaseOption = Annotated[
+    Path | None,
+    typer.Option(
+        help="Ranking model only: a trained moe or two-tower checkpoint (same data and split) "
+        "whose score the ranking model adds to its own, learning a correction to its order."
+    ),
+]
+HardPoolOption = Annotated[
+    int | None,
+    typer.Option(help="The retriever's top ads per request they come from (default 500)."),
+]
+TrainDeviceOption = Annotated[
+    str | None, typer.Option(help="cpu or cuda (default: cuda when present).")
+]
+
+
+@cli_errors
+def train_cmd(
+    model: Annotated[str, typer.Option(help="moe, two-tower or ranking.")],
+    data: DataOption,
+    out: Annotated[Path, typer.Option(help="Checkpoint file to write.")],
+    preset: PresetOption = "demo",
+    epochs: Annotated[int | None, typer.Option(help="Override the preset's epoch count.")] = None,
+    patience: PatienceOption = None,
+    split: Annotated[str, typer.Option(help="leave-last-out or time.")] = "leave-last-out",
+    protocol: ProtocolOption = None,
+    sequence_encoder: SequenceEncoderOption = None,
+    seed: Annotated[int | None, typer.Option(help="Random seed.")] = None,
+    max_len: MaxLenOption = None,
+    lr: Annotated[float | None, typer.Option(help="Override the preset's learning rate.")] = None,
+    experts: ExpertsOption = None,
+    gate_dim: GateDimOption = None,
+    balance_weight: BalanceWeightOption = None,
+    hard_negatives: HardNegativesOption = None,
+    hard: Annotated[
+        int | None, typer.Option(help="Hard negatives per request (default 32).")
+    ] = None,
+    base: BaseOption = None,
+    hard_pool: HardPoolOption = None,
+    device: TrainDeviceOption = None,
+) -> None:
+    """Train a model and write a checkpoint (weights, config, vocabularies, history)."""
+    from m31.training.job import configure, train_checkpoint
+
+    cfg, split = configure(
+        model, preset, split=split, protocol=protocol,
+        experts=None if experts is None else _expert_slots(experts),
+        gate_dim=gate_dim, balance_weight=balance_weight,
+        hard_negatives=hard_negatives is not None, hard=hard, hard_pool=hard_pool,
+        base=base is not None,
+        epochs=epochs, seed=seed, max_len=max_len, lr=lr, patience=patience,
+        sequence_encoder=sequence_encoder,
+    )  # fmt: skip
+    trained = train_checkpoint(
+        cfg, data, out, split, preset=preset, device=device, hard_negatives=hard_negatives,
+        base=base, log=typer.echo, progress=sys.stderr.isatty(),
+    )  # fmt: skip
+    best, metric = trained.best, trained.cfg.val_metric
+    typer.echo(
+        f"wrote {out} after {trained.seconds:.0f} s; best epoch {best['epoch']} of "
+        f"{trained.history[-1]['epoch']}: val HR@10 {best['val_hr@10']:.4f}, HR@50 "
+        f"{best['val_hr@50']:.4f}, {metric} {best[f'val_{metric}']:.4f}; "
+        f"{trained.model.flops_per_pair():,} FLOPs per (request, ad) pair"
+    )
+    if "experts" in best:
+        typer.echo(f"expert usage: {json.dumps(best['experts'])}")
+
+
+def _expert_slots(text: str) -> dict[str, int]:
+    """--experts FAMILY=SLOTS,...: strict, every name a family and every count an int >= 0."""
+    from m31.model.config import EXPERT_FAMILIES
+
+    out = {}
+    for item in text.split(","):
+        name, sep, count = item.strip().partition("=")
+        if not sep or name not in EXPERT_FAMILIES or not count.isdigit():
+            fail(
+                f"--experts: expected FAMILY=SLOTS with FAMILY one of {', '.join(EXPERT_FAMILIES)} "
+                f"and SLOTS an integer >= 0, got {item.strip()!r}"
+            )
+        if name in out:
+            fail(f"--experts: {name} given twice")
+        out[name] = int(count)
+    return out

@@ -1,0 +1,319 @@
+"""Trained checkpoints evaluated on a dataset folder (`m31 eval`, `m31 simulate`; DESIGN §8).
+
+Shapes: S training seeds (checkpoints) of a model, n test requests, A ads.
+
+A model given with several checkpoints (training seeds) is reported as mean ± sample standard
+deviation over them; two models are compared request by request (per-request metric averaged
+over seeds) with a 95% percentile-bootstrap interval over test requests (`m31.eval.stats`).
+Checkpoints are evaluated in rounds: round s holds the s-th checkpoint of every model, so memory
+holds one checkpoint per model; baselines (deterministic) go with round 0.
+
+Messages name the command line's options (`--model`, `--compare`, ...), whose values these
+functions take.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from m31.eval.offline import Progress, evaluate, requests_from_split
+from m31.eval.stats import (
+    PairedComparison,
+    SeedSummary,
+    aggregate_seeds,
+    format_paired,
+    format_seed_table,
+    paired_comparison,
+    per_request,
+)
+from m31.features import Features
+from m31.model import Catalog, ScoreFunction, load_checkpoint
+
+
+def load_scorer(
+    path: Path, feats: Features, device: str = "cpu", catalog: Catalog | None = None
+) -> ScoreFunction:
+    """The checkpoint `path` as `m31.eval` scores with it, over `feats` (checked: the features
+    and split it was trained on); its ads read from `catalog` (default: the features' catalogue
+    on `device`). The model and its config: `.model`, `.model.cfg`."""
+    model, _ = load_checkpoint(Path(path), feats, device=device)
+    if catalog is None:
+        catalog = Catalog.from_features(feats).to(device)
+    return ScoreFunction(model, feats, catalog)
+
+
+@dataclass
+class SeedRuns:
+    """Each model's results, one entry per round (training seed): metrics, the target's rank
+    on each request [n] and, on a synthetic world, each request's truth recall."""
+
+    metrics: dict[str, list[dict[str, float]]] = field(default_factory=dict)
+    ranks: dict[str, list[np.ndarray]] = field(default_factory=dict)
+    truth_recall: dict[str, list[dict[str, np.ndarray]]] = field(default_factory=dict)
+
+    def add(self, name: str, metrics: dict, ranks: np.ndarray, truth_recall=None) -> None:
+        self.metrics.setdefault(name, []).append(metrics)
+        self.ranks.setdefault(name, []).append(ranks)
+        if truth_recall is not None:
+            self.truth_recall.setdefault(name, []).append(truth_recall)
+
+    @property
+    def requests(self) -> int:
+        return len(next(iter(self.ranks.values()))[0])
+
+    def summaries(self) -> dict[str, dict[str, SeedSummary]]:
+        return {name: aggregate_seeds(runs) for name, runs in self.metrics.items()}
+
+    def paired(self, a: str, b: str, metric: str) -> PairedComparison:
+        """`a` against `b` on `metric` (hr@K, ndcg@K or truth_recall@K), request by request."""
+        if metric.startswith("truth_recall@"):
+            x, y = (np.stack([seed[metric] for seed in self.truth_recall[m]]) for m in (a, b))
+        else:
+            x, y = (per_request(np.stack(self.ranks[m]), metric) for m in (a, b))
+        return paired_comparison(x, y)
+
+
+@dataclass(frozen=True)
+class Rerank:
+    """A two-stage model, named FIRST>SECOND: SECOND (a ranking model) orders FIRST's top k.
+    With `only`, SECOND scores FIRST's candidates only, never the whole corpus."""
+
+    first: str
+    second: str
+    k: int = 500
+    only: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.first}>{self.second}"
+
+
+@dataclass
+class EvalReport:
+    """What `m31 eval` prints and writes."""
+
+    requests: int
+    ads: int
+    exclude_seen: bool
+    truth: bool  # a synthetic world: truth_recall@K was measured
+    runs: dict[str, list[dict[str, float]]]  # model -> its metrics, one dict per seed
+    summaries: dict[str, dict[str, SeedSummary]]  # model -> metric -> over seeds
+    paired: list[tuple[str, str, dict[str, PairedComparison]]]  # (a, b, metric -> a vs b)
+
+    def means(self) -> dict[str, dict[str, float]]:
+        return {name: {k: v.mean for k, v in m.items()} for name, m in self.summaries.items()}
+
+    def format(self) -> str:
+        lines = [
+            f"{self.requests:,} test requests, {self.ads:,} ads each (full corpus), "
+            f"seen ads {'excluded' if self.exclude_seen else 'kept'}",
+            format_seed_table(self.summaries),
+        ]
+        for a, b, paired in self.paired:
+            lines.append(
+                f"\n{a} vs {b}, paired on the same {self.requests:,} requests (per-request "
+                "metric averaged over seeds; 95% percentile bootstrap over requests):"
+            )
+            lines.append(format_paired(a, b, paired))
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {
+            "requests": self.requests,
+            "means": self.means(),
+            "std": {  # null with one seed
+                name: {k: None if np.isnan(v.std) else v.std for k, v in m.items()}
+                for name, m in self.summaries.items()
+            },
+            "runs": self.runs,
+            "paired": [  # one entry per comparison
+                {"a": a, "b": b, **{k: c.as_dict() for k, c in paired.items()}}
+                for a, b, paired in self.paired
+            ],
+        }
+
+
+def evaluate_runs(
+    data: Path,
+    runs: Sequence[tuple[str, Path]],
+    baselines: Sequence[str] = (),
+    *,
+    split: str = "leave-last-out",
+    ks: Sequence[int] = (10, 50, 100, 500),
+    protocol: str | None = None,
+    max_users: int | None = None,
+    exclude_seen: bool | None = None,
+    reference: str | None = None,
+    rerank: Rerank | None = None,
+    compare: Sequence[tuple[str, str]] = (),
+    device: str = "cpu",
+    progress: Progress | None = None,
+) -> EvalReport:
+    """Full-corpus metrics of checkpoints and baselines on the same test requests of `data`.
+
+    `runs`: (name, checkpoint) pairs, a name repeated for several training seeds; the name ""
+    is the checkpoint's model kind. `protocol` (`m31.eval.protocol`) sets the split, cut-offs
+    and exclusions. `exclude_seen` None: as the dataset's meta says (`repeat_engagement`).
+    `reference`: the model whose top K the others are compared with (default: a ranking model
+    evaluated beside others). `compare`: the pairs compared request by request (default:
+    moe against two-tower when both are evaluated).
+    """
+    from m31.data import dataset
+    from m31.eval.baselines import make_baselines
+    from m31.eval.protocol import protocol as named_protocol
+    from m31.pipeline import features_for
+    from m31.world.truth import GroundTruth
+
+    proto = None
+    if protocol is not None:
+        proto = named_protocol(protocol)
+        if max_users is not None or exclude_seen is False:
+            raise ValueError(
+                f"--protocol {protocol}: every user is evaluated, the history excluded"
+            )
+        split, ks, exclude_seen = proto.split, proto.ks, proto.exclude_history
+    if not runs and not baselines:
+        raise ValueError("nothing to evaluate: give --model and/or --baselines")
+    feats = features_for(data, split)
+    truth = None
+    if (Path(data) / "truth.npz").is_file():
+        truth = GroundTruth.from_arrays(dataset.load_truth(data))
+    if exclude_seen is None:
+        exclude_seen = not dataset.repeat_engagement(feats.meta)
+    try:
+        base_fns = make_baselines(list(baselines), feats)
+    except ValueError as e:
+        raise ValueError(f"--baselines: {e}") from e
+
+    groups: dict[str, list[Path]] = {}  # a bare checkpoint is its own model, named when loaded
+    for name, path in runs:
+        groups.setdefault(name or f"\0{path}", []).append(Path(path))
+    catalog = Catalog.from_features(feats).to(device)
+    seeds = SeedRuns()
+    latest: dict[str, ScoreFunction] = {}  # each model's last loaded checkpoint
+    for s in range(max((len(p) for p in groups.values()), default=1)):
+        fns = dict(base_fns) if s == 0 else {}
+        for key, paths in groups.items():
+            if s < len(paths):
+                fn = load_scorer(paths[s], feats, device, catalog)
+                if proto is not None:
+                    proto.check_model(fn.model.cfg, paths[s])
+                name = fn.model.cfg.kind if key.startswith("\0") else key
+                if name in fns:
+                    raise ValueError(f"two models are named {name!r}; name them NAME=PATH")
+                fns[name] = latest[name] = fn
+        stages = {}
+        if rerank is not None:
+            if s == 0 and (rerank.first not in fns or rerank.second not in fns):
+                raise ValueError(
+                    f"--rerank: {rerank.first!r} and {rerank.second!r} must both be given with "
+                    "--model"
+                )
+            if rerank.first in fns:  # a second stage with fewer seeds serves the later rounds too
+                stages[rerank.name] = (rerank.first, latest[rerank.second].rank, rerank.k)
+            if rerank.only:  # scored as the second stage only
+                fns.pop(rerank.second, None)
+        if reference is None and "ranking" in fns and len(fns) > 1:
+            reference = "ranking"
+        # A reference with fewer seeds than the others serves the later rounds as well, so that
+        # every round reports the same metrics; its own metrics count once per checkpoint.
+        reused = None
+        if reference in latest and reference not in fns:
+            fns[reference] = latest[reference]
+            reused = reference
+        metrics, ranks, *rows = evaluate(
+            fns,
+            feats,
+            split="test",
+            ks=tuple(ks),
+            max_users=max_users,
+            exclude_seen=exclude_seen,
+            truth=truth,
+            reference=reference if reference in fns else None,
+            progress=progress,
+            return_ranks=True,
+            rerank=stages,
+            return_truth_recall=truth is not None,
+        )
+        for name in [*fns, *stages]:
+            if name != reused:
+                seeds.add(name, metrics[name], ranks[name], rows[0][name] if rows else None)
+        del fns
+
+    if not compare and {"moe", "two-tower"} <= set(seeds.ranks):
+        compare = [("moe", "two-tower")]
+    names = [f"{kind}@{k}" for kind in ("hr", "ndcg") for k in ks]
+    names += [f"truth_recall@{k}" for k in ks] if seeds.truth_recall else []
+    paired = []
+    for a, b in compare:
+        if a not in seeds.ranks or b not in seeds.ranks:
+            raise ValueError(f"--compare: need two evaluated models A,B, got {f'{a},{b}'!r}")
+        paired.append((a, b, {metric: seeds.paired(a, b, metric) for metric in names}))
+    return EvalReport(
+        requests=seeds.requests,
+        ads=feats.n_ads,
+        exclude_seen=exclude_seen,
+        truth=truth is not None,
+        runs=seeds.metrics,
+        summaries=seeds.summaries(),
+        paired=paired,
+    )
+
+
+def simulate_funnel(
+    data: Path,
+    retrievers: Sequence[tuple[str, Path]],
+    ranker: Path,
+    *,
+    k: int = 500,
+    slots: int = 4,
+    requests: int = 2000,
+    seed: int = 0,
+    split: str = "leave-last-out",
+    device: str = "cpu",
+) -> dict:
+    """The simulated funnel (`m31.eval.funnel.simulate`) of checkpoints on a synthetic world:
+    each retriever's top `k` eligible ads, ordered by the ranking model `ranker`, `slots` of
+    them shown; conversions drawn from the ground truth. `retrievers`: (name, checkpoint), the
+    first the baseline; the name "" is the checkpoint's model kind."""
+    from m31.data import dataset
+    from m31.eval.funnel import simulate
+    from m31.eval.metrics import topk_rows
+    from m31.pipeline import features_for, funnel_eligibility
+    from m31.world.truth import GroundTruth
+
+    data = Path(data)
+    if not (data / "truth.npz").is_file():
+        raise ValueError(f"{data}: no truth.npz; the funnel needs a synthetic marketplace")
+    feats = features_for(data, split)
+    catalog = Catalog.from_features(feats).to(device)
+    fns = {}
+    for name, path in retrievers:
+        fn = load_scorer(path, feats, device, catalog)
+        name = name or fn.model.cfg.kind
+        if name in fns:
+            raise ValueError(f"two models are named {name!r}; name them NAME=PATH")
+        fns[name] = fn
+    rank = load_scorer(ranker, feats, device, catalog)
+    truth = GroundTruth.from_arrays(dataset.load_truth(data))
+    req = requests_from_split(feats, "test", max_users=requests, seed=seed)
+    eligible = funnel_eligibility(data, feats)
+
+    def retrieve_with(fn):
+        # Retrieval scans only eligible ads, as the index does.
+        return lambda r: topk_rows(np.where(eligible(r.ts), fn(r), -np.inf), k)
+
+    return simulate(
+        {name: retrieve_with(fn) for name, fn in fns.items()},
+        rank.rank,
+        truth,
+        req,
+        k=k,
+        slots=slots,
+        seed=seed,
+        eligible=eligible(req.ts),  # never show an ineligible ad, however few are eligible
+    )
