@@ -107,6 +107,55 @@ def test_the_store_refuses_and_restores(tmp_path):
         UserStore(5, VOCAB).restore(tmp_path / "u")
 
 
+def state_of(store: UserStore, user: int) -> dict[str, list]:
+    """One user's state in `store` (`dump`), as lists."""
+    return {k: v.tolist() for k, v in store.dump(lambda ids: ids == user).items()}
+
+
+def test_users_move_between_stores_exactly():
+    """`dump` / `put` / `owned`: a store made of another's users holds exactly their state;
+    users not moved stay as they were; a store of another L refuses them."""
+    rng = np.random.default_rng(3)
+    source = UserStore(4, VOCAB, capacity=2)
+    for version in range(1, 6):
+        n = int(rng.integers(1, 30))
+        users = rng.integers(0, 40, n)
+        source.add(source.check(users, rng.integers(0, 99, n), rng.integers(0, 50, n),
+                                [VOCAB.surfaces[i] for i in rng.integers(0, 2, n)]), version)  # fmt: skip
+    source.set_attributes(8, {"country": 1, "age": 44})
+    part = source.owned(lambda ids: ids % 2 == 0)
+    held = [u for u in range(40) if u in source]
+    assert sorted(part.dump()["ids"].tolist()) == [u for u in held if u % 2 == 0]
+    other = UserStore(4, VOCAB)
+    other.add(other.check([1, 2, 99], [5, 5, 5], [1, 1, 1], ["feed"] * 3), 1)
+    before = state_of(other, 1)
+    other.put(part.dump())
+    for u in held:
+        if u % 2 == 0:
+            assert state_of(other, u) == state_of(source, u), u
+    assert state_of(other, 1) == before and 99 in other
+    assert other.targeting(other.rows_of([8])[0]) == {"country": "US", "age": 44, "gender": None}
+    with pytest.raises(ValueError, match="L = 4, this store keeps 5"):
+        UserStore(5, VOCAB).put(part.dump())
+
+
+def test_online_users_are_the_seeded_store(world):
+    """What a shard seeds from a cluster state's online features (reading only the users and
+    engagements) is the store a server seeds from the loaded features, in part or whole."""
+    from m31.engine.load import online_users
+    from m31.engine.retriever import seed_users
+    from m31.features import Features
+
+    feats = Features.load(world.snapshot / "online")
+    want = seed_users(feats, int(feats.meta["max_len"])).dump()
+    for keep in (None, lambda ids: ids % 3 == 1):
+        got = online_users(world.snapshot, keep).dump()
+        rows = np.arange(len(want["ids"])) if keep is None else np.flatnonzero(keep(want["ids"]))
+        assert len(rows) and set(got) == set(want)
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name][rows], err_msg=name)
+
+
 def test_bytes_per_user_at_L_50():
     rng = np.random.default_rng(0)
     n = 20_000

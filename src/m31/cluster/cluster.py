@@ -582,13 +582,13 @@ class Cluster:
 
     # ---- mutations ----------------------------------------------------------------------
 
-    def _mutate(self, ops: dict[int, tuple[str, dict, Any]]) -> int:
+    def _mutate(self, ops: dict[int, tuple[str, dict, Any]], key: str | None = None) -> int:
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError
 
         self.last_point = None  # the next read asks the coordinator (reads its own writes)
         try:
-            out = ray.get(self.coordinator.mutate.remote(ops), timeout=MUTATION_TIMEOUT_S)
+            out = ray.get(self.coordinator.mutate.remote(ops, key), timeout=MUTATION_TIMEOUT_S)
         except (RayActorError, GetTimeoutError) as e:
             raise Unavailable(f"the coordinator did not answer ({e}); the mutation may or "
                               "may not have been applied", []) from e  # fmt: skip
@@ -635,6 +635,55 @@ class Cluster:
         return self._mutate(
             {s: ("delete", {"ad_ids": ids[owner == s]}, None) for s in np.unique(owner).tolist()}
         )
+
+    def add_events(self, user_ids, ad_ids, ts, surfaces, key=None, types=None, weights=None) -> int:
+        """Engagement events [n] each (`DurableIndex.add_events`'s arguments) on the shards
+        owning their users, all or none; the new global version (a call whose idempotency `key`
+        was committed already: its version)."""
+        ids = np.asarray(user_ids, dtype=np.int64).reshape(-1)
+        owner = shard_of(ids, len(self.shards))
+        lists = {"surface": surfaces, "type": types, "weight": weights}  # [n] each, or None
+        ops = {}
+        for s in np.unique(owner).tolist():
+            rows = np.flatnonzero(owner == s)
+            args = {"user_id": ids[rows], "ad_id": np.asarray(ad_ids)[rows],
+                    "ts": np.asarray(ts)[rows]}  # fmt: skip
+            for name, values in lists.items():
+                args[name] = None if values is None else [values[i] for i in rows]
+            ops[s] = ("events", args, None)
+        return self._mutate(ops, key)
+
+    def set_users(self, users: Sequence[tuple[int, Mapping[str, int]]]) -> int:
+        """Set attribute codes of users, (user id, codes) each, on their owning shards."""
+        owner = shard_of([u for u, _ in users], len(self.shards)).tolist()
+        ops: dict[int, tuple[str, dict, Any]] = {}
+        for (user_id, codes), s in zip(users, owner, strict=True):
+            ops.setdefault(s, ("users", {"users": []}, None))[1]["users"].append(
+                [int(user_id), dict(codes)]
+            )
+        return self._mutate(ops)
+
+    def user_changes(
+        self, since: Mapping[int, int], timeout_s: float
+    ) -> tuple[dict[int, tuple], list[int]]:
+        """({shard: `Shard.user_changes` after since[shard]} of the shards asked in `since`
+        that answered within `timeout_s`, the shards that did not)."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        calls = {self.shards[s].user_changes.remote(v): s for s, v in since.items()}
+        ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)
+        done = set(ray.wait(list(calls), num_returns=len(calls), timeout=0)[0])
+        out, down = {}, []
+        for ref, s in calls.items():
+            try:
+                if ref not in done:
+                    raise TimeoutError
+                out[s] = ray.get(ref)
+                self.down.discard(s)
+            except (RayActorError, TimeoutError):
+                down.append(s)
+        return out, sorted(down)
 
     def snapshot(self) -> int:
         """Snapshot every shard; the global version."""

@@ -15,12 +15,17 @@ Two-phase commit of one mutation (one at a time, under a mutex):
 1. prepare on every shard it touches (in parallel): each validates and fsyncs a prepare record,
    or says no (an invalid mutation: the error is the caller's 422) or is unreachable (down,
    restarting, or silent for `PREPARE_WAIT_S`);
-2. all said yes: append ("commit", txn, version, shards) to `decisions.log` and fsync — the
+2. all said yes: append ("commit", txn, version, shards, key) to `decisions.log` and fsync — the
    commit point; otherwise send abort to every participant and answer at once (nothing was
    changed; a participant that missed the abort drops the transaction at its next prepare);
 3. commit on every participant, retrying a shard that died until its restarted actor takes it
    (the shard, recovered from its logs, holds the transaction in doubt until then);
 4. advance `version` and answer it.
+
+Idempotency keys: a mutation may carry one (an events call's); it is logged in its commit
+record (and carried into the base record a snapshot leaves), and a mutation whose key was
+committed already is answered with that commit's version without being applied again. The
+last `MAX_KEYS` keys are remembered.
 
 A coordinator that dies is restarted by Ray. Its constructor reads `decisions.log` only, so it
 cannot fail because shards are down (Ray does not restart an actor whose constructor failed);
@@ -36,11 +41,13 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from m31.cluster.records import RecordLog
+from m31.index.users import MAX_KEYS
 
 
 def ray_get(refs):
@@ -67,15 +74,19 @@ class Coordinator:
         self._state = threading.Condition()  # guards version, touched, ads, recovering
         self._failed: str | None = None
         self.version, self.touched = 0, [0] * len(self.shards)
+        self._keys: OrderedDict[str, int] = OrderedDict()  # idempotency key -> version
         last: list[tuple[str, int] | None] = [None] * len(self.shards)
         for record in records:
             if record[0] == "base":
                 self.version, self.touched = record[1], list(record[2])
+                self._keys = OrderedDict(record[3] if len(record) > 3 else [])
             else:
-                _, txn, version, participants = record
+                txn, version, participants = record[1:4]
                 self.version = version
                 for s in participants:
                     self.touched[s], last[s] = version, (txn, version)
+                if len(record) > 4 and record[4] is not None:
+                    self._remember(record[4], version)
         self._last = last  # per shard: (txn, version) of the last commit that touched it
         self.ads = [0] * len(self.shards)
         self._recovering = set(range(len(self.shards)))
@@ -138,13 +149,23 @@ class Coordinator:
         with self._state:
             return {s: self._why.get(s, "not answered yet") for s in sorted(self._recovering)}
 
-    def mutate(self, ops: Mapping[int, tuple[str, dict[str, Any], Any]]) -> tuple:
+    def _remember(self, key: str, version: int) -> None:
+        self._keys[key] = version
+        while len(self._keys) > MAX_KEYS:
+            self._keys.popitem(last=False)
+
+    def mutate(
+        self, ops: Mapping[int, tuple[str, dict[str, Any], Any]], key: str | None = None
+    ) -> tuple:
         """Apply {shard: (op, args, check)} atomically. ("ok", version, live ads), ("invalid",
-        message) when a shard refused it, or ("unavailable", message, shards)."""
+        message) when a shard refused it, or ("unavailable", message, shards). A mutation
+        whose idempotency `key` was committed already: ("ok", that version, live ads)."""
         import ray
         from ray.exceptions import RayActorError, RayTaskError
 
         with self._mutex:
+            if key is not None and key in self._keys:
+                return ("ok", self._keys[key], sum(self.ads))
             if self._failed is not None:
                 return ("unavailable", self._failed, [])
             participants = sorted(ops)
@@ -184,7 +205,9 @@ class Coordinator:
                 return ("unavailable", f"shards {down} unavailable (down or restarting); "
                         "nothing was changed", down)  # fmt: skip
             version = self.version + 1
-            self._log.append(("commit", txn, version, participants))
+            self._log.append(("commit", txn, version, participants, key))
+            if key is not None:
+                self._remember(key, version)
             ads = self._decide_all(
                 participants, lambda s: self.shards[s].commit.remote(txn, version)
             )
@@ -243,7 +266,9 @@ class Coordinator:
             if down:
                 return ("unavailable", f"shards {down} unavailable (down or restarting); the "
                         "others wrote their snapshots", down)  # fmt: skip
-            self._log.rewrite([("base", self.version, list(self.touched))])
+            self._log.rewrite(
+                [("base", self.version, list(self.touched), list(self._keys.items()))]
+            )
             return ("ok", self.version)
 
     def pid(self) -> int:

@@ -6,10 +6,12 @@ Layout of a cluster state folder STATE::
     STATE/cluster.json              {"format": "m31.cluster", "format_version", "shards": S,
                                      "partition": "splitmix64(ad_id) mod S"}
     STATE/coordinator/decisions.log the coordinator's durable decisions (m31.cluster.coordinator)
-    STATE/shard-<i>/index/          shard i's DurableIndex (snapshot + write-ahead log)
+    STATE/shard-<i>/index/          shard i's DurableIndex (snapshot + write-ahead log), with the
+                                users it owns (users/ in its snapshot, events in its log)
+STATE/online/                   the online features (`m31.engine.load`), users seeded from them
     STATE/shard-<i>/txn.log         shard i's two-phase-commit log (m31.cluster.shard)
 
-An ad belongs to shard `splitmix64(ad_id) mod S`: the finaliser of SplitMix64 spreads any
+An ad belongs to shard `splitmix64(ad_id) mod S`, and a user to `splitmix64(user_id) mod S`: the finaliser of SplitMix64 spreads any
 id pattern (sequential, strided) evenly, and depends on nothing but the id and S, so every
 process, on any machine, routes an ad to the same shard.
 """
@@ -28,6 +30,8 @@ import pyarrow.parquet as pq
 
 from m31.cluster.records import RecordLog, read_records
 from m31.index import AdIndex, DurableIndex, read_manifest
+from m31.index.durable import USERS
+from m31.index.users import read_state, write_state
 
 FORMAT = "m31.cluster"
 FORMAT_VERSION = 1
@@ -80,6 +84,8 @@ def read_snapshot(path: Path) -> dict:
     path = Path(path)
     meta = read_manifest(path)
     return {
+        # (L, state, keys) of its users/ (a serving folder's snapshot), if it has one
+        "users": read_state(path / USERS) if (path / USERS).is_dir() else None,
         "meta": meta,
         "ids": np.load(path / "ids.npy"),  # [n]
         "g": np.load(path / "g.npy"),  # [n, G]
@@ -124,9 +130,10 @@ def write_cluster(
     device: str = "cpu",
     log: Callable[[str], None] | None = None,
 ) -> Path:
-    """A new cluster state folder `out` of `shards` shards holding the ads of `parts`
-    (`read_snapshot`'s dict), whose global version starts at `base_version`. Written beside
-    `out` and renamed into place, so `out` is complete when it exists."""
+    """A new cluster state folder `out` of `shards` shards holding the ads (and the users, if
+    any) of `parts` (`read_snapshot`'s dict), whose global version starts at `base_version`.
+    Written beside `out` and renamed into place, so `out` is complete when it exists. The
+    users' idempotency keys are not carried (the coordinator's start empty)."""
     out = Path(out)
     if shards < 1:
         raise ClusterStateError(f"shards: at least 1, got {shards}")
@@ -138,9 +145,19 @@ def write_cluster(
     tmp.mkdir(parents=True)
     try:
         owner = shard_of(parts["ids"], shards)
+        users = parts.get("users")
+        user_owner = None if users is None else shard_of(users[1]["ids"], shards)
         for i in range(shards):
             rows = np.flatnonzero(owner == i)
-            DurableIndex.create(shard_dir(tmp, i) / "index", _index_of(parts, rows, device)).close()
+            mine = None
+            if users is not None:
+                length, state = users[0], {k: v[user_owner == i] for k, v in users[1].items()}
+
+                def mine(folder: Path, length=length, state=state) -> None:
+                    write_state(folder, length, state)
+
+            index = _index_of(parts, rows, device)
+            DurableIndex.create(shard_dir(tmp, i) / "index", index, users=mine).close()
             RecordLog.open(shard_dir(tmp, i) / "txn.log")[0].rewrite([("base", base_version, None)])
             if log is not None:
                 log(f"shard {i}: {len(rows):,} ads")
@@ -172,17 +189,20 @@ def reshard(state: Path, shards: int, out: Path, device: str = "cpu", log=None) 
     """`m31 cluster reshard`: the ads of the cluster state folder `state` (offline: no server
     may have it open) re-partitioned over `shards` shards into the new folder `out`.
 
-    Each shard's DurableIndex is opened (its snapshot and log replayed) and its live ads
-    written out; the global version carries over, so versions keep growing. A shard holding
+    Each shard's DurableIndex is opened (its snapshot and log replayed, its users seeded from
+    the state's online features) and its live ads and users written out; the global version
+    carries over, so versions keep growing. A shard holding
     a prepared transaction without a decision is refused: start the cluster once (its
     coordinator resolves it), stop it, and reshard then.
     """
     import tempfile
 
+    from m31.engine.load import online_users
+
     old = read_layout(state)
     decisions = read_records(coordinator_dir(state) / "decisions.log")
     version = max(r[1] if r[0] == "base" else r[2] for r in decisions)
-    chunks = []
+    chunks, users = [], []
     with tempfile.TemporaryDirectory(dir=Path(out).parent) as tmp:
         for i in range(old):
             records = read_records(shard_dir(state, i) / "txn.log")
@@ -194,11 +214,17 @@ def reshard(state: Path, shards: int, out: Path, device: str = "cpu", log=None) 
                     f"{shard_dir(state, i)}: a prepared transaction awaits its decision; start "
                     "the cluster once to resolve it, then reshard"
                 )
-            with DurableIndex.open(shard_dir(state, i) / "index", device=device) as store:
+            seeded = online_users(state, lambda ids, i=i: shard_of(ids, old) == i)
+            path = shard_dir(state, i) / "index"
+            with DurableIndex.open(path, device=device, users=seeded) as store:
                 folder = Path(tmp) / f"shard-{i}"
                 store.index.save(folder, model_hash=store.index.model_hash)
+                if store.users is not None:
+                    users.append((store.users.length, store.users.dump()))
             chunks.append(read_snapshot(folder))
+        merged = {k: np.concatenate([u[k] for _, u in users]) for k in users[0][1]} if users else {}
         parts = {
+            "users": (users[0][0], merged, []) if users else None,
             "meta": chunks[0]["meta"],
             **{k: np.concatenate([c[k] for c in chunks]) for k in ("ids", "g", "x", "b")},
             "attributes": pa.concat_tables([c["attributes"] for c in chunks]),

@@ -12,6 +12,14 @@ outage is a `ClusterUnavailable`, the serve package's `Unavailable` that also an
 Retry-After) on a route that does not catch it (readiness, `min_version`). /health/ready is 503
 while a shard or the coordinator is down or recovering, and names them.
 
+Users: the shards own them (`m31.cluster.shard`); events and attribute writes are mutations
+routed to their owners through the coordinator, under one idempotency key per call. Each
+replica keeps a copy of every user, which the retrieve path reads as one server reads its
+store, and follows the owners' changes (`Shard.user_changes`): every `USERS_FOLLOW_S` in the
+background, and before a call with `min_version` proceeds, until the copy holds every user
+change up to that version (`reached`). Without `min_version`, a call sees what was
+acknowledged about `USERS_FOLLOW_S` (plus one round trip) before it.
+
 Retrieval: each call of a batch (a chunk) is answered on its own, as soon as the shards it needs
 answered: all of them for a call that wants a whole answer, those that are not down for one
 that allows a partial answer. A chunk still waiting just before its own deadline is answered
@@ -25,6 +33,7 @@ waiter thread, and the calls behind them run meanwhile.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -37,6 +46,7 @@ import torch
 from starlette.exceptions import HTTPException
 
 from m31.cluster.cluster import Cluster, Read, ready
+from m31.cluster.shard import take_user_changes
 from m31.engine import Retriever
 from m31.engine.ad_encoder import AdEncoder
 from m31.engine.load import model_and_features
@@ -45,8 +55,10 @@ from m31.ops.threads import single_threaded
 from m31.pipeline import embedding_cache_dir
 from m31.serve import batcher
 from m31.serve.config import ServeConfig
-from m31.serve.schemas import AdIn, Ranked, check_bounds
-from m31.serve.service import Ask, NotFound, Service, Unavailable
+from m31.serve.schemas import AdIn, EventIn, Ranked, UserAttributesIn, check_bounds
+from m31.serve.service import Ask, NotFound, Service, Unavailable, event_columns
+
+log = logging.getLogger("m31.cluster")
 
 # A chunk still waiting is answered this share of its time before its deadline (within the
 # bounds below), so that the answer (503 naming the shards, or partial) reaches its handler
@@ -65,6 +77,10 @@ STATUS_TIMEOUT_S = 2.0
 LOAD_WAIT_S = 300.0
 # How often the waiter looks for batches handed to it while it waits on Ray.
 WAITER_POLL_S = 0.05
+# How often a replica takes the shards' user changes in the background (the freshness bound
+# of a call without min_version), and how long it waits for a shard's answer.
+USERS_FOLLOW_S = 0.2
+USERS_WAIT_S = 2.0
 
 
 class ClusterUnavailable(Unavailable, HTTPException):
@@ -243,6 +259,11 @@ class ClusterService(Service):
         self._typical_s = 0.0  # a batch's gather, when every shard answers
         # Whether `retrieve_batch` may answer a chunk with a Future (the batcher settles it).
         self.defer = batcher.DynamicBatcher.deferred_results
+        # The user copy holds every change of shard s's users up to version _users_at[s]; -1:
+        # none taken yet (the first take is each shard's whole state).
+        self._users_at = [-1] * len(cluster.shards)
+        self._users_lock = threading.Lock()  # one take of user changes at a time
+        self._closed = threading.Event()
 
     @classmethod
     def load(cls, config: ServeConfig, cluster: Cluster) -> ClusterService:
@@ -256,6 +277,11 @@ class ClusterService(Service):
                 f"the shards' vectors are G = {info['dim_g']}, D = {info['dim_x']}; the "
                 f"model's are G = {net.G}, D = {net.D}"
             )
+        if info["users_length"] not in (None, net.cfg.max_len):
+            raise ValueError(
+                f"the shards keep {info['users_length']} engagements per user; the model reads "
+                f"{net.cfg.max_len}"
+            )
         retriever = Retriever(net, feats, schema_index(info, config.device))
         retriever.group_caps = False  # the ads' campaigns and advertisers are on the shards
         encoder = AdEncoder(net, feats, embedding_cache_dir())
@@ -265,6 +291,8 @@ class ClusterService(Service):
             service.stats()
         except Unavailable:
             pass  # what is known is kept; readiness says what is down
+        service.follow_users()
+        threading.Thread(target=service._follow, name="m31-users", daemon=True).start()
         return service
 
     # -- state ----------------------------------------------------------------------------------
@@ -291,23 +319,72 @@ class ClusterService(Service):
         self._rows = sum(r for _, r in self._shards.values())
         if point is not None:
             self._seen(point[0])
-        if point is None or down:
+        untaken = [s for s, at in enumerate(self._users_at) if at < 0]
+        if point is None or down or untaken:
             parts = [f"shard {s} {why}" for s, why in down.items()]
             if point is None:
                 parts.insert(0, "the coordinator is down or restarting")
-            raise ClusterUnavailable(f"not ready: {'; '.join(parts)}", sorted(down))
+            if untaken and not down:
+                parts.append(f"the users of shards {untaken} are not taken yet")
+            raise ClusterUnavailable(f"not ready: {'; '.join(parts)}", sorted({*down, *untaken}))
         return self._ads, self._rows, self._version
 
     def _seen(self, version: int) -> None:
         self._version = max(self._version, version)
 
     def reached(self, version: int) -> bool:
-        if self._version < version:
-            self._seen(self._call(self.cluster.read_point, self.timeout_s)[0])
-        return self._version >= version
+        """Whether the shards are at `version` or newer and the user copy holds every user
+        change up to it (taken from the shards that changed since, if needed)."""
+        if self._version < version or min(self._users_at) < version:
+            point = self._call(self.cluster.read_point, self.timeout_s)
+            self._seen(point[0])
+            if point[0] >= version:
+                self._users_up_to(point)
+        return self._version >= version and min(self._users_at) >= version
+
+    def _users_up_to(self, point: tuple[int, list[int]]) -> None:
+        """Make the user copy hold every user change up to the read point (version, touched):
+        a shard whose copy reaches touched[s] has no change after it up to `version`; the
+        others are asked for theirs. `ClusterUnavailable` naming those that do not answer."""
+        version, touched = point
+        with self._users_lock:
+            behind = {s: at for s, at in enumerate(self._users_at) if at < touched[s]}
+            if behind:
+                self._take_users(behind, self.timeout_s)
+            for s, at in enumerate(self._users_at):
+                if at >= touched[s]:
+                    self._users_at[s] = max(at, version)
+
+    def follow_users(self) -> list[int]:
+        """Take every shard's user changes since the copy's version of it; the shards that did
+        not answer (their changes are taken next time)."""
+        with self._users_lock:
+            return self._take_users(dict(enumerate(self._users_at)), USERS_WAIT_S, strict=False)
+
+    def _take_users(
+        self, since: dict[int, int], timeout_s: float, strict: bool = True
+    ) -> list[int]:
+        answers, down = self.cluster.user_changes(since, timeout_s)
+        for s, answer in answers.items():
+            version = take_user_changes(self.retriever.users, answer)
+            self._users_at[s] = max(self._users_at[s], version)
+        if down and strict:
+            raise ClusterUnavailable(
+                f"shards {down} did not give their users' changes within {timeout_s:g} s (down "
+                "or restarting)", down)  # fmt: skip
+        return down
+
+    def _follow(self) -> None:
+        """Take the shards' user changes every `USERS_FOLLOW_S` until closed."""
+        while not self._closed.wait(USERS_FOLLOW_S):
+            try:
+                self.follow_users()
+            except Exception:  # a shard's bug, or Ray going away: the next round tries again
+                log.exception("taking the shards' user changes failed")
 
     def close(self) -> None:
-        """Nothing: the actors belong to whoever started the cluster."""
+        """Stop following the users; the actors belong to whoever started the cluster."""
+        self._closed.set()
 
     # -- retrieval ------------------------------------------------------------------------------
 
@@ -415,12 +492,22 @@ class ClusterService(Service):
     def snapshot(self) -> int:
         return self._mutated(self._call(self.cluster.snapshot))
 
-    def add_events(self, events, key):
-        raise NotImplementedError(
-            "user events are served by m31 serve, not yet by m31 serve --ray (docs/SCALING.md)"
+    # -- users ----------------------------------------------------------------------------------
+
+    @property
+    def users(self) -> int:
+        """Users the replica's copy holds."""
+        return len(self.retriever.users)
+
+    def add_events(self, events: list[EventIn], key: str | None) -> int:
+        """Checked here (a ValueError naming `events[i].field`), then committed on the shards
+        owning the users, all or none; the global version that holds them."""
+        users, ads, ts, surfaces, types, weights = event_columns(events)
+        self.retriever.users.check(users, ads, ts, surfaces)
+        return self._mutated(
+            self._call(self.cluster.add_events, users, ads, ts, surfaces, key, types, weights)
         )
 
-    def set_users(self, users):
-        raise NotImplementedError(
-            "user attributes are served by m31 serve, not yet by m31 serve --ray (docs/SCALING.md)"
-        )
+    def set_users(self, users: list[UserAttributesIn]) -> int:
+        """Replace the attributes of each user (created if new) on its shard."""
+        return self._mutated(self._call(self.cluster.set_users, self.user_codes(users)))

@@ -10,6 +10,15 @@ request's k; the shard builds the masks over its rows and runs `m31.engine.searc
 answer is its own exact top-k under the global tie rule. It answers at a global version: the
 last transaction it committed (`applied`), or an older one it still holds a view of.
 
+Users: the shard owns the users `shard_of(user_id)` routes to it (the same partition as the
+ads'), seeded from the cluster state's online features (`m31.engine.load.online_users`) and kept
+in its DurableIndex's user store: engagement events and user attributes are mutations like the
+ads' (ops "events" and "users"), logged and versioned the same way. Ingress replicas keep a copy
+of every user and follow the owners' changes (`user_changes`): the changes committed since a
+version, in version order, from a feed the shard keeps in memory (rebuilt from its transaction
+log after a restart), or the owned users' whole state when the feed no longer reaches back
+that far.
+
 Mutations (two-phase, one transaction at a time; the coordinator serialises them):
 
 * `prepare(txn, op, args, check, last)` first decides a transaction still prepared here with
@@ -45,8 +54,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from m31.cluster.layout import read_layout, shard_of
 from m31.cluster.records import RecordLog
 from m31.engine import eligible_masks, request_context, search
+from m31.engine.load import online_users
 from m31.index import AdIndexError, DurableIndex, DurableIndexError, compile_filter
 from m31.ops.threads import single_threaded
 
@@ -54,6 +65,10 @@ from m31.ops.threads import single_threaded
 KEEP_VIEWS = 2
 # How long a (re)starting shard waits for its folder's lock before it gives up.
 LOCK_WAIT_S = 300.0
+# Mutations of users, which the feed of `user_changes` keeps.
+USER_OPS = ("events", "users")
+# User changes the feed keeps (the most recent); a replica further behind takes a whole state.
+FEED_CHANGES = 10_000
 
 
 class TransactionError(RuntimeError):
@@ -89,27 +104,48 @@ class Moved:
     version: int
 
 
+def take_user_changes(users, answer: tuple) -> int:
+    """Apply a shard's `Shard.user_changes` answer to a copy of its users (`UserStore`); the
+    version the copy then holds that shard's users at."""
+    if answer[0] == "state":
+        users.put(answer[1])
+    elif answer[0] == "changes":
+        for version, op, args in answer[1]:
+            if op == "events":
+                checked = users.check(args["user_id"], args["ad_id"], args["ts"], args["surface"])
+                users.add(checked, version)
+            else:
+                for user_id, codes in args["users"]:
+                    users.set_attributes(user_id, codes)
+    return answer[-1]
+
+
 class Shard:
     def __init__(self, path: str | Path, index: int, device: str = "cpu") -> None:
         self.path, self.number, self.device = Path(path), index, device
-        self._store = self._open(self.path / "index", device)
+        shards = read_layout(self.path.parent)
+        users = online_users(self.path.parent, lambda ids: shard_of(ids, shards) == index)
+        self._store = self._open(self.path / "index", device, users)
         self._log, records = RecordLog.open(self.path / "txn.log")
         self._mutex = threading.Lock()  # one prepare/commit/abort/snapshot at a time
-        self._state = threading.Lock()  # guards applied and views
+        self._state = threading.Lock()  # guards applied, views and the user feed
         self._prepared: _Prepared | None = None
         self.applied, self._last_txn = 0, None
+        # The user changes committed after version `_feed_from`: (version, op, args) each.
+        self._feed: list[tuple[int, str, dict]] = []
+        self._feed_from = 0
         for record in records:
             self._recover(record)
         self._views: dict[int, Any] = {}
 
     @staticmethod
-    def _open(path: Path, device: str) -> DurableIndex:
+    def _open(path: Path, device: str, users) -> DurableIndex:
         """Open the shard's DurableIndex, waiting while another process still holds it: the
         process a restart replaces may take a moment to be gone (or hang, stopped)."""
         deadline = time.monotonic() + LOCK_WAIT_S
         while True:
             try:
-                return DurableIndex.open(path, device=device)
+                return DurableIndex.open(path, device=device, users=users)
             except DurableIndexError as e:
                 if "already open" not in str(e) or time.monotonic() > deadline:
                     raise
@@ -119,6 +155,7 @@ class Shard:
         kind = record[0]
         if kind == "base":
             self.applied, self._last_txn = record[1], record[2]
+            self._feed, self._feed_from = [], record[1]
         elif kind == "prepare":
             self._prepared = _Prepared(*record[1:])
         elif kind == "commit":
@@ -129,6 +166,7 @@ class Shard:
             if self._store.version < prepared.local_version:  # decided, not yet applied
                 self._apply(prepared)
             self._prepared, self.applied, self._last_txn = None, version, txn
+            self._follow(prepared, version)
         elif kind == "abort":
             self._prepared = None
 
@@ -148,6 +186,8 @@ class Shard:
             "dim_x": index.dim_x,
             "dtype": str(index.dtype).removeprefix("torch."),
             "model_hash": index.model_hash,
+            "users": None if self._store.users is None else len(self._store.users),
+            "users_length": None if self._store.users is None else self._store.users.length,
         }
 
     def _view(self, at: int | None):
@@ -207,6 +247,19 @@ class Shard:
     def contains(self, ad_id: int) -> bool:
         return ad_id in self._store.index
 
+    def user_changes(self, since: int) -> tuple:
+        """What changed in this shard's users after global version `since`, up to the version
+        it is at: ("changes", [(version, op, args)] in version order, version) or, when the
+        feed does not reach back to `since`, ("state", `UserStore.dump` of its users, version).
+        ("none", version) for a shard without a user store."""
+        with self._state:
+            users = self._store.users
+            if users is None:
+                return ("none", self.applied)
+            if since >= self._feed_from:
+                return ("changes", [c for c in self._feed if c[0] > since], self.applied)
+            return ("state", users.dump(), self.applied)
+
     # ---- two-phase commit ---------------------------------------------------------------
 
     def prepare(
@@ -217,7 +270,7 @@ class Shard:
         check: Callable | None = None,
         last: tuple[str, int] | None = None,
     ):
-        """Validate and log `op` (upsert, update_attributes, delete) for `txn`; AdIndexError
+        """Validate and log `op` (upsert, update_attributes, delete, events, users) for `txn`; AdIndexError
         (ValueError) if invalid. `check(attrs, stored)`: an extra check of an update against
         the ad's stored attributes (e.g. a range with one end changed). `last`: as in
         `resolve`, which decides a transaction still prepared here first."""
@@ -245,11 +298,38 @@ class Shard:
                 logged = {"ad_id": checked.ad_id, "attrs": checked.attrs}
             elif op == "delete":
                 logged = {"ad_ids": index.check_delete(args["ad_ids"])}
+            elif op in USER_OPS:
+                logged = self._check_users(op, args)
             else:
                 raise AdIndexError(f"unknown operation {op!r}")
             prepared = _Prepared(txn, op, logged, self._store.version + 1)
             self._log.append(("prepare", txn, op, logged, prepared.local_version))
             self._prepared = prepared
+
+    def _check_users(self, op: str, args: Mapping[str, Any]) -> dict[str, Any]:
+        """The logged form of a user mutation; AdIndexError if invalid."""
+        users = self._store.users
+        if users is None:
+            raise AdIndexError(
+                "this cluster has no user store (its state folder has no online features to "
+                "seed it: make it from an index `m31 index build` wrote)"
+            )
+        if op == "users":
+            return {
+                "users": [[int(u), {k: int(v) for k, v in c.items()}] for u, c in args["users"]]
+            }
+        try:
+            checked = users.check(args["user_id"], args["ad_id"], args["ts"], args["surface"])
+        except ValueError as e:
+            raise AdIndexError(str(e)) from e
+        return {
+            "user_id": checked.user_id,  # [n] int64 each
+            "ad_id": checked.ad_id,
+            "ts": checked.ts,
+            "surface": list(args["surface"]),  # names, as the DurableIndex logs them
+            "type": args.get("type"),
+            "weight": args.get("weight"),
+        }
 
     def commit(self, txn: str, version: int) -> int:
         """Apply the prepared `txn` as global `version`; idempotent (a retried commit). The
@@ -267,7 +347,18 @@ class Shard:
         with self._state:  # a view is labelled with the version its rows are at
             self._apply(prepared)
             self._prepared, self.applied, self._last_txn = None, version, txn
+            self._follow(prepared, version)
         return len(self._store.index)
+
+    def _follow(self, prepared: _Prepared, version: int) -> None:
+        """Keep a committed user change in the feed (the last `FEED_CHANGES` of them)."""
+        if prepared.op not in USER_OPS:
+            return
+        self._feed.append((version, prepared.op, prepared.args))
+        if len(self._feed) > FEED_CHANGES:
+            dropped = len(self._feed) - FEED_CHANGES
+            self._feed_from = self._feed[dropped - 1][0]
+            del self._feed[:dropped]
 
     def abort(self, txn: str) -> None:
         """Drop the prepared `txn`; nothing if this shard does not hold it (an abort may
@@ -302,6 +393,11 @@ class Shard:
             store.upsert(a["ad_ids"], a["g"], a["x"], a["b"], a["attributes"])
         elif prepared.op == "update_attributes":
             store.update_attributes(a["ad_id"], **a["attrs"])
+        elif prepared.op == "events":
+            store.add_events(a["user_id"], a["ad_id"], a["ts"], a["surface"], None,
+                             types=a["type"], weights=a["weight"])  # fmt: skip
+        elif prepared.op == "users":
+            store.set_users(a["users"])
         else:
             store.delete(a["ad_ids"])
         if store.version != prepared.local_version:

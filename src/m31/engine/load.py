@@ -24,9 +24,10 @@ from pathlib import Path
 
 from m31.data.dataset import write_atomic
 from m31.engine.ad_encoder import AdEncoder
-from m31.engine.retriever import Retriever, seed_users
+from m31.engine.retriever import Retriever, seed_users, users_of
 from m31.features import Features
 from m31.index import DurableIndex
+from m31.index.users import UserStore
 from m31.model import checkpoint_hash, load_checkpoint
 from m31.model.checkpoint import check_trained_on
 from m31.pipeline import embedding_cache_dir, features_for
@@ -65,6 +66,37 @@ def model_and_features(model: Path, data: Path, device: str = "cpu") -> tuple:
         feats = features_for(data, split=blob["split"]["name"])
     check_trained_on(blob, feats, Path(model))
     return net, feats
+
+
+def online_users(folder: Path, keep=None) -> UserStore | None:
+    """The user store the online features in `folder` seed (as `seed_users`, with the L they
+    were written with), reading only the users, the catalogue's ids and the engagements; only
+    the users whose ids `keep` selects (`UserStore.dump`), all without it. None if `folder`
+    holds no online features (a cluster state made without them)."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    from m31.features.sequences import EventSequences
+
+    if not has_online(folder):
+        return None
+    online = Path(folder) / ONLINE
+    meta = json.loads((online / "meta.json").read_text())
+    # Online features written before they recorded their L kept the config's.
+    length = int(meta.get("max_len", meta["config"]["max_len"]))
+    table = pq.read_table(online / "engagements.parquet")
+    columns = {k: table[k].to_numpy() for k in table.column_names}
+    user, ts = columns.pop("user"), columns.pop("ts")
+    users = pq.read_table(online / "users.parquet")
+    store = users_of(
+        meta["vocab"],
+        {k: users[k].to_numpy() for k in users.column_names},
+        pq.read_table(online / "ads.parquet", columns=["ad_id"])["ad_id"].to_numpy(),
+        EventSequences.from_events(user, ts, meta["n_users"], **columns),
+        length,
+    )
+    return store if keep is None else store.owned(keep)
 
 
 def write_online(folder: Path, feats: Features, max_len: int) -> None:

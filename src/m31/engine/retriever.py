@@ -162,7 +162,15 @@ def seed_users(feats: Features, length: int) -> UserStore:
     """The user store `feats` seed: every user of the features, their attributes and last
     `length` engagements (rows in the features' order, so a seeded user's row is its feature
     row)."""
-    vocab = feats.meta["vocab"]
+    return users_of(feats.meta["vocab"], feats.users, feats.ads["ad_id"], feats.engagements, length)
+
+
+def users_of(
+    vocab: Mapping, users: Mapping[str, np.ndarray], ad_ids: np.ndarray, engagements, length: int
+) -> UserStore:
+    """`seed_users` from the parts of features it reads: the vocabularies, the users' columns,
+    the catalogue's ad ids and the engagement sequences (`EventSequences`, items as catalogue
+    rows)."""
     codes = Vocab(
         surfaces=tuple(vocab["surface"]),
         countries=tuple(vocab["country"]),
@@ -170,15 +178,15 @@ def seed_users(feats: Features, length: int) -> UserStore:
         cohorts=tuple(vocab["cohort"]),
         n_age_buckets=N_AGE_BUCKETS,
     )
-    seq = feats.engagements.last(length)
-    user_ids = feats.users["user_id"]
+    seq = engagements.last(length)
+    user_ids = users["user_id"]
     events = Events(
         user_id=user_ids[np.repeat(np.arange(seq.n_users), np.diff(seq.offsets))],
-        ad_id=feats.ads["ad_id"][seq.values["item"]],
+        ad_id=ad_ids[seq.values["item"]],
         ts=seq.ts,
         surface=seq.values["surface"].astype(np.int16),
     )
-    attributes = {a: feats.users[a] for a in USER_ATTRIBUTES}
+    attributes = {a: users[a] for a in USER_ATTRIBUTES}
     return UserStore.seed(length, codes, user_ids, attributes, events)
 
 

@@ -160,7 +160,7 @@ class Features:
         a user's kept events sees fewer of them than the full features would give."""
         return Features(
             config=self.config,
-            meta={**self.meta, "online": True},
+            meta={**self.meta, "online": True, "max_len": max_len or self.config.max_len},
             ads=self.ads,
             users=self.users,
             text_emb=self.text_emb,

@@ -302,12 +302,14 @@ class DurableIndex:
         path: str | Path,
         source: AdIndex | str | Path,
         device: str | torch.device = "cpu",
+        users: Callable[[Path], None] | None = None,
     ) -> DurableIndex:
         """Initialise the folder `path` (absent or empty) from an index or a snapshot folder.
 
         An `AdIndex` is taken over as it is, `model_hash` included (its owner must not mutate
         it afterwards); a snapshot folder is loaded onto `device`. The first snapshot is
-        written at the index's version, with an empty log.
+        written at the index's version, with an empty log; `users(folder)` writes its users/
+        (`m31.index.users.write_state`: the users a cluster's shard starts with).
         """
         path = Path(path)
         if path.exists() and (not path.is_dir() or any(path.iterdir())):
@@ -324,7 +326,8 @@ class DurableIndex:
         try:
             index = source if isinstance(source, AdIndex) else AdIndex.load(source, device)
             name = _snapshot_name(index.version)
-            index.save(path / name, model_hash=index.model_hash)
+            beside = None if users is None else lambda tmp: users(tmp / USERS)
+            index.save(path / name, model_hash=index.model_hash, beside=beside)
             log_fd = _new_log(path)
             _point_link(path, name)  # last, so a folder with a link is always complete
         except BaseException:

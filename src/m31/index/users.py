@@ -42,6 +42,8 @@ import numpy as np
 ATTRIBUTES = ("cohort", "age_bucket", "gender", "country", "age")
 MAX_KEYS = 100_000  # idempotency keys remembered (the most recent)
 FILES = ("users.npz", "keys.json")
+# A user's state as `dump` gives it, one array each: ids first.
+ARRAYS = ("ids", "ad", "ts", "surface", "held", *ATTRIBUTES)
 
 
 @dataclass(frozen=True)
@@ -288,35 +290,68 @@ class UserStore:
         self._surface[r, slot] = merged["surface"][keep]
         self._held[touched] = kept
 
+    # ---- moving users between stores (a cluster's shards and ingress replicas) -------------
+
+    def dump(self, keep=None) -> dict[str, np.ndarray]:
+        """The users' state as arrays [n, ...] (`ARRAYS`): every user, or those whose id
+        `keep(ids [U]) -> bool [U]` selects; `put` gives it to another store of the same L."""
+        with self._lock:
+            n = self._n_users
+            rows = np.arange(n) if keep is None else np.flatnonzero(keep(self._ids[:n]))
+            return {name: getattr(self, f"_{name}")[rows].copy() for name in ARRAYS}
+
+    def put(self, state: Mapping[str, np.ndarray]) -> None:
+        """Give each user of `state` (`dump`'s) exactly the state it holds there, creating
+        the users this store does not hold; other users are left as they are."""
+        if state["ad"].shape[1:] != (self.length,):
+            raise ValueError(
+                f"users kept with L = {state['ad'].shape[1]}, this store keeps {self.length}"
+            )
+        with self._lock:
+            rows = self._rows_or_new(np.asarray(state["ids"], np.int64))
+            for name in ARRAYS[1:]:
+                getattr(self, f"_{name}")[rows] = state[name]
+
+    def owned(self, keep) -> UserStore:
+        """A new store of the users whose id `keep` selects (as in `dump`), keys left out."""
+        store = UserStore(self.length, self.vocab, capacity=max(self._n_users, 1))
+        store.put(self.dump(keep))
+        return store
+
     # ---- on disk ----------------------------------------------------------------------------
 
     def save(self, folder: Path) -> None:
         """Write the store into `folder` (which exists; a snapshot folder being written)."""
-        folder = Path(folder)
-        folder.mkdir(exist_ok=True)
-        n = self._n_users
         with self._lock:
-            arrays = {name: getattr(self, f"_{name}")[:n].copy() for name in
-                      ("ids", "ad", "ts", "surface", "held", *ATTRIBUTES)}  # fmt: skip
             keys = list(self._keys.items())
-        np.savez(folder / FILES[0], length=np.int64(self.length), **arrays)
-        (folder / FILES[1]).write_text(json.dumps(keys))
+        write_state(folder, self.length, self.dump(), keys)
 
     def restore(self, folder: Path) -> None:
         """Replace the content by what `save` wrote into `folder`."""
-        folder = Path(folder)
-        with np.load(folder / FILES[0]) as z:
-            if int(z["length"]) != self.length:
-                raise ValueError(
-                    f"{folder}: users saved with L = {int(z['length'])}, this store keeps "
-                    f"{self.length}"
-                )
-            n = len(z["ids"])
-            with self._lock:
-                self._n_users = 0
-                self._alloc(max(n, 1))
-                for name in ("ids", "ad", "ts", "surface", "held", *ATTRIBUTES):
-                    getattr(self, f"_{name}")[:n] = z[name]
-                self._n_users = n
-                self._row = {int(u): i for i, u in enumerate(z["ids"].tolist())}
-                self._keys = OrderedDict(json.loads((folder / FILES[1]).read_text()))
+        length, state, keys = read_state(folder)
+        if length != self.length:
+            raise ValueError(
+                f"{folder}: users saved with L = {length}, this store keeps {self.length}"
+            )
+        with self._lock:
+            self._n_users, self._row = 0, {}
+            self._alloc(max(len(state["ids"]), 1))
+            self._keys = OrderedDict(keys)
+        self.put(state)
+
+
+def write_state(folder: Path, length: int, state: Mapping[str, np.ndarray], keys=()) -> None:
+    """Write users' state (`UserStore.dump`, kept with L = `length`) and idempotency keys
+    ((key, version) pairs) into `folder`, as a snapshot holds them."""
+    folder = Path(folder)
+    folder.mkdir(exist_ok=True)
+    np.savez(folder / FILES[0], length=np.int64(length), **{k: state[k] for k in ARRAYS})
+    (folder / FILES[1]).write_text(json.dumps(list(keys)))
+
+
+def read_state(folder: Path) -> tuple[int, dict[str, np.ndarray], list]:
+    """(L, state, keys) as `write_state` wrote them into `folder`."""
+    folder = Path(folder)
+    with np.load(folder / FILES[0]) as z:
+        length, state = int(z["length"]), {name: z[name] for name in ARRAYS}
+    return length, state, [tuple(k) for k in json.loads((folder / FILES[1]).read_text())]

@@ -182,19 +182,17 @@ class Service:
     def add_events(self, events: list[EventIn], key: str | None) -> int:
         """Log the engagement events, then add them to the user store; the version that holds
         them (a call whose key was applied already: that call's version)."""
-        return self.store.add_events(
-            [e.user_id for e in events],
-            [e.ad_id for e in events],
-            [e.ts for e in events],
-            [e.surface for e in events],
-            key,
-            types=[e.type for e in events],
-            weights=[e.weight for e in events],
-        )
+        users, ads, ts, surfaces, types, weights = event_columns(events)
+        return self.store.add_events(users, ads, ts, surfaces, key, types=types, weights=weights)
 
     def set_users(self, users: list[UserAttributesIn]) -> int:
         """Replace the attributes of each user (created if new); the version that holds them."""
-        codes = [
+        return self.store.set_users(self.user_codes(users))
+
+    def user_codes(self, users: list[UserAttributesIn]) -> list[tuple[int, dict[str, int]]]:
+        """(user id, the store's codes of its attributes) of each user; RequestError naming
+        the field before anything is logged."""
+        return [
             (
                 u.user_id,
                 self.retriever.user_codes(
@@ -202,5 +200,12 @@ class Service:
                 ),
             )
             for i, u in enumerate(users)
-        ]  # RequestError naming the field before anything is logged
-        return self.store.set_users(codes)
+        ]
+
+
+def event_columns(events: list[EventIn]) -> tuple[list, ...]:
+    """(user ids, ad ids, times, surfaces, types, weights) of the events, [n] each."""
+    return tuple(
+        [getattr(e, name) for e in events]
+        for name in ("user_id", "ad_id", "ts", "surface", "type", "weight")
+    )
