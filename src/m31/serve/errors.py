@@ -164,7 +164,6 @@ _ERRORS = {
     413: "body too large",
     422: "invalid input; the message names the field",
     429: "overloaded: more work queued than the server takes",
-    501: "not served by this kind of server (m31 serve --ray: user events)",
     503: "not ready, or the deadline cannot be met",
     504: "deadline passed",
 }

@@ -57,8 +57,6 @@ async def write(request: Request, fn, *args) -> Any:
         raise HTTPException(404, str(e)) from e
     except Unavailable as e:
         raise HTTPException(503, str(e), {"Retry-After": "1"}) from e
-    except NotImplementedError as e:
-        raise HTTPException(501, str(e)) from e
     except (AdIndexError, ValueError) as e:
         raise HTTPException(422, str(e)) from e
 
@@ -241,7 +239,7 @@ def add_routes(app: FastAPI, config: ServeConfig, metrics: Metrics) -> None:
         "/v1/events",
         response_model=EventsResponse,
         dependencies=[Depends(require_admin)],
-        responses=error_responses(400, 401, 403, 408, 413, 422, 501, 503),
+        responses=error_responses(400, 401, 403, 408, 413, 422, 503),
     )
     async def add_events(request: Request, body: EventsBody) -> EventsResponse:
         """Engagement events: durable once answered, in every retrieve at or after the version
@@ -254,7 +252,7 @@ def add_routes(app: FastAPI, config: ServeConfig, metrics: Metrics) -> None:
         "/v1/users",
         response_model=EventsResponse,
         dependencies=[Depends(require_admin)],
-        responses=error_responses(400, 401, 403, 408, 413, 422, 501, 503),
+        responses=error_responses(400, 401, 403, 408, 413, 422, 503),
     )
     async def set_users(request: Request, body: UsersBody) -> EventsResponse:
         """Users' attributes, each replaced whole (their engagements are kept)."""
