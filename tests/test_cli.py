@@ -3,6 +3,8 @@
 import json
 import subprocess
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -150,54 +152,58 @@ def test_help(cmd):
     assert code == 0 and "Usage" in out
 
 
-def test_train_eval_simulate_end_to_end(tmp_path):
-    data = tmp_path / "w"
-    assert (
-        run("world", "generate", "--out", str(data), "--preset", "tiny", "--impressions", "15000")[
-            0
-        ]
-        == 0
-    )
+@dataclass(frozen=True)
+class Trained:
+    """A tiny world and the checkpoints `m31 train` wrote for it, shared by the tests below."""
+
+    data: Path
+    runs: Path  # moe.pt, two-tower.pt, two-tower-s1.pt (a second seed), ranking.pt
+    outputs: dict[str, str]  # checkpoint file -> what the command printed
+
+    def __getitem__(self, name: str) -> str:
+        return str(self.runs / name)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Trained:
+    root = tmp_path_factory.mktemp("trained")
+    data, runs = root / "w", root / "runs"
+    code, out = run("world", "generate", "--out", str(data), "--preset", "tiny",
+                    "--impressions", "15000")  # fmt: skip
+    assert code == 0, out
+    outputs = {}
     for kind, seed, out_file in (
         ("moe", 0, "moe.pt"),
         ("two-tower", 0, "two-tower.pt"),
         ("two-tower", 1, "two-tower-s1.pt"),
         ("ranking", 0, "ranking.pt"),
     ):
-        code, out = run(
-            "train",
-            "--model",
-            kind,
-            "--data",
-            str(data),
-            "--out",
-            str(tmp_path / out_file),
-            "--preset",
-            "tiny",
-            "--epochs",
-            "1",
-            "--seed",
-            str(seed),
-        )
-        assert code == 0, out
-        assert f"wrote {tmp_path / out_file}" in out and "FLOPs per (request, ad) pair" in out
-    assert (data / "features" / "leave-last-out" / "meta.json").is_file(), "features kept for reuse"
+        code, outputs[out_file] = run(
+            "train", "--model", kind, "--data", str(data), "--out", str(runs / out_file),
+            "--preset", "tiny", "--epochs", "1", "--seed", str(seed),
+        )  # fmt: skip
+        assert code == 0, outputs[out_file]
+    return Trained(data, runs, outputs)
 
-    models = [f"--model={k}={tmp_path / f'{k}.pt'}" for k in ("moe", "two-tower", "ranking")]
-    code, out = run(
-        "eval",
-        "--data",
-        str(data),
-        *models,
-        "--ks",
-        "10,50",
-        "--max-users",
-        "60",
-        "--plot",
-        str(tmp_path / "recall.png"),
-        "--json",
-        str(tmp_path / "m.json"),
+
+def test_train_writes_checkpoints_and_keeps_the_features(trained):
+    for out_file, out in trained.outputs.items():
+        assert f"wrote {trained[out_file]}" in out and "FLOPs per (request, ad) pair" in out
+    assert (trained.data / "features" / "leave-last-out" / "meta.json").is_file(), (
+        "features kept for reuse"
     )
+
+
+def _models(trained: Trained) -> list[str]:
+    return [f"--model={k}={trained[f'{k}.pt']}" for k in ("moe", "two-tower", "ranking")]
+
+
+def test_eval_models_side_by_side(trained, tmp_path):
+    code, out = run(
+        "eval", "--data", str(trained.data), *_models(trained), "--ks", "10,50",
+        "--max-users", "60", "--plot", str(tmp_path / "recall.png"),
+        "--json", str(tmp_path / "m.json"),
+    )  # fmt: skip
     assert code == 0, out
     assert "60 test requests, 2,000 ads each" in out
     doc = json.loads((tmp_path / "m.json").read_text())
@@ -217,26 +223,15 @@ def test_train_eval_simulate_end_to_end(tmp_path):
     assert "| truth_recall@10 |" in out
     assert (tmp_path / "recall.png").read_bytes()[:4] == b"\x89PNG"
 
+
+def test_eval_seeds_baselines_and_chosen_pairs(trained, tmp_path):
     # Two seeds of the two-tower (a glob), baselines, a chosen pair.
     code, out = run(
-        "eval",
-        "--data",
-        str(data),
-        f"--model=two-tower={tmp_path / 'two-tower*.pt'}",
-        f"--model=moe={tmp_path / 'moe.pt'}",
-        "--baselines",
-        "popularity,item-knn",
-        "--compare",
-        "two-tower,popularity",
-        "--compare",
-        "moe,two-tower",
-        "--ks",
-        "10,50",
-        "--max-users",
-        "60",
-        "--json",
-        str(tmp_path / "m2.json"),
-    )
+        "eval", "--data", str(trained.data), f"--model=two-tower={trained['two-tower*.pt']}",
+        f"--model=moe={trained['moe.pt']}", "--baselines", "popularity,item-knn",
+        "--compare", "two-tower,popularity", "--compare", "moe,two-tower", "--ks", "10,50",
+        "--max-users", "60", "--json", str(tmp_path / "m2.json"),
+    )  # fmt: skip
     assert code == 0, out
     doc = json.loads((tmp_path / "m2.json").read_text())
     assert set(doc["means"]) == {"popularity", "item-knn", "two-tower", "moe"}
@@ -253,13 +248,17 @@ def test_train_eval_simulate_end_to_end(tmp_path):
     tr = [r["truth_recall@10"] for r in doc["runs"]["two-tower"]]
     assert doc["paired"][0]["truth_recall@10"]["mean_a"] == pytest.approx(sum(tr) / 2)
     code, out = run(
-        "eval", "--data", str(data), f"--model=moe={tmp_path / 'moe.pt'}", "--compare",
+        "eval", "--data", str(trained.data), f"--model=moe={trained['moe.pt']}", "--compare",
         "moe,nope", "--ks", "10", "--max-users", "20",
     )  # fmt: skip
     assert code == 2 and "--compare: need two evaluated models A,B, got 'moe,nope'" in out
+
+
+def test_eval_two_stage(trained, tmp_path):
+    models = _models(trained)
     # Two-stage, with a reference (the ranking model, one seed) beside two seeds of another.
     code, out = run(
-        "eval", "--data", str(data), *models, f"--model=tt={tmp_path / 'two-tower*.pt'}",
+        "eval", "--data", str(trained.data), *models, f"--model=tt={trained['two-tower*.pt']}",
         "--rerank", "moe,ranking,50", "--ks", "10,50", "--max-users", "60",
         "--json", str(tmp_path / "r.json"),
     )  # fmt: skip
@@ -271,8 +270,8 @@ def test_train_eval_simulate_end_to_end(tmp_path):
     assert "ref_overlap@10" in doc["runs"]["tt"][1]  # the one ranking model served both rounds
     # --rerank-only: the ranking model scores the moe's candidates, never the whole corpus.
     code, out = run(
-        "eval", "--data", str(data), *models, "--rerank", "moe,ranking,50", "--rerank-only",
-        "--ks", "10,50", "--max-users", "60", "--json", str(tmp_path / "ro.json"),
+        "eval", "--data", str(trained.data), *models, "--rerank", "moe,ranking,50",
+        "--rerank-only", "--ks", "10,50", "--max-users", "60", "--json", str(tmp_path / "ro.json"),
     )  # fmt: skip
     assert code == 0, out
     only = json.loads((tmp_path / "ro.json").read_text())
@@ -285,13 +284,24 @@ def test_train_eval_simulate_end_to_end(tmp_path):
         ["--rerank-only"],
         ["--rerank", "moe,ranking", "--rerank-only", "--reference", "ranking"],
     ):  # fmt: skip
-        code, out = run("eval", "--data", str(data), *models, *args, "--max-users", "9")
+        code, out = run("eval", "--data", str(trained.data), *models, *args, "--max-users", "9")
         assert code == 2 and "--re" in out, (args, out)
+
+
+def test_eval_refuses_unknown_baselines_and_missing_checkpoints(trained):
+    code, out = run("eval", "--data", str(trained.data), "--baselines", "nope")
+    assert code == 2 and "unknown baseline" in out
+    code, out = run("eval", "--data", str(trained.data), f"--model={trained['missing.pt']}")
+    assert code == 2 and "no such checkpoint" in out
+
+
+def test_ablate(trained, tmp_path):
+    data = str(trained.data)
     code, out = run(
-        "ablate", "--data", str(data), "--model", str(tmp_path / "moe.pt"),
-        f"--reference=two-tower={tmp_path / 'two-tower*.pt'}", "--max-users", "60",
+        "ablate", "--data", data, "--model", trained["moe.pt"],
+        f"--reference=two-tower={trained['two-tower*.pt']}", "--max-users", "60",
         "--plot", str(tmp_path / "ablation.png"), "--json", str(tmp_path / "a.json"),
-        f"--retrained=again={tmp_path / 'moe.pt'}", "--metric", "hr@100",
+        f"--retrained=again={trained['moe.pt']}", "--metric", "hr@100",
     )  # fmt: skip
     assert code == 0, out
     doc = json.loads((tmp_path / "a.json").read_text())
@@ -306,79 +316,67 @@ def test_train_eval_simulate_end_to_end(tmp_path):
     assert doc["variants"]["two-tower"]["std"] is not None  # two seeds of the reference
     assert doc["variants"]["uniform gate"]["vs_full"]["requests"] == 60
     assert (tmp_path / "ablation.png").read_bytes()[:4] == b"\x89PNG"
-    code, out = run("ablate", "--data", str(data), "--model", str(tmp_path / "two-tower.pt"))
+    code, out = run("ablate", "--data", data, "--model", trained["two-tower.pt"])
     assert code == 2 and "not a moe" in out
-    moe = ["ablate", "--data", str(data), "--model", str(tmp_path / "moe.pt")]
+    moe = ["ablate", "--data", data, "--model", trained["moe.pt"]]
     for args, message in (
-        ([f"--retrained=tt={tmp_path / 'two-tower.pt'}"], "is a two-tower checkpoint"),
-        ([f"--retrained=full={tmp_path / 'moe.pt'}"], "the name 'full' is taken"),
-        ([f"--retrained={tmp_path / 'moe.pt'}"], "--retrained: give NAME=CHECKPOINT"),
+        ([f"--retrained=tt={trained['two-tower.pt']}"], "is a two-tower checkpoint"),
+        ([f"--retrained=full={trained['moe.pt']}"], "the name 'full' is taken"),
+        ([f"--retrained={trained['moe.pt']}"], "--retrained: give NAME=CHECKPOINT"),
         (
-            [f"--retrained=x={tmp_path / 'moe.pt'}", f"--reference=x={tmp_path / 'moe.pt'}"],
+            [f"--retrained=x={trained['moe.pt']}", f"--reference=x={trained['moe.pt']}"],
             "the name 'x' is taken",
         ),
     ):
         code, out = run(*moe, *args, "--max-users", "9")
         assert code == 2 and message in out, (args, out)
-    code, out = run(
-        "ablate", "--data", str(data), "--model", str(tmp_path / "moe.pt"), "--metric", "auc"
-    )
+    code, out = run(*moe, "--metric", "auc")
     assert code == 2 and "--metric" in out
-    code, out = run("eval", "--data", str(data), "--baselines", "nope")
-    assert code == 2 and "unknown baseline" in out
 
+
+def test_simulate(trained, tmp_path):
     code, out = run(
-        "simulate",
-        "--data",
-        str(data),
-        f"--retriever=two-tower={tmp_path / 'two-tower.pt'}",
-        f"--retriever=moe={tmp_path / 'moe.pt'}",
-        "--ranker",
-        str(tmp_path / "ranking.pt"),
-        "--k",
-        "50",
-        "--requests",
-        "80",
-        "--json",
-        str(tmp_path / "f.json"),
-    )
+        "simulate", "--data", str(trained.data), f"--retriever=two-tower={trained['two-tower.pt']}",
+        f"--retriever=moe={trained['moe.pt']}", "--ranker", trained["ranking.pt"], "--k", "50",
+        "--requests", "80", "--json", str(tmp_path / "f.json"),
+    )  # fmt: skip
     assert code == 0, out
     funnel = json.loads((tmp_path / "f.json").read_text())
     assert funnel["requests"] == 80 and funnel["pairs"][0]["model"] == "moe"
     assert "moe vs two-tower" in out
 
-    index_dir = tmp_path / "index"
-    code, out = run(
-        "index", "build", "--data", str(data), "--model", str(tmp_path / "moe.pt"),
-        "--out", str(index_dir),
-    )  # fmt: skip
-    assert code == 0, out
+
+def test_index_build(trained, tmp_path):
     from m31.index import AdIndex, read_manifest
     from m31.model import checkpoint_hash
 
+    data, index_dir = str(trained.data), tmp_path / "index"
+    code, out = run("index", "build", "--data", data, "--model", trained["moe.pt"],
+                    "--out", str(index_dir))  # fmt: skip
+    assert code == 0, out
     assert len(AdIndex.load(index_dir)) == 2_000
-    assert read_manifest(index_dir)["model_hash"] == checkpoint_hash(tmp_path / "moe.pt")
+    assert read_manifest(index_dir)["model_hash"] == checkpoint_hash(trained["moe.pt"])
     code, out = run(
-        "index", "build", "--data", str(data), "--model", str(tmp_path / "moe.pt"),
+        "index", "build", "--data", data, "--model", trained["moe.pt"],
         "--out", str(tmp_path / "index8"), "--dtype", "int8",
     )  # fmt: skip
     assert code == 0 and "int8" in out, out
     assert AdIndex.load(tmp_path / "index8").dtype == torch.int8
-    code, out = run(
-        "index", "build", "--data", str(data), "--model", str(tmp_path / "ranking.pt"),
-        "--out", str(tmp_path / "index2"),
-    )  # fmt: skip
+    code, out = run("index", "build", "--data", data, "--model", trained["ranking.pt"],
+                    "--out", str(tmp_path / "index2"))  # fmt: skip
     assert code == 2 and "has no ad tower" in out
-    code, out = run(
-        "index", "build", "--data", str(data), "--model", str(tmp_path / "moe.pt"),
-        "--out", str(index_dir),
-    )  # fmt: skip
+    code, out = run("index", "build", "--data", data, "--model", trained["moe.pt"],
+                    "--out", str(index_dir))  # fmt: skip
     assert code == 2 and "exists" in out
+
+
+def test_train_options_reach_the_checkpoint(trained, tmp_path):
+    from m31.index import AdIndex
 
     def train_moe(name, *options):
         """Train a one-epoch moe with `options`; its checkpoint's config."""
         code, out = run(
-            "train", "--model", "moe", "--data", str(data), "--out", str(tmp_path / name),
+            "train", "--model", "moe", "--data", str(trained.data), "--out", str(tmp_path / name),
             "--preset", "tiny", "--epochs", "1", *options,
         )  # fmt: skip
         assert code == 0, out
@@ -396,17 +394,20 @@ def test_train_eval_simulate_end_to_end(tmp_path):
     # No per-ad routing (G = 0); such a moe indexes like any other.
     assert train_moe("g0.pt", "--gate-dim", "0")["gate_dim"] == 0
     code, out = run(
-        "index", "build", "--data", str(data), "--model", str(tmp_path / "g0.pt"),
+        "index", "build", "--data", str(trained.data), "--model", str(tmp_path / "g0.pt"),
         "--out", str(tmp_path / "index-g0"),
     )  # fmt: skip
     assert code == 0, out
     index_g0 = AdIndex.load(tmp_path / "index-g0")
     assert index_g0.get(int(index_g0.ids()[0])).g.shape == (0,)
 
+
+def test_train_a_ranking_model_on_a_retrievers_output(trained, tmp_path):
+    data = str(trained.data)
     # The ranking model with hard negatives from the moe's top ads.
     code, out = run(
-        "train", "--model", "ranking", "--data", str(data), "--out", str(tmp_path / "hard.pt"),
-        "--preset", "tiny", "--epochs", "1", "--hard-negatives", str(tmp_path / "moe.pt"),
+        "train", "--model", "ranking", "--data", data, "--out", str(tmp_path / "hard.pt"),
+        "--preset", "tiny", "--epochs", "1", "--hard-negatives", trained["moe.pt"],
         "--hard", "4", "--hard-pool", "50",
     )  # fmt: skip
     assert code == 0, out
@@ -415,41 +416,41 @@ def test_train_eval_simulate_end_to_end(tmp_path):
     assert (blob["config"]["ranking_hard"], blob["config"]["ranking_hard_pool"]) == (4, 50)
     # The ranking model as a correction to the moe's score: epoch 0 is the moe alone.
     code, out = run(
-        "train", "--model", "ranking", "--data", str(data), "--out", str(tmp_path / "res.pt"),
-        "--preset", "tiny", "--epochs", "1", "--base", str(tmp_path / "moe.pt"),
+        "train", "--model", "ranking", "--data", data, "--out", str(tmp_path / "res.pt"),
+        "--preset", "tiny", "--epochs", "1", "--base", trained["moe.pt"],
     )  # fmt: skip
     assert code == 0, out
     assert "epoch 0 (the base alone)" in out
     blob = torch.load(tmp_path / "res.pt", map_location="cpu", weights_only=False)
-    moe_blob = torch.load(tmp_path / "moe.pt", map_location="cpu", weights_only=False)
+    moe_blob = torch.load(trained["moe.pt"], map_location="cpu", weights_only=False)
     assert blob["config"]["ranking_base"] == moe_blob["config"]
     # it validates on the moe's top ads only: on as many requests as the moe
     assert blob["config"]["val_requests"] == moe_blob["config"]["val_requests"]
     assert [h["epoch"] for h in blob["history"]] == [0, 1]
+
+
+def test_train_refuses_bad_options(trained, tmp_path):
+    data, bad_pt = str(trained.data), str(tmp_path / "bad.pt")
+    moe, ranking, nope = trained["moe.pt"], trained["ranking.pt"], trained["nope.pt"]
     for args, message in (
-        (["--model", "moe", "--base", str(tmp_path / "moe.pt")], "takes a base"),
+        (["--model", "moe", "--base", moe], "takes a base"),
         (["--model", "two-tower", "--gate-dim", "0"], "the moe has a gate"),
         (["--model", "two-tower", "--balance-weight", "0.1"], "the moe's gate has the term"),
-        (["--model", "ranking", "--base", str(tmp_path / "ranking.pt")], "--base: "),
-        (["--model", "ranking", "--base", str(tmp_path / "nope.pt")], "no such"),
-        (["--model", "moe", "--hard-negatives", str(tmp_path / "moe.pt")], "trains the ranking"),
+        (["--model", "ranking", "--base", ranking], "--base: "),
+        (["--model", "ranking", "--base", nope], "no such"),
+        (["--model", "moe", "--hard-negatives", moe], "trains the ranking"),
         (["--model", "ranking", "--hard", "4"], "go with --hard-negatives"),
-        (["--model", "ranking", "--hard-negatives", str(tmp_path / "ranking.pt")], "is a ranking"),
-        (["--model", "ranking", "--hard-negatives", str(tmp_path / "nope.pt")], "no such"),
+        (["--model", "ranking", "--hard-negatives", ranking], "is a ranking"),
+        (["--model", "ranking", "--hard-negatives", nope], "no such"),
+        (["--model", "ranking", "--hard-negatives", moe, "--hard", "0"], "must be >= 1"),
         (
-            ["--model", "ranking", "--hard-negatives", str(tmp_path / "moe.pt"), "--hard", "0"],
-            "must be >= 1",
-        ),
-        (
-            ["--model", "ranking", "--hard-negatives", str(tmp_path / "moe.pt"),
-             "--hard-pool", "1999"],
+            ["--model", "ranking", "--hard-negatives", moe, "--hard-pool", "1999"],
             "hard-negative pool",
         ),
-    ):  # fmt: skip
+    ):
         code, out = run(
-            "train", "--data", str(data), "--out", str(tmp_path / "bad.pt"), "--preset", "tiny",
-            "--epochs", "1", *args,
-        )  # fmt: skip
+            "train", "--data", data, "--out", bad_pt, "--preset", "tiny", "--epochs", "1", *args
+        )
         assert code == 2 and message in out, (args, out)
     for bad, message in (
         ("sequence=x", "--experts"),
@@ -458,9 +459,8 @@ def test_train_eval_simulate_end_to_end(tmp_path):
         ("sequence=0,cohort=0,semantic=0,coengagement=0", "at least one slot"),
     ):
         code, out = run(
-            "train", "--model", "moe", "--data", str(data), "--out", str(tmp_path / "bad.pt"),
-            "--experts", bad,
-        )  # fmt: skip
+            "train", "--model", "moe", "--data", data, "--out", bad_pt, "--experts", bad
+        )
         assert code == 2 and message in out, (bad, out)
     for option, bad, message in (
         ("--max-len", "0", "max_len must be positive"),
@@ -474,18 +474,10 @@ def test_train_eval_simulate_end_to_end(tmp_path):
         ("--balance-weight", "inf", "balance_weight must be a finite number >= 0"),
         ("--balance-weight", "much", "--balance-weight"),
     ):
-        code, out = run(
-            "train", "--model", "moe", "--data", str(data), "--out", str(tmp_path / "bad.pt"),
-            option, bad,
-        )  # fmt: skip
+        code, out = run("train", "--model", "moe", "--data", data, "--out", bad_pt, option, bad)
         assert code == 2 and message in out, (option, bad, out)
     assert not (tmp_path / "bad.pt").exists()
-
-    code, out = run("eval", "--data", str(data), f"--model={tmp_path / 'missing.pt'}")
-    assert code == 2 and "no such checkpoint" in out
-    code, out = run(
-        "train", "--model", "gbdt", "--data", str(data), "--out", str(tmp_path / "x.pt")
-    )
+    code, out = run("train", "--model", "gbdt", "--data", data, "--out", str(tmp_path / "x.pt"))
     assert code == 2 and "kind must be one of" in out
 
 

@@ -2,6 +2,7 @@
 every kernel against the reference, and the engine end to end (DESIGN §5, §6).
 
     cli.py        the command (`m31 bench`, `python -m m31.bench`) and `main(argv)`
+    suite.py      run_suite: the sections one run asks for, written to the output folder
     cases.py      what a timing run measures: VARIANTS, the canonical shapes (no torch)
     common.py     device limits, timing, memory, the random problem, recall@K
     baselines.py  eager and compiled §2 chunks, chunked top-K, two-tower, FAISS
