@@ -1,4 +1,4 @@
-"""m31.ops.native: the cpu kernel's compiled helpers (cpu_int8.c), built with the real compiler.
+"""m31.ops.native: the cpu kernel's compiled helpers (cpu_native/), built with the real compiler.
 
 Step 1 must return the torch path's survivors and affinities bit for bit, step 2 the same kept
 pairs with bounds within fp32 rounding of the torch ops' (the bounds of the cpu kernel are
@@ -9,8 +9,12 @@ definition in test_cpu_score_topk_int8, and here for the threshold it shares bet
 Then the loader: the cache, the switch, and what happens without a compiler or with a broken one.
 """
 
+import fnmatch
 import logging
 import math
+import shutil
+import tomllib
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +32,8 @@ from m31.ops.cpu.stats import table_stats
 from m31.ops.cpu.worker import Threshold, Worker
 from m31.ops.masks import pack
 from m31.ops.native import ptr
+
+PYPROJECT = Path(__file__).parents[1] / "pyproject.toml"
 
 pytestmark = [
     needs_exact_int8,
@@ -172,7 +178,7 @@ def test_step_2_keeps_the_pairs_of_the_torch_ops_and_bounds_every_score(
 
 @pytest.mark.parametrize("way", ["on", "plain"])
 def test_the_compiled_exponentials_are_within_their_stated_error(way):
-    """exp_f: within a relative 2⁻¹⁹ of e^l on [-86, 88] (the proof in cpu_int8.c; `_EXP_ETA`),
+    """exp_f: within a relative 2⁻¹⁹ of e^l on [-86, 88] (the proof in step2.c; `_EXP_ETA`),
     below 2⁻¹²⁴ under -86, 1 at 0; expm1_f: within 2⁻¹⁵ of e^y - 1 for y ≥ 0, 0 at 0. Checked
     against fp64 on a dense grid."""
     with native.use(way):
@@ -238,20 +244,49 @@ def fresh_build(tmp_path, monkeypatch):
 def test_the_library_is_built_once_per_source(fresh_build, monkeypatch, tmp_path_factory):
     lib = native.library()
     assert lib is not None
-    built = sorted(fresh_build.glob("m31_cpu_int8-*.so"))
+    built = sorted(fresh_build.glob("m31_cpu_native-*.so"))
     assert len(built) == 1
     stamp = built[0].stat().st_mtime_ns
     native._build.cache_clear()
     assert native.library() is not None  # a new process: loads the cached build
     assert built[0].stat().st_mtime_ns == stamp
-    assert sorted(fresh_build.glob("m31_cpu_int8-*.so")) == built
-    changed = tmp_path_factory.mktemp("src") / "cpu_int8.c"
-    changed.write_text(native.SOURCE.read_text() + "\n/* changed */\n")
-    monkeypatch.setattr(native, "SOURCE", changed)
+    assert sorted(fresh_build.glob("m31_cpu_native-*.so")) == built
+    changed = tmp_path_factory.mktemp("src") / "cpu_native"
+    shutil.copytree(native.SOURCES, changed)
+    with open(changed / "native.h", "a") as header:  # a file that is on no command line
+        header.write("\n/* changed */\n")
+    monkeypatch.setattr(native, "SOURCES", changed)
     native._build.cache_clear()
     assert native.library() is not None
-    assert len(list(fresh_build.glob("m31_cpu_int8-*.so"))) == 2  # a changed source, a new build
+    assert len(list(fresh_build.glob("m31_cpu_native-*.so"))) == 2  # a changed file, a new build
     assert not list(fresh_build.glob("*.tmp*")) and len(list(fresh_build.iterdir())) == 2
+
+
+def test_every_source_file_is_hashed_and_shipped(tmp_path, monkeypatch):
+    """The build's name covers every .c and .h file of the folder, each byte of each: a change
+    in any of them, or a file more, is a new build. And the package data ships them all."""
+    package_data = tomllib.loads(PYPROJECT.read_text())["tool"]["setuptools"]["package-data"]
+    ops = native.SOURCES.parent
+    for path in native._source_files():
+        name = path.relative_to(ops).as_posix()
+        assert any(fnmatch.fnmatch(name, pattern) for pattern in package_data["m31.ops"]), name
+    folder = tmp_path / "cpu_native"
+    shutil.copytree(native.SOURCES, folder)
+    monkeypatch.setattr(native, "SOURCES", folder)
+    files = native._source_files()
+    assert {"native.h", "scan.c", "step2.c", "pass.c"} <= {path.name for path in files}
+    original = native._source_digest()
+    seen = {original}
+    for path in files:
+        text = path.read_bytes()
+        for at in (0, len(text) // 2, len(text) - 1):  # one byte changed, anywhere in the file
+            path.write_bytes(text[:at] + bytes([text[at] ^ 1]) + text[at + 1 :])
+            seen.add(native._source_digest())
+        path.write_bytes(text)
+    assert len(seen) == 1 + 3 * len(files)
+    assert native._source_digest() == original
+    (folder / "more.c").write_text("")
+    assert native._source_digest() not in seen
 
 
 @pytest.mark.parametrize(

@@ -1,19 +1,19 @@
-"""The cpu kernel's compiled helpers (`cpu_int8.c`), built on first use with the system C compiler.
+"""The cpu kernel's compiled helpers (`cpu_native/`), built on first use with the system C compiler.
 
 In torch, the cpu kernel's steps 1 and 2 on an 8-bit table (`cpu_score_topk_int8`) are a dozen
 small operations per block, each a pass over [B·E, n] products, and the per-op cost dominated.
-`cpu_int8.c` does step 1 in one pass per block that touches only the eligible pairs, with the
-torch ops' values bit for bit, and step 2 in one pass over the survivors (another fp32
-evaluation, with exponentials of its own, which its bounds allow for); `m31_pass` runs the
-steps over the whole table for one worker thread.
+`cpu_native/scan.c` does step 1 in one pass per block that touches only the eligible pairs, with
+the torch ops' values bit for bit, `step2.c` step 2 in one pass over the survivors (another fp32
+evaluation, with exponentials of its own, which its bounds allow for), and `pass.c`'s `m31_pass`
+runs the steps over the whole table for one worker thread; `native.h` holds what they share.
 
 It needs a C compiler (`$CC`, else `cc`) when first used: the library is built for this
 machine's CPU (-march=native: AVX-512 or AVX2 loops where it has them, else plain loops that
-the compiler vectorizes for it) into a cache folder (`$M31_CACHE/native`, default
-`~/.cache/m31/native`), named by a hash of the source, the flags, the compiler and the CPU, so
-a changed source or another machine builds its own (in about a second). Without a compiler, or
-with `M31_NATIVE=0`, `library()` is None and the kernel keeps its torch path (the same answers,
-slower); the reason is logged once.
+the compiler vectorizes for it), its .c files in one compiler call, into a cache folder
+(`$M31_CACHE/native`, default `~/.cache/m31/native`), named by a hash of the folder's .c and .h
+files, the flags, the compiler and the CPU, so a change in any file or another machine builds
+its own (in a second or two). Without a compiler, or with `M31_NATIVE=0`, `library()` is None
+and the kernel keeps its torch path (the same answers, slower); the reason is logged once.
 
 The functions release the GIL (ctypes does for every call), so the kernel's worker threads run
 them in parallel; the threads of one call share their threshold through a mutex in the library.
@@ -39,7 +39,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_int8.c")
+SOURCES = Path(__file__).with_name("cpu_native")  # its .c files, and the header they include
 # IEEE fp32 as written: the values must be the torch path's bit for bit (see the source)
 _FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-fast-math")
 _ARCH = ("-march=native",)
@@ -163,6 +163,20 @@ def _cpu_identity() -> bytes:
         return f"{platform.machine()} {platform.processor()}".encode()
 
 
+def _source_files() -> list[Path]:
+    """The library's files: the .c and .h files of SOURCES, by name."""
+    return sorted(path for path in SOURCES.iterdir() if path.suffix in (".c", ".h"))
+
+
+def _source_digest() -> bytes:
+    """A hash of the library's files, each one's name and bytes: a change in any of them (the
+    header, which the compiler reads through #include, too) is a new build."""
+    digest = hashlib.sha256()
+    for path in _source_files():
+        digest.update(path.name.encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
+    return digest.digest()
+
+
 def _compile_and_load(defines: tuple[str, ...]) -> ctypes.CDLL | None:
     command = shlex.split(os.environ.get("CC", "cc"))  # a compiler and its own arguments
     compiler = shutil.which(command[0]) if command else None
@@ -173,12 +187,13 @@ def _compile_and_load(defines: tuple[str, ...]) -> ctypes.CDLL | None:
     version = subprocess.run(
         [*command, "--version"], capture_output=True, text=True, check=False, timeout=60
     ).stdout
-    source = SOURCE.read_bytes()
+    sources = [str(path) for path in _source_files() if path.suffix == ".c"]
+    digest = _source_digest()
     errors = []
     for flags in (_FLAGS + _ARCH + defines, _FLAGS + defines):  # some lack -march=native
-        parts = [source, " ".join(command + list(flags)).encode(), version.encode()]
+        parts = [digest, " ".join(command + list(flags)).encode(), version.encode()]
         key = hashlib.sha256(b"\0".join([*parts, _cpu_identity()])).hexdigest()[:16]
-        target = cache_dir() / f"m31_cpu_int8-{key}.so"
+        target = cache_dir() / f"m31_cpu_native-{key}.so"
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             # build beside the target, then rename: concurrent builders never see a partial file
@@ -186,7 +201,7 @@ def _compile_and_load(defines: tuple[str, ...]) -> ctypes.CDLL | None:
             os.close(fd)
             try:
                 done = subprocess.run(
-                    [*command, *flags, "-o", tmp, str(SOURCE), "-lm"],
+                    [*command, *flags, "-o", tmp, *sources, "-lm"],
                     capture_output=True,
                     text=True,
                     timeout=300,
@@ -204,12 +219,12 @@ def _compile_and_load(defines: tuple[str, ...]) -> ctypes.CDLL | None:
             fn.restype, fn.argtypes = restype, argtypes
         if lib.m31_pass_args_size() != ctypes.sizeof(PassArgs):  # a mirror out of step
             raise RuntimeError(
-                f"{SOURCE.name}: m31_pass_args is {lib.m31_pass_args_size()} bytes, "
+                f"{SOURCES.name}: m31_pass_args is {lib.m31_pass_args_size()} bytes, "
                 f"native.PassArgs {ctypes.sizeof(PassArgs)}: update one to the other"
             )
         return lib
     log.warning("building %s failed, the cpu kernel's 8-bit path runs in torch ops:\n%s",
-                SOURCE.name, "\n".join(errors))  # fmt: skip
+                SOURCES.name, "\n".join(errors))  # fmt: skip
     return None
 
 

@@ -18,7 +18,7 @@ U32 = 2.0**-24  # fp32 unit roundoff
 BF16_U = 2.0**-8  # bf16 unit roundoff (8 significant bits, round to nearest)
 SLACK = 2.0**-20  # relative slack for the fp32 arithmetic of the filters themselves
 # step 2's exponentials may be off by a relative 2^-19 (the compiled ones, `exp_f` in
-# cpu_int8.c; torch's are within an ulp): as a logit error, < 2^-18, added to η
+# cpu_native/step2.c; torch's are within an ulp): as a logit error, < 2^-18, added to η
 _EXP_ETA = 2.0**-18
 _FP32_ROWS = 32  # B·E from which bf16 tables take fp32 products without native bf16 (B = 4: 1.3x)
 # survivors gathered before the sparse gate step runs: amortises per-op overhead (65,536 measured

@@ -1,5 +1,5 @@
 """Steps 1-3 of the cpu kernel on an 8-bit table in compiled code: the driver of `m31_pass`
-(`cpu_int8.c`, built and loaded by `m31.ops.native`), one call per worker thread.
+(`cpu_native/pass.c`, built and loaded by `m31.ops.native`), one call per worker thread.
 
 Shapes: B requests, N ads, E experts, n_spans spans of ads.
 """
@@ -31,8 +31,8 @@ def library_for(plan: Plan) -> ctypes.CDLL | None:
 
 
 def _mask_args(mask) -> tuple[int, torch.Tensor | None, int, torch.Tensor | None]:
-    """(mode, data, stride, index) of a mask for `m31_scan_int8` (see `cpu_int8.c`): 0 for
-    none; 1 for bool [N] (stride 0) or [B, N] (stride N); 2 for a `PackedMask`'s bits."""
+    """(mode, data, stride, index) of a mask for `m31_scan_int8` (see `cpu_native/scan.c`):
+    0 for none; 1 for bool [N] (stride 0) or [B, N] (stride N); 2 for a `PackedMask`'s bits."""
     if mask is None:
         return 0, None, 0, None
     if isinstance(mask, PackedMask):
@@ -45,9 +45,9 @@ def _mask_args(mask) -> tuple[int, torch.Tensor | None, int, torch.Tensor | None
 def compiled_pass(
     lib, plan: Plan, table: Int8Table, stats: TableStats, mask, spans, block: int, n_workers: int
 ):
-    """Steps 1-3 on an 8-bit table in compiled code (`m31_pass` in `cpu_int8.c`): each worker
-    thread one call that takes the spans in turn with the others and shares τ with them, so
-    that the GIL is taken only to start the calls and to collect their candidates. The same
+    """Steps 1-3 on an 8-bit table in compiled code (`m31_pass` in `cpu_native/pass.c`): each
+    worker thread one call that takes the spans in turn with the others and shares τ with them,
+    so that the GIL is taken only to start the calls and to collect their candidates. The same
     steps as `Worker`'s, with step 2's exponentials compiled too (DESIGN §5).
     -> (req, row, h) of the candidates, and τ for the final filter ([B] `for_refine`)."""
     ptr, n_req = native.ptr, plan.n_req
