@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 from typing import Annotated, NoReturn
 
@@ -19,6 +20,7 @@ ExcludeSeenOption = Annotated[
         "repeat_engagement false)."
     ),
 ]
+DataOption = Annotated[Path, typer.Option(help="Dataset folder.")]
 JsonOption = Annotated[Path | None, typer.Option("--json", help="Write the results as JSON.")]
 DeviceOption = Annotated[str, typer.Option(help="cpu or cuda.")]
 OverwriteOption = Annotated[bool, typer.Option(help="Replace an existing folder.")]
@@ -42,6 +44,11 @@ def cli_errors(fn):
             fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
 
     return wrapper
+
+
+def write_json(path: Path, doc) -> None:
+    """--json, --out: `doc` as indented JSON."""
+    path.write_text(json.dumps(doc, indent=2) + "\n")
 
 
 def named_paths(

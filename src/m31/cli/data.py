@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from m31.cli.common import OverwriteOption, cli_errors, fail
+from m31.cli.common import DataOption, OverwriteOption, cli_errors, fail
 from m31.progress import progress_bar
 
 OutOption = Annotated[Path, typer.Option(help="Dataset folder to create.")]
@@ -229,7 +229,7 @@ def data_validate(
 
 @cli_errors
 def features_build(
-    data: Annotated[Path, typer.Option(help="Dataset folder.")],
+    data: DataOption,
     out: Annotated[Path, typer.Option(help="Feature folder to create.")],
     split: Annotated[str, typer.Option(help="leave-last-out or time.")] = "leave-last-out",
     max_len: Annotated[int, typer.Option(help="Engagement sequence length.")] = 50,

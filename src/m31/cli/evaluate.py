@@ -3,13 +3,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from m31.cli.common import (
+    DataOption,
     DeviceOption,
     ExcludeSeenOption,
     JsonOption,
@@ -19,10 +19,10 @@ from m31.cli.common import (
     fail,
     grouped,
     named_paths,
+    write_json,
 )
 from m31.progress import progress_bar
 
-DataOption = Annotated[Path, typer.Option(help="Dataset folder.")]
 ModelsOption = Annotated[
     list[str] | None,
     typer.Option(
@@ -112,7 +112,7 @@ def eval_cmd(
         )  # fmt: skip
     typer.echo(report.format())
     if json_out:
-        json_out.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+        write_json(json_out, report.to_dict())
     if plot:
         plot_recall_at_k(report.means(), plot, "truth_recall" if report.truth else "hr")
         typer.echo(f"wrote {plot}")
@@ -199,7 +199,7 @@ def ablate_cmd(
         )  # fmt: skip
     typer.echo(report.format())
     if json_out:
-        json_out.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+        write_json(json_out, report.to_dict())
     if plot:
         report.plot(plot)
         typer.echo(f"wrote {plot}")
@@ -230,4 +230,4 @@ def simulate_cmd(
     )  # fmt: skip
     typer.echo(format_funnel(result))
     if json_out:
-        json_out.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(json_out, result)

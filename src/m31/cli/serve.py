@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from m31.cli.common import DeviceOption, OverwriteOption, cli_errors
+from m31.cli.common import DeviceOption, OverwriteOption, cli_errors, write_json
 from m31.serve.config import (
     BODY_TIMEOUT_S,
     MAX_BATCH_SIZE,
@@ -316,4 +316,4 @@ def loadtest_cmd(
     )  # fmt: skip
     typer.echo(loadtest.format_rows(rows))
     if out is not None:
-        out.write_text(json.dumps(rows, indent=2) + "\n")
+        write_json(out, rows)

@@ -11,7 +11,9 @@ import typer
 
 from m31.cli.common import cli_errors, fail
 
-DataOption = Annotated[Path, typer.Option(help="Dataset folder (features are built into it once).")]
+TrainDataOption = Annotated[
+    Path, typer.Option(help="Dataset folder (features are built into it once).")
+]
 PresetOption = Annotated[
     str, typer.Option(help="Model preset: tiny, demo or sasrec (the sequence expert alone).")
 ]
@@ -84,7 +86,7 @@ TrainDeviceOption = Annotated[
 @cli_errors
 def train_cmd(
     model: Annotated[str, typer.Option(help="moe, two-tower or ranking.")],
-    data: DataOption,
+    data: TrainDataOption,
     out: Annotated[Path, typer.Option(help="Checkpoint file to write.")],
     preset: PresetOption = "demo",
     epochs: Annotated[int | None, typer.Option(help="Override the preset's epoch count.")] = None,
