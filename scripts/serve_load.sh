@@ -11,21 +11,16 @@ PORT=${PORT:-8731}
 OUT=${OUT:-runs/serve}
 mkdir -p "$OUT"
 state=$(mktemp -d)
-trap 'kill "$server" 2>/dev/null || true; rm -rf "$state"' EXIT
+source "$(dirname "$0")/serve_lib.sh"
+trap 'stop_server; rm -rf "$state"' EXIT
 
 for batch in 64 1; do
   rm -rf "$state/serving"
-  "$M31" serve --index "$DEMO/index" --state "$state/serving" --model "$DEMO/runs/moe.pt" \
-    --data "$DEMO/world" --port "$PORT" --max-batch-size "$batch" --max-queue 4096 \
-    --timeout-ms 30000 >"$OUT/server-batch$batch.log" 2>&1 &
-  server=$!
-  until curl -sf "http://127.0.0.1:$PORT/health/ready" >/dev/null; do
-    kill -0 "$server" || { cat "$OUT/server-batch$batch.log"; exit 1; }
-    sleep 0.5
-  done
+  start_server "$OUT/server-batch$batch.log" --index "$DEMO/index" --state "$state/serving" \
+    --model "$DEMO/runs/moe.pt" --data "$DEMO/world" --max-batch-size "$batch" \
+    --max-queue 4096 --timeout-ms 30000
   echo "## max batch size $batch"
   "$M31" loadtest --url "http://127.0.0.1:$PORT" --data "$DEMO/world" --concurrency 1,8,64 \
     --duration "$SECONDS_PER_LEVEL" --out "$OUT/load-batch$batch.json"
-  kill "$server"
-  wait "$server" || true
+  stop_server
 done
