@@ -53,6 +53,10 @@ def index_build(
     dtype: DtypeOption = "bfloat16",
     device: Annotated[str, typer.Option(help="cpu or cuda: where the ad tower runs.")] = "cpu",
     overwrite: OverwriteOption = False,
+    clusters: Annotated[
+        int,
+        typer.Option(help="k-means clusters of a hierarchical index (m31 serve --probe); 0: none."),
+    ] = 0,
 ) -> None:
     """Run the model's ad tower over the dataset's catalogue and snapshot the ad index."""
 
@@ -62,7 +66,7 @@ def index_build(
     if dtype not in DTYPES:
         raise ValueError(f"--dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
     start = time.perf_counter()
-    index = build_index(data, model, out, device=device, dtype=DTYPES[dtype], overwrite=overwrite)
+    index = build_index(data, model, out, device, DTYPES[dtype], overwrite, clusters)
     typer.echo(
         f"wrote {out} in {time.perf_counter() - start:.1f} s: {len(index):,} ads, {dtype}, "
         f"G = {index.dim_g}, D = {index.dim_x}, model {index.model_hash}"
@@ -198,6 +202,13 @@ def serve_cmd(
     address: AddressOption = None,
     replicas: Annotated[int, typer.Option(help="With --ray: ingress replicas.")] = 1,
     max_replicas: MaxReplicasOption = None,
+    probe: Annotated[
+        int | None,
+        typer.Option(
+            help="Clusters of the index's hierarchical index (m31 index build --clusters) "
+            "each request scores exactly; default: every ad."
+        ),
+    ] = None,
 ) -> None:
     """Serve retrieval and ad management over HTTP (FastAPI on uvicorn, or Ray Serve)."""
     from m31.serve.config import ServeConfig, read_token
@@ -205,12 +216,15 @@ def serve_cmd(
 
     if not ray and (shards is not None or address is not None or max_replicas is not None):
         raise ValueError("--shards, --address and --max-replicas go with --ray")
+    if ray and probe is not None:
+        raise ValueError("--probe: the hierarchical index is served by m31 serve, not yet --ray")
     config = ServeConfig(
         index=index, model=model, device=device, max_batch_size=max_batch_size,
         max_queue_delay_ms=max_queue_delay_ms, max_queue=max_queue, max_slice_ms=max_slice_ms,
         timeout_ms=timeout_ms, body_timeout_s=body_timeout_s,
         admin_token=read_token("M31_ADMIN_TOKEN", admin_token_file, "--admin-token-file"),
         read_token=read_token("M31_READ_TOKEN", read_token_file, "--read-token-file"),
+        probe=probe,
     )  # fmt: skip
     options = RayOptions(shards, address, replicas, max_replicas) if ray else None
     serve(config, host, port, state=state, access_log=access_log, ray=options, log=typer.echo)

@@ -22,10 +22,11 @@ import torch
 
 from m31.data import dataset
 from m31.engine.ad_encoder import AdEncoder, NewAd
-from m31.engine.load import model_and_features, write_online
+from m31.engine.load import ONLINE, model_and_features, write_online
 from m31.features import Features
 from m31.index import AdIndex
 from m31.index.ad_index import TARGETING_VOCAB
+from m31.index.hierarchical import Clusters
 from m31.model import Catalog, RetrievalModel, checkpoint_hash, encode_ads
 from m31.pipeline import embedding_cache_dir
 
@@ -83,9 +84,11 @@ def build_index(
     device: str = "cpu",
     dtype: torch.dtype = torch.bfloat16,
     overwrite: bool = False,
+    clusters: int = 0,
 ) -> AdIndex:
     """Encode the catalogue of `data` with the checkpoint's ad tower; snapshot it into `out`,
-    with the online features."""
+    with the online features and, with `clusters` > 0, the k-means clusters of a hierarchical
+    index (`m31.index.hierarchical`) among them."""
     model, feats = model_and_features(model_path, data, device)
     if not isinstance(model, RetrievalModel):
         raise ValueError(
@@ -93,10 +96,14 @@ def build_index(
         )
     index = index_from_model(data, model, feats, dtype)
     index.model_hash = checkpoint_hash(model_path)
-    index.save(
-        out,
-        model_hash=index.model_hash,
-        overwrite=overwrite,
-        beside=lambda folder: write_online(folder, feats, model.cfg.max_len),
-    )
+    if clusters < 0 or clusters > len(index):
+        raise ValueError(f"--clusters: must be in [0, {len(index)}] (the ads), got {clusters}")
+    found = Clusters.build(index.frozen_view(), clusters) if clusters else None
+
+    def beside(folder: Path) -> None:
+        write_online(folder, feats, model.cfg.max_len)
+        if found is not None:
+            found.save(folder / ONLINE)
+
+    index.save(out, model_hash=index.model_hash, overwrite=overwrite, beside=beside)
     return index

@@ -24,9 +24,11 @@ from pathlib import Path
 
 from m31.data.dataset import write_atomic
 from m31.engine.ad_encoder import AdEncoder
+from m31.engine.probe import Prober
 from m31.engine.retriever import Retriever, seed_users, users_of
 from m31.features import Features
 from m31.index import DurableIndex
+from m31.index.hierarchical import Clusters
 from m31.index.users import UserStore
 from m31.model import checkpoint_hash, load_checkpoint
 from m31.model.checkpoint import check_trained_on
@@ -147,14 +149,27 @@ def serving_folder(index: Path, state: Path | None = None, device: str = "cpu", 
     return state
 
 
-def load_engine(index: Path, model: Path, device: str = "cpu") -> LoadedEngine:
-    """Open the serving folder `index` and the model that made it, ready to answer."""
+def load_engine(
+    index: Path, model: Path, device: str = "cpu", probe: int | None = None
+) -> LoadedEngine:
+    """Open the serving folder `index` and the model that made it, ready to answer; with
+    `probe`, each request scores that many clusters of the index's hierarchical index
+    (`m31.engine.probe`) instead of every ad."""
     index = Path(index)
     if not has_online(index):
         raise FileNotFoundError(
             f"{index / ONLINE}: missing (a serving folder made from a snapshot gets its online "
             "features from it: start from the snapshot `m31 index build` wrote)"
         )
+    prober = None
+    if probe is not None:
+        clusters = Clusters.load(index / ONLINE)
+        if clusters is None:
+            raise ValueError(
+                f"--probe: {index / ONLINE} holds no clusters (build the index with "
+                "`m31 index build --clusters C`)"
+            )
+        prober = Prober(clusters, probe)
     net, feats = model_and_features(model, index, device)
     # The user store: seeded from the online features, then the snapshot's and the log's events.
     users = seed_users(feats, net.cfg.max_len)
@@ -165,6 +180,9 @@ def load_engine(index: Path, model: Path, device: str = "cpu") -> LoadedEngine:
                 f"{index}: index vectors are G = {store.index.dim_g}, D = {store.index.dim_x}; "
                 f"the model's are G = {net.G}, D = {net.D}"
             )
+        if prober is not None and prober.clusters.centroids.shape[1] != net.G + net.D + 1:
+            raise ValueError(f"--probe: {index / ONLINE}'s clusters are of other vectors than "
+                             f"the model's (G = {net.G}, D = {net.D}): build the index again")  # fmt: skip
         digest, made_by = checkpoint_hash(model), store.index.model_hash
         if made_by is not None and made_by != digest:
             log.warning(
@@ -172,6 +190,7 @@ def load_engine(index: Path, model: Path, device: str = "cpu") -> LoadedEngine:
                 made_by, digest, model,
             )  # fmt: skip
         retriever = Retriever(net, feats, store.index, users)
+        retriever.probe = prober
     except BaseException:
         store.close()
         raise

@@ -223,6 +223,8 @@ class Retriever:
         self.users = users
         # Whether a model without gate keys is scored as one query vector (`fold`).
         self.fold = True
+        # The clusters to probe instead of scoring every row (`m31.engine.probe.Prober`).
+        self.probe = None
         # Whether caps per campaign or advertiser can be answered: they read the ads' groups
         # from `index`, which a cluster's ingress does not hold (`m31.cluster.service`).
         self.group_caps = True
@@ -521,7 +523,11 @@ class Retriever:
                 [(request_context(one.request, one.targeting), one.filter) for one in prepared],
             )
             t2 = time.perf_counter()
-        results = search(query, view, mask, [one.k for one in prepared])
+        ks = [one.k for one in prepared]
+        if self.probe is None:
+            results = search(query, view, mask, ks)
+        else:
+            results, _ = self.probe.search(query, view, mask, ks)
         t3 = time.perf_counter()
         timings = {"encode": t1 - t0, "mask": t2 - t1, "score_topk": t3 - t2}
         return RetrievalResult(

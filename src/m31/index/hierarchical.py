@@ -1,19 +1,27 @@
-"""The hierarchical index of the 2024 design: k-means clusters of ads, scored coarse to fine.
+"""The hierarchical index of the 2024 design: k-means clusters of ads, scored coarse to fine
+(DESIGN §4, "The hierarchical index").
 
-Shapes: B requests, N ads, C clusters, P clusters probed, E experts, G gate-key dim, D value dim.
+Shapes: B requests, N rows, C clusters, P clusters probed, G gate-key dim, D value dim.
 
-A request first scores every cluster's representative (the centroid of its ads' g, x and b) with
-the same §2 scorer, then scores exhaustively only the ads of its P best clusters. With P = C it
-scores every ad and equals `score_topk` exactly (the ads are gathered in row order, so ties still
-go to the lower row); fewer probes trade recall for speed, which `bench/hierarchical.py` measures.
-Exhaustive scoring stays the default everywhere.
+`Clusters` is k-means over an ad table's concatenated (g, x, b), kept by ad id, so it outlives
+the rows it was built on: `m31 index build --clusters C` writes it into the snapshot's online
+features (`clusters.npz`), and a server asked to probe (`m31 serve --probe P`) reads it. A
+request scores every cluster's centroid with the §2 scorer and then scores exactly, with its own
+eligibility, the rows of its P best clusters (`m31.engine.probe`). Rows of an ad the clusters do
+not know (upserted after the build) go to the cluster of the nearest centroid; an ad updated
+since keeps its cluster, deleted ones are not eligible. With P = C every row is scored, and the
+answer is the exhaustive one.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
 import torch
 
-from m31.ops import NO_ROW, score, score_topk
+FILE = "clusters.npz"  # in a snapshot's online/ folder
 
 
 def kmeans(
@@ -27,9 +35,7 @@ def kmeans(
     centroids = points[torch.randperm(n, generator=gen)[:n_clusters].to(points.device)].clone()
     assign = torch.empty(n, dtype=torch.long, device=points.device)
     for _ in range(iters):
-        for lo in range(0, n, chunk):
-            d = torch.cdist(points[lo : lo + chunk], centroids)  # [chunk, C]
-            assign[lo : lo + chunk] = d.argmin(1)
+        assign = nearest(points, centroids, chunk)
         sums = torch.zeros_like(centroids).index_add_(0, assign, points)
         counts = torch.bincount(assign, minlength=n_clusters).to(points.dtype)
         centroids = sums / counts.clamp_min(1)[:, None]
@@ -37,53 +43,75 @@ def kmeans(
         if empty.any():  # an empty cluster restarts at a random point, so none is wasted
             restart = torch.randint(0, n, (int(empty.sum()),), generator=gen)
             centroids[empty] = points[restart.to(points.device)]
-    return centroids, assign
+    return centroids, nearest(points, centroids, chunk)
 
 
-class HierarchicalIndex:
-    def __init__(
-        self, g: torch.Tensor, x: torch.Tensor, b: torch.Tensor, n_clusters: int, seed: int = 0
-    ):
-        """Cluster the ad table (g [N, G], x [N, D], b [N]) on its concatenated vectors."""
-        g, x, b = g.float(), x.float(), b.float()
-        centroids, assign = kmeans(torch.cat([g, x, b[:, None]], dim=1), n_clusters, seed=seed)
-        gdim, ddim = g.shape[1], x.shape[1]
-        self.rep = (centroids[:, :gdim], centroids[:, gdim : gdim + ddim], centroids[:, -1])
-        order = torch.sort(assign, stable=True).indices  # rows grouped by cluster, ascending within
-        counts = torch.bincount(assign, minlength=n_clusters)
-        self.offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])  # [C + 1]
-        self.rows = order  # [N]
-        self.table = (g, x, b)
-        self.n_clusters = n_clusters
+def nearest(points: torch.Tensor, centroids: torch.Tensor, chunk: int = 65_536) -> torch.Tensor:
+    """[N] the nearest centroid (Euclidean) of each point [N, F], in chunks of rows."""
+    out = torch.empty(points.shape[0], dtype=torch.long, device=points.device)
+    for lo in range(0, points.shape[0], chunk):
+        out[lo : lo + chunk] = torch.cdist(points[lo : lo + chunk], centroids).argmin(1)
+    return out
 
-    def search(
-        self,
-        query: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-        mask: torch.Tensor | None,
-        k: int,
-        n_probe: int,
-    ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """(scores [B, K'], rows [B, K'], ads scored) with K' = min(k, N), like `score_topk`."""
-        if not 1 <= n_probe <= self.n_clusters:
-            raise ValueError(f"n_probe must be in [1, {self.n_clusters}], got {n_probe}")
-        q, v, p = query
-        n_ads = self.table[0].shape[0]
-        k_out = min(k, n_ads)
-        coarse = score(q, v, p, *self.rep)  # [B, C]
-        probe = coarse.topk(n_probe, dim=1).indices  # [B, P]
-        out_s = torch.full((len(p), k_out), float("-inf"), device=p.device)
-        out_r = torch.full((len(p), k_out), NO_ROW, dtype=torch.long, device=p.device)
-        scored = 0
-        for i in range(len(p)):
-            clusters = probe[i].tolist()
-            rows = torch.cat([self.rows[self.offsets[c] : self.offsets[c + 1]] for c in clusters])
-            rows = torch.sort(rows).values  # row order keeps the lower-row tie rule
-            scored += len(rows)
-            m = None if mask is None else (mask if mask.dim() == 1 else mask[i])[rows]
-            s, r = score_topk(
-                (q[i : i + 1], v[i : i + 1], p[i : i + 1]), tuple(t[rows] for t in self.table), m, k
-            )
-            n = s.shape[1]
-            out_s[i, :n] = s[0]
-            out_r[i, :n] = torch.where(r[0] == NO_ROW, NO_ROW, rows[r[0].clamp_min(0)])
-        return out_s, out_r, scored
+
+def table_points(g: torch.Tensor, x: torch.Tensor, b: torch.Tensor, scales=None) -> torch.Tensor:
+    """[N, G + D + 1] float32: the rows' (g, x, b) as k-means reads them (an 8-bit table's
+    codes times their row scales)."""
+    if scales is not None:
+        g, x = g.float() * scales[0][:, None], x.float() * scales[1][:, None]
+    return torch.cat([g.float(), x.float(), b.float()[:, None]], dim=1)
+
+
+@dataclass(frozen=True)
+class Clusters:
+    centroids: torch.Tensor  # [C, G + D + 1] float32: each cluster's mean (g, x, b)
+    ids: np.ndarray  # [M] int64 ad ids, ascending
+    cluster: np.ndarray  # [M] int64 the cluster of each
+    dim_g: int
+
+    @property
+    def n_clusters(self) -> int:
+        return int(self.centroids.shape[0])
+
+    @property
+    def rep(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(g [C, G], x [C, D], b [C]): the centroids as an ad table, for the coarse score."""
+        c, g = self.centroids, self.dim_g
+        return c[:, :g], c[:, g:-1], c[:, -1]
+
+    @classmethod
+    def build(cls, view, n_clusters: int, seed: int = 0, iters: int = 20) -> Clusters:
+        """k-means of the rows of an index view (`IndexView`: a fresh index's, every ad once)."""
+        points = table_points(view.g, view.x, view.b, view.scales).cpu()
+        centroids, assign = kmeans(points, n_clusters, iters, seed)
+        ids = view.row_ids.cpu().numpy()
+        order = np.argsort(ids, kind="stable")
+        return cls(centroids, ids[order], assign.numpy()[order], int(view.g.shape[1]))
+
+    def assign(self, view) -> np.ndarray:
+        """[N] the cluster of each row of `view`: its ad's, or, for an ad the clusters do not
+        know, that of the nearest centroid."""
+        ids = view.row_ids.cpu().numpy()
+        pos = np.minimum(np.searchsorted(self.ids, ids), max(len(self.ids) - 1, 0))
+        known = (self.ids[pos] == ids) if len(self.ids) else np.zeros(len(ids), bool)
+        out = np.where(known, self.cluster[pos] if len(self.ids) else 0, -1)
+        unknown = np.flatnonzero(~known)
+        if len(unknown):
+            at = torch.as_tensor(unknown, device=view.g.device)
+            scales = None if view.scales is None else tuple(s[at] for s in view.scales)
+            points = table_points(view.g[at], view.x[at], view.b[at], scales).cpu()
+            out[unknown] = nearest(points, self.centroids).numpy()
+        return out
+
+    def save(self, folder: Path) -> None:
+        np.savez(Path(folder) / FILE, centroids=self.centroids.numpy(), ids=self.ids,
+                 cluster=self.cluster, dim_g=np.int64(self.dim_g))  # fmt: skip
+
+    @classmethod
+    def load(cls, folder: Path) -> Clusters | None:
+        """The clusters saved in `folder`, None if it holds none."""
+        path = Path(folder) / FILE
+        if not path.is_file():
+            return None
+        with np.load(path) as z:
+            return cls(torch.from_numpy(z["centroids"]), z["ids"], z["cluster"], int(z["dim_g"]))

@@ -42,6 +42,7 @@ class ServeConfig:
     body_timeout_s: float = BODY_TIMEOUT_S
     admin_token: str | None = None  # bearer token of the write endpoints; None = disabled
     read_token: str | None = None  # bearer token of the read endpoints; None = open
+    probe: int | None = None  # clusters of the hierarchical index each request scores; None: all
 
     def check(self) -> None:
         """Raise on limits no server runs with; named as `m31 serve`'s options."""

@@ -50,7 +50,7 @@ class Service:
 
     @classmethod
     def load(cls, config: ServeConfig) -> Service:
-        engine = load_engine(config.index, config.model, device=config.device)
+        engine = load_engine(config.index, config.model, config.device, config.probe)
         try:
             # Now, not on the first upsert: loading the sentence model takes seconds to a minute.
             engine.encoder.load_text_encoder()
