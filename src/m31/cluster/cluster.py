@@ -47,6 +47,7 @@ from m31.cluster.coordinator import Coordinator
 from m31.cluster.layout import coordinator_dir, read_layout, shard_dir, shard_of
 from m31.cluster.shard import Answer, Moved, Shard
 from m31.engine import Retrieved, merge
+from m31.engine.caps import group_cap
 from m31.serve.service import Unavailable
 
 __all__ = ["Cancelled", "Cluster", "ClusterOptions", "Gathered", "Read", "Unavailable", "ready"]
@@ -265,9 +266,10 @@ class Read:
                               "restarting)", [])  # fmt: skip
         ok = {s: a for s, a in self.answers.items() if self.fits(s)}
         results = []
+        requests = self.payload[1]
         for r, k in zip(rows, ks, strict=True):
             parts = [Retrieved(*ok[s].results[r]) for s in sorted(ok)]
-            results.append(merge(parts, k))
+            results.append(merge(parts, k, group_cap(requests[r][0].max_per)))
         timings = {
             stage: max((a.timings_ms[stage] for a in ok.values()), default=0.0)
             for stage in ("mask", "score_topk")

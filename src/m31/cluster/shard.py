@@ -57,6 +57,7 @@ import torch
 from m31.cluster.layout import read_layout, shard_of
 from m31.cluster.records import RecordLog
 from m31.engine import eligible_masks, request_context, search
+from m31.engine.caps import group_cap
 from m31.engine.load import online_users
 from m31.index import AdIndexError, DurableIndex, DurableIndexError, compile_filter
 from m31.ops.threads import single_threaded
@@ -86,7 +87,8 @@ class _Prepared:
 
 @dataclass(frozen=True)
 class Answer:
-    """A shard's search answer: per request (ad ids [k'], scores [k']), at global `version`."""
+    """A shard's search answer: per request (ad ids [k'], scores [k'], groups or None:
+    `Retrieved`'s), at global `version`."""
 
     results: list[tuple[np.ndarray, np.ndarray]]
     version: int
@@ -230,11 +232,11 @@ class Shard:
             )  # [B, N]
             query = tuple(torch.tensor(t, device=self.device) for t in (q, v, p))  # [B, E, *]
         t1 = time.perf_counter()
-        found = search(query, view, masks, ks)
+        found = search(query, view, masks, ks, caps=[group_cap(r.max_per) for r, _ in requests])
         t2 = time.perf_counter()
         timings = {"mask": round(1000 * (t1 - t0), 3), "score_topk": round(1000 * (t2 - t1), 3)}
         rows = int(view.row_ids.shape[0])
-        return Answer([(r.ad_ids, r.scores) for r in found], version, rows, timings)
+        return Answer([(r.ad_ids, r.scores, r.groups) for r in found], version, rows, timings)
 
     def get(self, ad_id: int) -> tuple[dict, int] | None:
         """(attributes, global version) of a live ad, None if this shard does not hold it."""

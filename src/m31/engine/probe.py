@@ -54,6 +54,7 @@ class Prober:
         view: IndexView,
         mask: PackedMask | torch.Tensor | None,
         ks: Sequence[int],
+        caps: Sequence | None = None,
     ) -> tuple[list, int]:
         """(each request's top `ks[r]` eligible ads of its probed clusters, as `search` gives
         them; rows scored in all). mask: as `search` takes it ([B, N] or packed, or None)."""
@@ -72,12 +73,15 @@ class Prober:
             sub = dataclasses.replace(
                 view, g=view.g[at], x=view.x[at], b=view.b[at], row_ids=view.row_ids[at],
                 scales=None if view.scales is None else tuple(s[at] for s in view.scales),
+                attributes=view.attributes.rows(at),
             )  # fmt: skip
             one = None
             if isinstance(mask, PackedMask):
                 one = mask.select(torch.tensor([i], device=mask.device)).unpack()[:, at]
             elif mask is not None:
                 one = mask[i : i + 1, at]
-            results += search((q[i : i + 1], v[i : i + 1], p[i : i + 1]), sub, one, [ks[i]])
+            cap = None if caps is None else [caps[i]]
+            results += search((q[i : i + 1], v[i : i + 1], p[i : i + 1]), sub, one, [ks[i]],
+                              caps=cap)  # fmt: skip
             scored += len(picked)
         return results, scored

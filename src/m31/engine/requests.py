@@ -86,6 +86,9 @@ class AdRequest:
     filter: Mapping | None = None  # JSON filter tree over ad attributes (m31.index.filters)
     user: InlineUser | None = None
     frequency_cap: FrequencyCap | None = None
+    # At most this many results of one advertiser (or campaign), e.g. {"advertiser": 2}: one
+    # grouping per request (`m31.engine.caps`)
+    max_per: Mapping[str, int] | None = None
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from m31.data.schema import N_AGE_BUCKETS, age_bucket
+from m31.engine.caps import GROUP_FIELDS, capped, group_cap
 from m31.engine.requests import AdRequest, InlineUser, PreparedRequest, RequestError, one_of
 from m31.features import Features
 from m31.index import AdIndex, CompiledFilter, IndexView, RequestContext, compile_filter
@@ -53,6 +54,9 @@ CAP_GROUPS = {"ad": None, "campaign": "campaign_id", "advertiser": "advertiser_i
 class Retrieved:
     ad_ids: np.ndarray  # [k'] int64, best first (k' <= k: fewer when fewer are eligible)
     scores: np.ndarray  # [k'] float32
+    # With a cap per group: each ad's group value and whether it has one ([k'] int64, bool),
+    # which a merge of shards' answers walks again (`m31.engine.caps`)
+    groups: tuple[np.ndarray, np.ndarray] | None = None
 
 
 @dataclass
@@ -95,11 +99,13 @@ def search(
     mask: torch.Tensor | None,
     ks: Sequence[int],
     kernel: str = "auto",
+    caps: Sequence[tuple[str, int] | None] | None = None,
 ) -> list[Retrieved]:
     """Each request's top `ks[r]` eligible ads of `view`, best first, ties to the lower ad id.
 
     query = (q [B, E, G], v [B, E, D], p [B, E]); mask: a `PackedMask` of B requests or bool
-    [B, N] or None (every row).
+    [B, N] or None (every row). caps: per request, (the ads' field, max) of a cap per group
+    (`m31.engine.caps`) or None.
     """
     n = int(view.row_ids.shape[0])
     out: list[Retrieved | None] = [None] * len(ks)
@@ -118,11 +124,18 @@ def search(
             sub_mask = mask.select(pick) if isinstance(mask, PackedMask) else mask[pick]
         scores, rows = score_topk(sub, view.ad_table, sub_mask, want, kernel)  # [b, K']
         ids = torch.where(rows == NO_ROW, NO_ROW, view.row_ids[rows.clamp_min(0)])
-        scores, ids = scores.cpu().numpy(), ids.cpu().numpy()
+        scores, ids, rows = scores.cpu().numpy(), ids.cpu().numpy(), rows.cpu().numpy()
         again = []
-        for r, s, i in zip(todo.tolist(), scores, ids, strict=True):
+        for r, s, i, at in zip(todo.tolist(), scores, ids, rows, strict=True):
             found = i != NO_ROW
             s, i, k = s[found], i[found], ks[r]
+            if caps and caps[r] is not None:
+                got = _capped(view, caps[r], at[found], i, s, k, len(s) < want or want == n)
+                if got is None:
+                    again.append(r)
+                else:
+                    out[r] = got
+                continue
             # Cut short by the kernel while still tied with the K-th: ads of that score (and a
             # lower id) may lie beyond; fewer than asked means every eligible ad came.
             if len(s) == want < n and len(s) >= k and s[k - 1] == s[-1]:
@@ -134,11 +147,31 @@ def search(
     return out  # type: ignore[return-value]
 
 
-def merge(parts: Sequence[Retrieved], k: int) -> Retrieved:
+def _capped(view: IndexView, cap, rows, ids, scores, k: int, every: bool) -> Retrieved | None:
+    """The capped top-k of a request's fetched rows (ids, scores), or None when they do not
+    reach far enough: `every` eligible row came, or the walk kept k before the last fetched
+    score (ads tied with it may lie beyond)."""
+    field_, most = cap
+    values, valid = (t.cpu().numpy() for t in view.attributes.numeric(field_))
+    inside = np.ones(len(scores), bool) if every or not len(scores) else scores > scores.min()
+    values, valid = values[rows][inside], valid[rows][inside]
+    pick = capped(ids[inside], scores[inside], values, valid, most, k)
+    if len(pick) < k and not every:
+        return None
+    return Retrieved(ids[inside][pick], scores[inside][pick], (values[pick], valid[pick]))
+
+
+def merge(parts: Sequence[Retrieved], k: int, cap: tuple[str, int] | None = None) -> Retrieved:
     """The top `k` of several disjoint sets of ranked ads (shards), by the same rule as
-    `search`: exact when each part holds its own top `k`."""
+    `search`: exact when each part holds its own top `k` (under the same `cap`, whose groups
+    the parts carry: `m31.engine.caps`)."""
     ids = np.concatenate([p.ad_ids for p in parts]) if parts else np.zeros(0, np.int64)
     scores = np.concatenate([p.scores for p in parts]) if parts else np.zeros(0, np.float32)
+    if cap is not None:
+        values = np.concatenate([p.groups[0] for p in parts]) if parts else np.zeros(0, np.int64)
+        valid = np.concatenate([p.groups[1] for p in parts]) if parts else np.zeros(0, bool)
+        pick = capped(ids, scores, values, valid, cap[1], k)
+        return Retrieved(ids[pick], scores[pick], (values[pick], valid[pick]))
     order = np.lexsort((ids, -scores))[:k]
     return Retrieved(ad_ids=ids[order], scores=scores[order])
 
@@ -409,6 +442,18 @@ class Retriever:
             r = dataclasses.replace(r, filter=filter_)
         return r, self._compiled(i, filter_)
 
+    def _check_max_per(self, i: int, max_per: Mapping) -> None:
+        where = f"requests[{i}].max_per"
+        if not isinstance(max_per, Mapping) or len(max_per) != 1:
+            raise RequestError(f'{where}: give one grouping, e.g. {{"advertiser": 2}}')
+        ((name, most),) = max_per.items()
+        if name not in GROUP_FIELDS:
+            raise RequestError(f"{where}: {name!r} is not one of {', '.join(GROUP_FIELDS)}")
+        if isinstance(most, bool) or not isinstance(most, numbers.Integral) or most < 1:
+            raise RequestError(f"{where}.{name}: must be a positive integer, got {most!r}")
+        if self.index.schema.get(GROUP_FIELDS[name]) != "int":
+            raise RequestError(f"{where}.{name}: the index has no {GROUP_FIELDS[name]} to cap by")
+
     def _compiled(self, i: int, tree: Mapping | None) -> CompiledFilter | None:
         try:
             return compile_filter(tree, self.index.schema) if tree else None
@@ -435,6 +480,8 @@ class Retriever:
                 raise RequestError(f"requests[{i}]: give exactly one of user_id and user")
             if r.user is not None:
                 self._check_inline(i, r.user)
+            if r.max_per is not None:
+                self._check_max_per(i, r.max_per)
         rows = np.full(len(requests), -1, dtype=np.int64)  # feature-store row of stored users
         stored = [i for i, r in enumerate(requests) if r.user is None]
         if stored:
@@ -524,10 +571,11 @@ class Retriever:
             )
             t2 = time.perf_counter()
         ks = [one.k for one in prepared]
+        caps = [group_cap(one.request.max_per) for one in prepared]
         if self.probe is None:
-            results = search(query, view, mask, ks)
+            results = search(query, view, mask, ks, caps=caps)
         else:
-            results, _ = self.probe.search(query, view, mask, ks)
+            results, _ = self.probe.search(query, view, mask, ks, caps)
         t3 = time.perf_counter()
         timings = {"encode": t1 - t0, "mask": t2 - t1, "score_topk": t3 - t2}
         return RetrievalResult(

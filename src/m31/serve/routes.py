@@ -113,6 +113,7 @@ def to_engine(r: RetrieveRequest, now: int) -> AdRequest:
         frequency_cap=None
         if r.frequency_cap is None
         else FrequencyCap(r.frequency_cap.per, r.frequency_cap.max, r.frequency_cap.window_s),
+        max_per=r.max_per,
     )
 
 

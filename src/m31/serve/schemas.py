@@ -145,6 +145,16 @@ class RetrieveRequest(Strict):
         description="counted over the engagements the user store holds (a stored user's last "
         "L) or the inline user's history",
     )
+    max_per: (
+        dict[Literal["advertiser", "campaign"], Annotated[int, Field(ge=1, le=MAX_K)]] | None
+    ) = Field(
+        None,
+        min_length=1,
+        max_length=1,
+        description="at most this many results of one advertiser or campaign, e.g. "
+        '{"advertiser": 2}: the eligible ads in score order, each skipped when its group '
+        "already has that many; an ad without the field is never skipped",
+    )
 
     @field_validator("filter")
     @classmethod
