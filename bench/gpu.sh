@@ -8,17 +8,18 @@
 #   bash bench/gpu.sh                  # results in bench/out
 #   OUT=/tmp/m31-bench bash bench/gpu.sh
 #
-# Writes check.{csv,md}, bench.{csv,md,png} and engine.{csv,md}; the tables are printed last.
+# Writes check.{csv,md}, bench.{csv,md,png} and engine.{csv,md}; each step prints its tables.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-bench/out}"
 python="${PYTHON:-python3}"
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
 
-"$python" -m m31.bench --device cuda --check --out "$out"
+"$python" -m m31.bench kernels --device cuda --check --out "$out"
 
 # After one warm-up call, at most 5 timed calls and 1.5 s of them per measurement: the slow
 # baselines (the reference at B = 512 or N = 100 M) stop after one, which keeps the run short.
-"$python" -m m31.bench --device cuda --timings --canonical --engine --engine-n 10M \
-    --engine-dtype bfloat16,int8 \
+"$python" -m m31.bench kernels --device cuda --canonical --repeat 5 --budget 1.5 --out "$out"
+
+"$python" -m m31.bench engine --device cuda --n 10M --dtype bfloat16,int8 \
     --repeat 5 --budget 1.5 --out "$out"

@@ -15,6 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from m31.bench.attribute_memory import tensor_bytes  # what `m31 bench attribute-memory` counts
 from m31.data.schema import PLATFORMS
 from m31.index import (
     AdIndex,
@@ -32,24 +33,6 @@ from m31.index.limits import MAX_LIST_VALUES, MAX_VALUE_CHARS, MAX_VOCABULARY
 from m31.world.generate import COUNTRIES
 
 G, D = 2, 3
-
-
-def tensor_bytes(obj, seen=None) -> int:
-    """Bytes of the tensor storages reachable from `obj`, each counted once."""
-    seen = set() if seen is None else seen
-    if isinstance(obj, torch.Tensor):
-        storage = obj.untyped_storage()
-        if storage.data_ptr() in seen:
-            return 0
-        seen.add(storage.data_ptr())
-        return storage.nbytes()
-    if isinstance(obj, dict):
-        return sum(tensor_bytes(v, seen) for v in obj.values())
-    if isinstance(obj, list | tuple):
-        return sum(tensor_bytes(v, seen) for v in obj if not isinstance(v, str))
-    if hasattr(obj, "__dict__"):
-        return tensor_bytes(vars(obj), seen)
-    return 0
 
 
 def upsert(index, ids, attrs):

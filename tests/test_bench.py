@@ -1,4 +1,5 @@
-"""`m31 bench` on the CPU at tiny shapes: its CSV, the check, the engine and the baselines."""
+"""`m31 bench` on the CPU at tiny shapes: the kernels' CSV, the check, the engine, the baselines,
+and a smoke run of every other subcommand (their figures are bench/RESULTS.md's: no speed here)."""
 
 import csv
 import importlib.util
@@ -25,6 +26,10 @@ from m31.ops.testing import check_topk
 from m31.ops.torch_score_topk import torch_score_topk
 
 CPU = torch.device("cpu")
+SUBCOMMANDS = (
+    "kernels", "engine", "eligibility", "attribute-memory", "embedding-cache", "table-dtypes",
+    "hierarchical", "cluster", "events",
+)  # fmt: skip
 
 
 def read_csv(path):
@@ -34,7 +39,7 @@ def read_csv(path):
 
 def test_timings_csv(tmp_path):
     variants = [v for v in VARIANTS if v != "compile"]  # compile: test_compile_baseline
-    argv = ["--device", "cpu", "--n", "5000", "--batches", "1,3", "--k", "100,1000"]
+    argv = ["kernels", "--device", "cpu", "--n", "5000", "--batches", "1,3", "--k", "100,1000"]
     argv += ["--variants", ",".join(variants), "--repeat", "2", "--budget", "0.5"]
     assert main([*argv, "--out", str(tmp_path)]) == 0
     rows = read_csv(tmp_path / "bench.csv")
@@ -68,7 +73,8 @@ def test_timings_csv(tmp_path):
 
 
 def test_check_passes(tmp_path):
-    assert main(["--device", "cpu", "--check", "--quick", "--out", str(tmp_path)]) == 0
+    assert main(["kernels", "--device", "cpu", "--check", "--quick", "--out", str(tmp_path)]) == 0
+    assert not (tmp_path / "bench.csv").exists()  # --check alone runs the check alone
     rows = read_csv(tmp_path / "check.csv")
     assert list(rows[0]) == list(CheckRow.__dataclass_fields__)
     assert {r["status"] for r in rows} == {"ok"}  # --quick: no case is too large to run
@@ -122,17 +128,17 @@ def test_compile_baseline(tmp_path):
     got = chunked_topk(compiled_gate_scores(), query, table, mask, 50, 1000)
     ref = torch_score_topk(*query, *table, mask, 50)
     assert check_topk(got, ref, query, table, mask) is None
-    argv = ["--device", "cpu", "--n", "3000", "--batches", "2", "--variants", "compile"]
+    argv = ["kernels", "--device", "cpu", "--n", "3000", "--batches", "2", "--variants", "compile"]
     assert main([*argv, "--repeat", "1", "--out", str(tmp_path)]) == 0
     (row,) = read_csv(tmp_path / "bench.csv")
     assert row["status"] == "ok" and float(row["pairs_per_s"]) > 0
 
 
 def test_engine(tmp_path):
-    argv = ["--device", "cpu", "--engine", "--engine-n", "20000", "--engine-batches", "1,3"]
-    argv += ["--engine-dtype", "bfloat16,int8"]
+    argv = ["engine", "--device", "cpu", "--n", "20000", "--batches", "1,3"]
+    argv += ["--dtype", "bfloat16,int8"]
     assert main([*argv, "--repeat", "1", "--out", str(tmp_path)]) == 0
-    assert not (tmp_path / "bench.csv").exists()  # --engine alone runs the engine alone
+    assert not (tmp_path / "bench.csv").exists()  # the engine alone
     rows = read_csv(tmp_path / "engine.csv")
     assert list(rows[0]) == list(EngineTiming.__dataclass_fields__)
     assert [(r["dtype"], int(r["b"])) for r in rows] == [
@@ -167,16 +173,35 @@ def test_chunk_size_and_canonical_plan():
     }
 
 
-def test_bad_arguments():
-    with pytest.raises(SystemExit):
-        main(["--variants", "kernel,bogus"])
-    with pytest.raises(SystemExit):
-        main(["--canonical", "--n", "1000"])
-    with pytest.raises(SystemExit):
-        main(["--n", "0"])
-    for bad in ("int4", "int8,int8", ""):
-        with pytest.raises(SystemExit):
-            main(["--engine", "--engine-dtype", bad])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["kernels", "--variants", "kernel,bogus"],
+        ["kernels", "--canonical", "--n", "1000"],
+        ["kernels", "--n", "0"],
+        ["kernels", "--budget", "0"],
+        ["engine", "--dtype", "int4"],
+        ["engine", "--dtype", "int8,int8"],
+        ["engine", "--dtype", ""],
+        ["engine", "--k", "0"],
+        ["--check"],  # the options belong to a subcommand now
+        ["eligibility", "--batches", "1,x"],
+        ["events", "no/such/world"],
+    ],
+)
+def test_bad_arguments(argv):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+
+
+def test_bench_alone_lists_the_subcommands(capsys):
+    with pytest.raises(SystemExit):  # no subcommand: the help, as every m31 group answers
+        main([])
+    shown = "".join(capsys.readouterr())
+    for name in SUBCOMMANDS:
+        assert name in shown
+        assert main([name, "--help"]) == 0
 
 
 def test_acceptance_and_ratios():
@@ -260,3 +285,59 @@ def test_the_baselines_multiply_in_the_faster_of_bf16_and_fp32():
             )
             torch.testing.assert_close(scores, want_scores, rtol=1e-2, atol=1e-2)
         assert bench.cost("two-tower")[0] == table[1].element_size() * 16
+
+
+def test_eligibility(capsys):
+    assert main(["eligibility", "--n", "3k", "--batches", "1,2", "--repeat", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "N = 3,000: index built" in out and "B = 2 (" in out and "score·top-K" in out
+
+
+def test_attribute_memory(capsys):
+    assert main(["attribute-memory", "--ads", "2000", "--new-tags", "50"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("2,000 ads, capacity 2,048, device cpu")
+    assert "host memory per distinct value (traced)" in out and "contains filter on tags" in out
+
+
+def test_embedding_cache(capsys):
+    from m31.features import text_encoder
+
+    encoder = text_encoder.encode_texts
+    assert main(["embedding-cache", "--cached", "20", "--batch", "1,4", "--repeat", "2"]) == 0
+    assert text_encoder.encode_texts is encoder  # the random vectors were the bench's alone
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("20 texts cached in")
+    assert [line.split()[0] for line in lines[2:]] == ["1", "4"]
+
+
+def test_table_dtypes(served_world, capsys):
+    argv = ["table-dtypes", "--data", str(served_world.data), "--model", str(served_world.model)]
+    assert main([*argv, "--requests", "10", "--k", "10"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("10 test requests, K = 10")
+    assert "| bfloat16 |" in out and "| int8 |" in out
+
+
+def test_hierarchical(served_world, capsys):
+    argv = ["hierarchical", "--data", str(served_world.data), "--model", str(served_world.model)]
+    assert main([*argv, "--clusters", "4", "--requests", "5", "--k", "10"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [r[0] for r in rows] == ["1", "2", "4"]
+    assert rows[-1][1] == "1.000"  # every cluster probed: the exhaustive answer
+
+
+def test_events(served_world, capsys):
+    argv = ["events", str(served_world.root), "--rate", "1000", "--rounds", "2"]
+    assert main([*argv, "--per-round", "2", "--batch", "10"]) == 0
+    assert "\n| 1,000 | " in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_cluster(tmp_path):
+    pytest.importorskip("ray")
+    argv = ["cluster", "--n", "2000", "--batches", "2", "--shards", "2", "--k", "10"]
+    argv += ["--experts", "2", "--dim", "8", "--repeat", "1", "--cpus", "2"]
+    assert main([*argv, "--out", str(tmp_path / "cluster.md")]) == 0
+    table = (tmp_path / "cluster.md").read_text()
+    assert "| 2 | 2 |" in table and "| NO |" not in table

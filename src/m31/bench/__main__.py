@@ -1,5 +1,5 @@
-"""`python -m m31.bench`: `m31 bench` without the installed `m31` script (bench/gpu.sh on the
-GPU image: PyTorch, Triton, numpy and typer, nothing installed)."""
+"""`python -m m31.bench <what>`: `m31 bench <what>` without the installed `m31` script
+(bench/gpu.sh on the GPU image: PyTorch, Triton, numpy and typer, nothing installed)."""
 
 import sys
 

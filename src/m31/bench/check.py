@@ -1,4 +1,4 @@
-"""`m31 bench --check`: every kernel the device can run, on bf16 and 8-bit tables, against the
+"""`m31 bench kernels --check`: every kernel the device can run, on bf16 and 8-bit tables, against the
 reference on fresh random data, judged by `m31.ops.testing.check_topk` (the tests' comparison);
 and recall@K of the 8-bit table's top K against the bf16 table's.
 

@@ -1,15 +1,22 @@
-"""`m31 bench`, also `python -m m31.bench`: one typer command, registered by `m31.cli` as well.
+"""`m31 bench <what>`, also `python -m m31.bench <what>`: every benchmark of the project, one
+subcommand each; `m31.cli` registers this typer group as `m31 bench`.
 
-    m31 bench                           # timings at the device's default shapes
-    m31 bench --canonical --engine      # DESIGN §6's shapes, then the engine end to end
-    m31 bench --check                   # every kernel against the reference; exit 1 if not
+    m31 bench kernels                          # timings at the device's default shapes
+    m31 bench kernels --check                  # every kernel against the reference; exit 1 if not
+    m31 bench kernels --canonical              # DESIGN §6's shapes
+    m31 bench engine                           # Retriever.retrieve end to end
+    m31 bench eligibility | attribute-memory | embedding-cache       # the index's parts, CPU
+    m31 bench table-dtypes | hierarchical --data DIR --model CKPT    # on a trained model
+    m31 bench cluster                          # the single process against S shards on Ray
+    m31 bench events WORLD                     # events beside retrieves in one process
 
-Typer alone is imported at the top, PyTorch when the command runs: `m31.cli` imports this
-module, and its other commands should not wait for PyTorch.
+Typer alone is imported at the top, each benchmark's module (and PyTorch, Ray) when it runs:
+`m31.cli` imports this module, and its other commands should not wait for PyTorch.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,7 +26,12 @@ import typer
 
 from m31.bench.cases import VARIANTS
 
-app = typer.Typer(add_completion=False)
+app = typer.Typer(
+    name="bench",
+    no_args_is_help=True,
+    add_completion=False,
+    help="Benchmarks, one subcommand each; figures with dates and commands: bench/RESULTS.md.",
+)
 
 _DEFAULT_N = "10M on cuda, 1M on cpu, 20k with --quick"
 
@@ -43,17 +55,17 @@ def _counts(text: str | None, option: str) -> tuple[int, ...] | None:
 
 
 def _dtypes(text: str) -> tuple[str, ...]:
-    """--engine-dtype "bfloat16,int8" -> names of index table dtypes, each known, none twice."""
+    """--dtype "bfloat16,int8" -> names of index table dtypes, each known, none twice."""
     from m31.index.snapshot import DTYPES as _DTYPES
 
     names = tuple(v.strip() for v in text.split(","))
     bad = [v for v in names if v not in _DTYPES]
     if bad:
         raise typer.BadParameter(
-            f"unknown {bad[0]!r}; choose from {', '.join(_DTYPES)}", param_hint="--engine-dtype"
+            f"unknown {bad[0]!r}; choose from {', '.join(_DTYPES)}", param_hint="--dtype"
         )
     if len(set(names)) != len(names):
-        raise typer.BadParameter("a dtype given twice", param_hint="--engine-dtype")
+        raise typer.BadParameter("a dtype given twice", param_hint="--dtype")
     return names
 
 
@@ -69,17 +81,35 @@ def _variants(text: str) -> tuple[str, ...]:
     return names
 
 
+def _positive(value: float) -> float:
+    if value <= 0:
+        raise typer.BadParameter("must be positive")
+    return value
+
+
+def _run_suite(plan, out: Path) -> None:
+    """Run a kernels or engine plan (`m31.bench.suite`), print its tables; exit 1 on a failed
+    check."""
+    from m31.bench.suite import run_suite
+
+    text, failed = run_suite(plan, out)
+    print(text)
+    if failed:
+        raise typer.Exit(1)
+
+
+DeviceOption = Annotated[str, typer.Option(help="auto (cuda if available), cuda or cpu.")]
 TimingsOption = Annotated[
-    bool, typer.Option("--timings", help="The timings: run unless --check or --engine alone.")
+    bool, typer.Option("--timings", help="The timings as well as --check (on unless --check).")
 ]
 CheckOption = Annotated[
     bool, typer.Option("--check", help="Kernels vs the reference; exit 1 if not.")
 ]
-EngineOption = Annotated[bool, typer.Option("--engine", help="Retriever.retrieve end to end.")]
 CanonicalOption = Annotated[
     bool, typer.Option("--canonical", help="Timings at DESIGN §6's shapes.")
 ]
 QuickOption = Annotated[bool, typer.Option("--quick", help="Small shapes: a CPU smoke run.")]
+NOption = Annotated[str | None, typer.Option(help=f"Ads, e.g. 1M,10M ({_DEFAULT_N}).")]
 BatchesOption = Annotated[
     str | None, typer.Option(help="Requests per batch (1,64,512 on cuda, 1,64 on cpu).")
 ]
@@ -91,72 +121,212 @@ VariantsOption = Annotated[
 MeasureLimitsOption = Annotated[
     bool, typer.Option("--measure-limits", help="Measure the limits even on an H200.")
 ]
-EngineNOption = Annotated[
-    str | None, typer.Option(help=f"Ads in the engine's index ({_DEFAULT_N}).")
+RepeatOption = Annotated[int, typer.Option(min=1, help="Timed calls per measurement, at most.")]
+BudgetOption = Annotated[
+    float, typer.Option(callback=_positive, help="Seconds of timed calls, at most.")
 ]
+SeedOption = Annotated[int, typer.Option(help="Seed of the tables, queries and world.")]
+OutOption = Annotated[Path, typer.Option(help="Folder for CSV, MD, PNG.")]
+EngineNOption = Annotated[str | None, typer.Option(help=f"Ads in the index ({_DEFAULT_N}).")]
 EngineBatchesOption = Annotated[
     str | None, typer.Option(help="Requests per call (1,64,256; 1,3 with --quick).")
 ]
 EngineDtypeOption = Annotated[
-    str,
-    typer.Option(help="The engine index's table dtypes, each timed: bfloat16,int8 compares."),
+    str, typer.Option(help="The index's table dtypes, each timed: bfloat16,int8 compares.")
 ]
 EngineModelOption = Annotated[str, typer.Option(help="Model preset (demo: E = 8, G = D = 64).")]
+DataOption = Annotated[
+    Path, typer.Option(exists=True, file_okay=False, help="Dataset folder the model learnt.")
+]
+ModelOption = Annotated[
+    Path, typer.Option(exists=True, dir_okay=False, help="A moe or two-tower checkpoint.")
+]
 
 
 @app.command()
-def bench(
-    device: Annotated[str, typer.Option(help="auto (cuda if available), cuda or cpu.")] = "auto",
-    timings: TimingsOption = False,
+def kernels(
+    device: DeviceOption = "auto",
     check: CheckOption = False,
-    engine: EngineOption = False,
+    timings: TimingsOption = False,
     canonical: CanonicalOption = False,
     quick: QuickOption = False,
-    n: Annotated[str | None, typer.Option(help=f"Ads, e.g. 1M,10M ({_DEFAULT_N}).")] = None,
+    n: NOption = None,
     batches: BatchesOption = None,
     k: Annotated[str | None, typer.Option(help="Results per request (100).")] = None,
-    experts: Annotated[int, typer.Option(help="E.")] = 8,
-    dim: Annotated[int, typer.Option(help="G = D.")] = 64,
+    experts: Annotated[int, typer.Option(min=1, help="E.")] = 8,
+    dim: Annotated[int, typer.Option(min=1, help="G = D.")] = 64,
     variants: VariantsOption = ALL_VARIANTS,
-    repeat: Annotated[int, typer.Option(help="Timed calls per measurement, at most.")] = 5,
-    budget: Annotated[float, typer.Option(help="Seconds of timed calls, at most.")] = 2.0,
+    repeat: RepeatOption = 5,
+    budget: BudgetOption = 2.0,
     measure_limits: MeasureLimitsOption = False,
-    engine_n: EngineNOption = None,
-    engine_batches: EngineBatchesOption = None,
-    engine_k: Annotated[int, typer.Option(help="Results per request of the engine.")] = 100,
-    engine_dtype: EngineDtypeOption = "bfloat16",
-    engine_model: EngineModelOption = "demo",
-    seed: Annotated[int, typer.Option(help="Seed of the tables, queries and world.")] = 0,
-    out: Annotated[Path, typer.Option(help="Folder for CSV, MD, PNG.")] = Path("bench/out"),
+    seed: SeedOption = 0,
+    out: OutOption = Path("bench/out"),
 ) -> None:
-    """Throughput of score·filter·top-K against its baselines, every kernel against the
-    reference (--check; exit 1 if one disagrees) and the engine end to end (--engine). The
-    timings run when asked for (--timings, --canonical) or when neither --check nor --engine is
-    given. Progress goes to stderr; the tables go to stdout, last, and to --out.
+    """score·filter·top-K against its baselines; --check: every kernel against the reference.
+
+    The timings (bench.{csv,md,png}) measure every variant in the same run; --check (check.{csv,md})
+    exits 1 if a kernel disagrees, and runs the timings too only when asked for (--timings,
+    --canonical). Progress goes to stderr; the tables go to stdout, last, and to --out.
     """
-    from m31.bench.suite import Plan, run_suite
+    from m31.bench.suite import Plan
 
     plan = Plan(
-        device=torch_device(device), check=check, engine=engine, canonical=canonical,
-        timings=timings or canonical or not (check or engine), quick=quick,
-        n=_counts(n, "--n"), batches=_counts(batches, "--batches"), k=_counts(k, "--k"),
-        experts=experts, dim=dim, variants=_variants(variants), repeat=repeat, budget=budget,
-        measure_limits=measure_limits, engine_n=_counts(engine_n, "--engine-n"),
-        engine_batches=_counts(engine_batches, "--engine-batches"), engine_k=engine_k,
-        engine_dtypes=_dtypes(engine_dtype), engine_model=engine_model, seed=seed,
+        device=torch_device(device), check=check, timings=timings or canonical or not check,
+        canonical=canonical, quick=quick, n=_counts(n, "--n"),
+        batches=_counts(batches, "--batches"), k=_counts(k, "--k"), experts=experts, dim=dim,
+        variants=_variants(variants), repeat=repeat, budget=budget,
+        measure_limits=measure_limits, seed=seed,
     )  # fmt: skip
     if canonical and (plan.n or plan.batches or plan.k):
         raise typer.BadParameter(
             "it sets N, B and K itself; drop --n, --batches and --k", param_hint="--canonical"
         )
-    if min(experts, dim, repeat, budget, engine_k) <= 0:
-        raise typer.BadParameter(
-            "must be positive", param_hint="--experts, --dim, --repeat, --budget, --engine-k"
-        )
-    text, failed = run_suite(plan, out)
-    print(text)
-    if failed:
-        raise typer.Exit(1)
+    _run_suite(plan, out)
+
+
+@app.command()
+def engine(
+    n: EngineNOption = None,
+    batches: EngineBatchesOption = None,
+    k: Annotated[int, typer.Option(min=1, help="Results per request.")] = 100,
+    dtype: EngineDtypeOption = "bfloat16",
+    model: EngineModelOption = "demo",
+    device: DeviceOption = "auto",
+    quick: QuickOption = False,
+    repeat: RepeatOption = 5,
+    budget: BudgetOption = 2.0,
+    seed: SeedOption = 0,
+    out: OutOption = Path("bench/out"),
+) -> None:
+    """Retriever.retrieve end to end over a synthetic index of N ads, per table dtype.
+
+    Encoding, masks and score·top-K timed apart (engine.{csv,md}); only the first of --n is used.
+    """
+    from m31.bench.suite import Plan
+
+    plan = Plan(
+        device=torch_device(device), timings=False, engine=True, quick=quick,
+        engine_n=_counts(n, "--n"), engine_batches=_counts(batches, "--batches"), engine_k=k,
+        engine_dtypes=_dtypes(dtype), engine_model=model, repeat=repeat, budget=budget,
+        seed=seed,
+    )  # fmt: skip
+    _run_suite(plan, out)
+
+
+@app.command()
+def eligibility(
+    n: Annotated[str, typer.Option(help="Ads in the index, a list.")] = "1M,10M",
+    batches: Annotated[str, typer.Option(help="Requests per batch, a list.")] = "1,64",
+    repeat: RepeatOption = 5,
+    engine: Annotated[
+        bool, typer.Option("--engine", help="Also Retriever.retrieve with each builder (first N).")
+    ] = False,
+) -> None:
+    """Eligibility masks per request: the column builder against the row bitmaps (CPU).
+
+    Per N and B, beside the score·top-K pass they feed; with --engine, Retriever.retrieve with
+    each builder at the first N.
+    """
+    from m31.bench import eligibility as bench
+
+    bench.run(_counts(n, "--n"), _counts(batches, "--batches"), repeat, engine)
+
+
+@app.command("attribute-memory")
+def attribute_memory(
+    ads: Annotated[int, typer.Option(min=1, help="Ads in the index.")] = 50_000,
+    new_tags: Annotated[int, typer.Option(min=1, help="Distinct values added.")] = 1_000,
+    device: Annotated[str, typer.Option(help="The index's device.")] = "cpu",
+    threads: Annotated[int, typer.Option(min=1, help="CPU threads of the mask timings.")] = 1,
+) -> None:
+    """Memory of the attribute table per distinct list value, and a targeting mask's cost."""
+    from m31.bench import attribute_memory as bench
+
+    bench.run(ads, new_tags, device, threads)
+
+
+@app.command("embedding-cache")
+def embedding_cache(
+    cached: Annotated[int, typer.Option(min=1, help="Texts in the cache first.")] = 3_000,
+    batch: Annotated[str, typer.Option(help="Texts per upsert, a list.")] = "1,10,100",
+    repeat: Annotated[int, typer.Option(min=1, help="Upserts timed per batch size.")] = 20,
+) -> None:
+    """The text-embedding cache's cost per upsert, with --cached texts already in it."""
+    from m31.bench import embedding_cache as bench
+
+    bench.run(cached, _counts(batch, "--batch"), repeat)
+
+
+@app.command("table-dtypes")
+def table_dtypes(
+    data: DataOption,
+    model: ModelOption,
+    split: Annotated[str, typer.Option(help="leave-last-out or time.")] = "leave-last-out",
+    requests: Annotated[int, typer.Option(min=1, help="Test requests sampled.")] = 2000,
+    k: Annotated[int, typer.Option(min=1, help="Results per request.")] = 100,
+    seed: Annotated[int, typer.Option(help="Seed of the sample.")] = 0,
+) -> None:
+    """Overlap of the engine's results over bfloat16 and int8 ad tables with float32's."""
+    from m31.bench import table_dtypes as bench
+
+    bench.run(data, model, split, requests, k, seed)
+
+
+@app.command()
+def hierarchical(
+    data: DataOption,
+    model: ModelOption,
+    clusters: Annotated[int, typer.Option(min=1, help="k-means clusters.")] = 256,
+    requests: Annotated[int, typer.Option(min=1, help="Test requests, at most.")] = 200,
+    k: Annotated[int, typer.Option(min=1, help="Results per request.")] = 100,
+) -> None:
+    """Recall and speed-up of the hierarchical index against exhaustive scoring, per probe."""
+    from m31.bench import hierarchical as bench
+
+    bench.run(data, model, clusters, requests, k)
+
+
+@app.command()
+def cluster(
+    n: Annotated[int, typer.Option(min=1, help="Ads.")] = 200_000,
+    batches: Annotated[str, typer.Option(help="Requests per batch, a list.")] = "1,64",
+    k: Annotated[int, typer.Option(min=1, help="Results per request.")] = 100,
+    shards: Annotated[str, typer.Option(help="Shard counts, a list.")] = "1,2,4",
+    experts: Annotated[int, typer.Option(min=1, help="E.")] = 8,
+    dim: Annotated[int, typer.Option(min=1, help="G = D.")] = 64,
+    repeat: Annotated[int, typer.Option(min=1, help="Timed batches per measurement.")] = 7,
+    cpus: Annotated[int, typer.Option(min=1, help="Cores Ray may use.")] = os.cpu_count() or 1,
+    out: Annotated[Path | None, typer.Option(help="Write the table here too.")] = None,
+) -> None:
+    """Scatter-gather overhead: the single-process engine against S shards on Ray.
+
+    Same corpus, same requests, one run; exits 1 if a cluster answer differs.
+    """
+    from m31.bench import cluster as bench
+
+    bench.run(
+        n, _counts(batches, "--batches"), k, _counts(shards, "--shards"), experts, dim, repeat,
+        cpus, out,
+    )  # fmt: skip
+
+
+@app.command()
+def events(
+    world: Annotated[
+        Path,
+        typer.Argument(
+            exists=True, file_okay=False, help="A folder `scripts/serve_limits.py build` made."
+        ),
+    ],
+    rate: Annotated[str, typer.Option(help="Events per second, a list.")] = "2000,10000,20000",
+    batch: Annotated[int, typer.Option(min=1, help="Events per call.")] = 100,
+    rounds: Annotated[int, typer.Option(min=2, help="Alternating rounds per rate.")] = 16,
+    per_round: Annotated[int, typer.Option(min=1, help="Retrieves per round.")] = 30,
+) -> None:
+    """What engagement events cost retrieval inside one server process, without HTTP."""
+    from m31.bench import events as bench
+
+    bench.run(world, _counts(rate, "--rate"), batch, rounds, per_round)
 
 
 def torch_device(name: str):

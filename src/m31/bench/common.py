@@ -140,6 +140,11 @@ def time_call(
     return statistics.median(times), len(times), out
 
 
+def median_ms(fn: Callable[[], Any], repeat: int) -> float:
+    """Median milliseconds of `repeat` calls of fn() on the CPU after one untimed warm-up call."""
+    return 1e3 * time_call(fn, torch.device("cpu"), repeat, float("inf"))[0]
+
+
 def free_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)

@@ -1,4 +1,4 @@
-"""`m31 bench --engine`: `Retriever.retrieve` end to end (request encoding, eligibility masks,
+"""`m31 bench engine`: `Retriever.retrieve` end to end (request encoding, eligibility masks,
 score·top-K, ids and scores back) over an index of N ads.
 
 Shapes: B requests, N ads, E experts, G gate-key dim, D value dim, K results.

@@ -1,5 +1,6 @@
-"""One `m31 bench` run: the sections asked for (check, timings, engine), each written to its CSV
-and markdown file in the output folder, and the report that the command prints."""
+"""One `m31 bench kernels` or `m31 bench engine` run: the sections asked for (check, timings,
+engine), each written to its CSV and markdown file in the output folder, and the report that the
+command prints."""
 
 from __future__ import annotations
 

@@ -48,7 +48,7 @@ cluster_app.command("reshard")(serve.cluster_reshard)
 app.command("serve")(serve.serve_cmd)
 app.command("query")(serve.query_cmd)
 app.command("loadtest")(serve.loadtest_cmd)
-app.command("bench")(bench_cli.bench)
+app.add_typer(bench_cli.app, name="bench")
 
 
 def main() -> None:  # pragma: no cover - console entry point

@@ -4,7 +4,7 @@ alternate with and without a writer thread adding batches of events through the 
 folder's DurableIndex (logged, fsync'd, applied to the user store) at a given rate.
 
     python scripts/serve_limits.py build data/events --ads 50000      # a served world, once
-    python scripts/events_engine.py data/events --rate 2000,10000,20000
+    m31 bench events data/events --rate 2000,10000,20000
 
 The HTTP figures (`m31 loadtest --event-clients`) add the HTTP stack and, on one machine, the
 load generator's own CPU; these isolate the engine: the store, the log and the version churn.
@@ -12,11 +12,11 @@ load generator's own CPU; these isolate the engine: the store, the log and the v
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -80,27 +80,19 @@ def measure(engine, rate: float, rounds: int, per_round: int, batch: int, seed: 
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("world", type=Path, help="a folder `scripts/serve_limits.py build` made")
-    ap.add_argument("--rate", default="2000,10000,20000", help="events per second, a list")
-    ap.add_argument("--batch", type=int, default=100, help="events per call")
-    ap.add_argument("--rounds", type=int, default=16, help="alternating rounds per rate")
-    ap.add_argument("--per-round", type=int, default=30, help="retrieves per round")
-    args = ap.parse_args()
-    rates = [float(r) for r in args.rate.split(",")]
-    if any(r <= 0 for r in rates) or args.batch < 1 or args.rounds < 2 or args.per_round < 1:
-        ap.error("rates must be positive, --batch and --per-round at least 1, --rounds 2")
+def run(world: Path, rates: Sequence[float], batch: int, rounds: int, per_round: int) -> None:
+    """`m31 bench events`: one table row per rate, printed. `world` holds index/ and
+    runs/moe.pt, as `scripts/serve_limits.py build` writes them."""
     tmp = Path(tempfile.mkdtemp())
     try:
-        state = serving_folder(args.world / "index", tmp / "serving")
-        engine = load_engine(state, args.world / "runs" / "moe.pt")
+        state = serving_folder(world / "index", tmp / "serving")
+        engine = load_engine(state, world / "runs" / "moe.pt")
         try:
             print("| events / s asked | written / s | ms per call of the writer | "
                   "retrieve p50 / p99 alone | beside the events | ratio p50 / p99 |")  # fmt: skip
             print("|---:|---:|---:|---:|---:|---:|")
             for rate in rates:
-                m = measure(engine, rate, args.rounds, args.per_round, args.batch, seed=0)
+                m = measure(engine, rate, rounds, per_round, batch, seed=0)
                 (a50, a99), (b50, b99) = m["alone"], m["beside"]
                 print(f"| {rate:,.0f} | {m['events_per_s']:,.0f} | {m['write_ms_per_call']:.2f} "
                       f"| {a50:.1f} / {a99:.1f} | {b50:.1f} / {b99:.1f} "
@@ -109,7 +101,3 @@ def main() -> None:
             engine.close()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-if __name__ == "__main__":
-    main()

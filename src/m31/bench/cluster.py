@@ -1,5 +1,5 @@
 """Scatter-gather overhead: the single-process engine against S shards on Ray, same corpus,
-same requests, one run (`python -m m31.cluster.bench`).
+same requests, one run (`m31 bench cluster`).
 
 Shapes: N ads, B requests per batch, E experts, G gate-key dim, D value dim, K results.
 
@@ -17,12 +17,11 @@ has its own device.
 
 from __future__ import annotations
 
-import argparse
-import os
 import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -89,49 +88,38 @@ def timed(fns, repeat: int) -> list[tuple[float, object]]:
     return [(statistics.median(t), out) for t, out in zip(times, outs, strict=True)]
 
 
-def main(argv=None) -> str:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--n", type=int, default=200_000, help="ads")
-    parser.add_argument("--batches", default="1,64", help="requests per batch")
-    parser.add_argument("--k", type=int, default=100)
-    parser.add_argument("--shards", default="1,2,4")
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--dim", type=int, default=64, help="G = D")
-    parser.add_argument("--repeat", type=int, default=7)
-    parser.add_argument("--cpus", type=int, default=os.cpu_count())
-    parser.add_argument("--out", type=Path, default=None, help="write the table here too")
-    args = parser.parse_args(argv)
-
+def run(
+    n: int, batches: Sequence[int], k: int, shard_counts: Sequence[int], experts: int, dim: int,
+    repeat: int, cpus: int, out: Path | None,
+) -> str:  # fmt: skip
+    """`m31 bench cluster`: the table (printed, and written to `out`); exits with a message if a
+    cluster answer differs from the single process's. Ray is imported here, when it runs."""
     import ray
 
     from m31.cluster.cluster import Cluster, ClusterOptions
     from m31.cluster.layout import init_cluster
 
-    batches = [int(b) for b in args.batches.split(",")]
-    shard_counts = [int(s) for s in args.shards.split(",")]
-    index = corpus(args.n, args.dim)
+    index = corpus(n, dim)
     work = Path(tempfile.mkdtemp(prefix="m31-cluster-bench-"))
     rows = []
     try:
         snapshot = index.save(work / "snapshot")
-        ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False)
+        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
         for s in shard_counts:
             state = init_cluster(snapshot, work / f"state-{s}", s)
             # As `m31 serve --ray` places them: at most one core each, one kernel thread.
-            cpus = min(1.0, args.cpus / s)
-            cluster = Cluster.start(state, ClusterOptions(shard_cpus=cpus))
+            shard_cpus = min(1.0, cpus / s)
+            cluster = Cluster.start(state, ClusterOptions(shard_cpus=shard_cpus))
             for b in batches:
-                query, requests = queries(b, args.experts, args.dim, seed=b)
+                query, requests = queries(b, experts, dim, seed=b)
 
                 def alone(query=query, requests=requests, b=b):
-                    return single(index, query, requests, [args.k] * b)
+                    return single(index, query, requests, [k] * b)
 
                 def scatter(query=query, requests=requests, b=b, cluster=cluster):
-                    return cluster.search(
-                        query, requests, [args.k] * b, time.monotonic() + 600
-                    ).results
+                    return cluster.search(query, requests, [k] * b, time.monotonic() + 600).results
 
-                (ms_single, want), (ms, got) = timed([alone, scatter], args.repeat)
+                (ms_single, want), (ms, got) = timed([alone, scatter], repeat)
                 exact = all(
                     g.ad_ids.tolist() == w.ad_ids.tolist() for g, w in zip(got, want, strict=True)
                 )
@@ -142,8 +130,8 @@ def main(argv=None) -> str:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     lines = [
-        f"N = {args.n:,} ads (bf16), E = {args.experts}, G = D = {args.dim}, K = {args.k}, "
-        f"half the ads eligible, {args.cpus} cores; median of {args.repeat} batches",
+        f"N = {n:,} ads (bf16), E = {experts}, G = D = {dim}, K = {k}, "
+        f"half the ads eligible, {cpus} cores; median of {repeat} batches",
         "",
         "| B | shards | single process ms | cluster ms | ratio | same ids and order |",
         "| ---: | ---: | ---: | ---: | ---: | --- |",
@@ -155,12 +143,8 @@ def main(argv=None) -> str:
         )
     table = "\n".join(lines)
     print(table)
-    if args.out is not None:
-        args.out.write_text(table + "\n")
+    if out is not None:
+        out.write_text(table + "\n")
     if not all(r[4] for r in rows):
         raise SystemExit("cluster answers differ from the single process")
     return table
-
-
-if __name__ == "__main__":
-    main()

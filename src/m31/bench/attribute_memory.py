@@ -1,6 +1,6 @@
 """Memory of the attribute table per distinct list value, and the cost of a targeting mask.
 
-    python bench/attribute_memory.py [--ads 50000] [--new-tags 1000] [--device cpu] [--threads 1]
+    m31 bench attribute-memory [--ads 50000] [--new-tags 1000] [--device cpu] [--threads 1]
 
 Builds an `AdIndex` of --ads ads (1-3 countries, genders, platforms, 0-3 tags out of 200 each)
 with room for more rows, and prints its attribute tensors' bytes, then those of:
@@ -18,19 +18,18 @@ a request reads) taken after each call and the last two kept, as readers keep th
 then the median time of one request's eligibility mask (targeting on four list fields) and of
 a `contains` filter on tags, on --threads CPU threads (one times steadily on a shared machine).
 
-Run it against another checkout to compare: PYTHONPATH=OTHER/src python bench/attribute_memory.py
+Run it against another checkout to compare: PYTHONPATH=OTHER/src python -m m31.bench
+attribute-memory
 """
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import time
 import tracemalloc
 
 import numpy as np
 import torch
 
+from m31.bench.common import median_ms
 from m31.data.schema import GENDERS, PLATFORMS
 from m31.index import AdIndex, RequestContext, compile_filter
 from m31.world.generate import COUNTRIES
@@ -61,16 +60,6 @@ def pick(rng: np.random.Generator, words: tuple[str, ...], lo: int, hi: int) -> 
     return sorted(rng.choice(words, rng.integers(lo, hi + 1), replace=False).tolist())
 
 
-def median_ms(fn, repeat: int = 30) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
-
-
 def host_bytes_per_value(build, base: list[dict], ad, start: int, n_new: int) -> float:
     """Traced host bytes per distinct tag value: upserts of `n_new` ads with new tags, minus
     the same upserts with tags the index holds, each followed by a frozen view."""
@@ -94,18 +83,13 @@ def host_bytes_per_value(build, base: list[dict], ad, start: int, n_new: int) ->
     return (grown[0] - grown[1]) / (n_new * TAGS_PER_NEW_AD)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ads", type=int, default=50_000)
-    ap.add_argument("--new-tags", type=int, default=1_000)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+def run(ads: int, new_tags: int, device: str, threads: int) -> None:
+    """`m31 bench attribute-memory`: the measurements above, printed."""
+    torch.set_num_threads(threads)
     rng = np.random.default_rng(0)
     tags = tuple(f"tag-{i}" for i in range(200))
-    n_new = -(-args.new_tags // TAGS_PER_NEW_AD)
-    capacity = 1 << (args.ads + n_new - 1).bit_length()  # no row growth during the bench
+    n_new = -(-new_tags // TAGS_PER_NEW_AD)
+    capacity = 1 << (ads + n_new - 1).bit_length()  # no row growth during the bench
 
     def ad(i: int, ad_tags: list[str]) -> dict:
         return {
@@ -116,14 +100,14 @@ def main() -> None:
             "tags": ad_tags,
         }
 
-    base = [ad(i, pick(rng, tags, 0, 3)) for i in range(args.ads)]
+    base = [ad(i, pick(rng, tags, 0, 3)) for i in range(ads)]
     renamed = [dict(a) for a in base]
-    with_tags = [i for i, a in enumerate(base) if a["tags"]][: args.new_tags]
+    with_tags = [i for i, a in enumerate(base) if a["tags"]][:new_tags]
     for j, i in enumerate(with_tags):
         renamed[i]["tags"] = sorted([f"renamed-{j}", *base[i]["tags"][1:]])
 
     def build(attrs: list[dict]) -> AdIndex:
-        index = AdIndex(8, 8, args.device, torch.float32, capacity=capacity)
+        index = AdIndex(8, 8, device, torch.float32, capacity=capacity)
         zeros = np.zeros((len(attrs), 8), dtype=np.float32)
         index.upsert(np.arange(len(attrs)), zeros, zeros, zeros[:, 0], attrs)
         return index
@@ -132,7 +116,7 @@ def main() -> None:
     before = tensor_bytes(index._attrs)
     more_values = tensor_bytes(build(renamed)._attrs)
 
-    new_ids = np.arange(args.ads, args.ads + n_new)
+    new_ids = np.arange(ads, ads + n_new)
     fresh = [f"new-{j}" for j in range(n_new * TAGS_PER_NEW_AD)]
     attrs = [
         ad(int(i), fresh[k * TAGS_PER_NEW_AD : (k + 1) * TAGS_PER_NEW_AD])
@@ -142,14 +126,14 @@ def main() -> None:
     index.upsert(new_ids, zeros, zeros, zeros[:, 0], attrs)
     after = tensor_bytes(index._attrs)
 
-    per_value = host_bytes_per_value(build, base, ad, args.ads, n_new)
+    per_value = host_bytes_per_value(build, base, ad, ads, n_new)
 
     request = RequestContext("DE", 30, "F", "web", None, ts=0)
-    mask_ms = median_ms(lambda: index.eligible_mask(request))
+    mask_ms = median_ms(lambda: index.eligible_mask(request), 30)
     tag_filter = compile_filter({"contains": ["tags", "tag-7"]}, index.schema)
-    contains_ms = median_ms(lambda: tag_filter(index._attrs))
+    contains_ms = median_ms(lambda: tag_filter(index._attrs), 30)
 
-    print(f"{args.ads:,} ads, capacity {capacity:,}, device {args.device}")
+    print(f"{ads:,} ads, capacity {capacity:,}, device {device}")
     print(f"{'attribute tensors':<46} {before / 2**20:10.2f} MiB")
     print(
         f"{f'same ads, {len(with_tags):,} tags renamed to new values':<46} "
@@ -162,7 +146,3 @@ def main() -> None:
     print(f"{'host memory per distinct value (traced)':<46} {per_value:10.0f} B")
     print(f"{'eligibility mask (1 request)':<46} {mask_ms:10.3f} ms")
     print(f"{'contains filter on tags':<46} {contains_ms:10.3f} ms")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,14 +1,15 @@
 """Eligibility masks per request: the column builder (before) against the row bitmaps (after),
 beside the score·top-K pass they feed, on one index of N ads.
 
-    python bench/eligibility.py [--n 1M,10M] [--batches 1,64] [--repeat 5] [--engine]
+    m31 bench eligibility [--n 1M,10M] [--batches 1,64] [--repeat 5] [--engine]
 
-The index is `m31 bench --engine`'s (`m31.bench.engine.synthetic_index`: the `tiny` world's ad
+The index is `m31 bench engine`'s (`m31.bench.engine.synthetic_index`: the `tiny` world's ad
 attributes repeated, random bf16 vectors, E = 8, G = D = 64); requests are random users of the
 world (country, age, gender) on a random platform and surface, at the end of the log. Per N and
 B it prints milliseconds per request of:
-* before: each request's mask from the attribute columns (`AdIndex._eligible_reference`, the
-  builder the engine used), stacked into [B, N] as the engine did;
+* before: each request's mask from the attribute columns
+  (`m31.index.eligibility.reference_mask`, the builder the engine used), stacked into [B, N] as
+  the engine did;
 * after, warm: `IndexView.eligible_bits` (what the engine asks for: one bitmap per targeting key,
   `m31.ops.PackedMask`, which the kernels take as it is) on a view whose caches already hold the
   batch's ages and second (every batch after the first of an index version);
@@ -22,37 +23,22 @@ and with --engine (first N only), `Retriever.retrieve` end to end with each buil
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
+from collections.abc import Sequence
 from contextlib import contextmanager
 
 import numpy as np
 import torch
 
-from m31.bench.common import random_query
+from m31.bench.common import median_ms, random_query
 from m31.bench.engine import synthetic_index
 from m31.data.schema import GENDERS, PLATFORMS, SURFACES
 from m31.index import AdIndex, RequestContext
+from m31.index.eligibility import reference_mask
 from m31.ops import score_topk
 
 E, GDIM, DDIM, K = 8, 64, 64, 100
-
-
-def _count(text: str) -> int:
-    text = text.strip().upper()
-    scale = {"K": 1_000, "M": 1_000_000}.get(text[-1], 1)
-    return int(float(text.rstrip("KM")) * scale)
-
-
-def _median_ms(fn, repeat: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
 
 
 def _contexts(users, b: int, ts: int, rng) -> list[RequestContext]:
@@ -75,7 +61,7 @@ def _contexts(users, b: int, ts: int, rng) -> list[RequestContext]:
 
 def _before(view, contexts) -> torch.Tensor:
     """The engine's masks before the bitmaps: one column pass per request, then a stack."""
-    return torch.stack([view._index._eligible_reference(c, None) for c in contexts])  # [B, N]
+    return torch.stack([reference_mask(view._index, c, None) for c in contexts])  # [B, N]
 
 
 def _bitmap_bytes(index: AdIndex) -> int:
@@ -84,7 +70,7 @@ def _bitmap_bytes(index: AdIndex) -> int:
     return sum(t.numel() for t in tensors)
 
 
-def bench_n(n: int, batches: list[int], repeat: int, ds) -> list[dict]:
+def bench_n(n: int, batches: Sequence[int], repeat: int, ds) -> list[dict]:
     start = time.perf_counter()
     index = synthetic_index(ds.ads, n, GDIM, DDIM, torch.device("cpu"))
     build_s = time.perf_counter() - start
@@ -98,10 +84,10 @@ def bench_n(n: int, batches: list[int], repeat: int, ds) -> list[dict]:
     for b in batches:
         contexts = _contexts(ds.users, b, ts, rng)
         view = index.frozen_view()
-        before = _median_ms(lambda: _before(view, contexts), repeat)  # noqa: B023
+        before = median_ms(lambda: _before(view, contexts), repeat)  # noqa: B023
         after = view.eligible_bits(contexts)  # the engine's: bitmaps, one per targeting key
         assert torch.equal(after.unpack(), _before(view, contexts)), "the builders disagree"
-        warm = _median_ms(lambda: view.eligible_bits(contexts), repeat)  # noqa: B023
+        warm = median_ms(lambda: view.eligible_bits(contexts), repeat)  # noqa: B023
         cold, copies = [], []
         for _ in range(max(1, repeat // 2)):
             ad = int(view.row_ids[0])
@@ -117,7 +103,7 @@ def bench_n(n: int, batches: list[int], repeat: int, ds) -> list[dict]:
         bitmap_copy = time.perf_counter() - copy_start
         query = random_query(b, E, GDIM, DDIM, torch.device("cpu"), 0)
         table = (view.g, view.x, view.b)
-        score = _median_ms(lambda: score_topk(query, table, after, K), max(1, repeat // 2))  # noqa: B023
+        score = median_ms(lambda: score_topk(query, table, after, K), max(1, repeat // 2))  # noqa: B023
         keys = len({(c.country, c.age, c.gender, c.platform, c.surface) for c in contexts})
         row = {
             "n": n,
@@ -157,29 +143,22 @@ def _column_masks():
         retriever.eligible_masks = saved
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--n", default="1M,10M")
-    ap.add_argument("--batches", default="1,64")
-    ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--engine", action="store_true")
-    args = ap.parse_args()
+def run(ns: Sequence[int], batches: Sequence[int], repeat: int, engine: bool) -> None:
+    """`m31 bench eligibility`: each N's masks, then with `engine` the engine at the first N."""
     from m31.world.config import preset
     from m31.world.generate import generate
 
     ds, _ = generate(preset("tiny"), seed=0)
-    ns = [_count(t) for t in args.n.split(",")]
-    batches = [int(t) for t in args.batches.split(",")]
     print(f"{torch.get_num_threads()} threads, PyTorch {torch.__version__}", flush=True)
     for n in ns:
-        bench_n(n, batches, args.repeat, ds)
-    if args.engine:
+        bench_n(n, batches, repeat, ds)
+    if engine:
         from m31.bench.engine import run_engine
 
         for label, ctx in (("before", _column_masks()), ("after", _nothing())):
             with ctx:
                 timed = run_engine(
-                    torch.device("cpu"), ns[0], batches, K, repeat=args.repeat, budget_s=30.0,
+                    torch.device("cpu"), ns[0], batches, K, repeat=repeat, budget_s=30.0,
                     log=lambda _: None,
                 )  # fmt: skip
                 for r in timed:
@@ -194,7 +173,3 @@ def main() -> None:
 @contextmanager
 def _nothing():
     yield
-
-
-if __name__ == "__main__":
-    main()

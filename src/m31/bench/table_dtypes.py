@@ -1,6 +1,6 @@
 """What the engine returns over a bfloat16 and an int8 ad table, against a float32 one.
 
-    python bench/table_dtypes.py --data runs/demo --model runs/demo/moe.pt [--requests 2000] [--k 100]
+    m31 bench table-dtypes --data runs/demo --model runs/demo/moe.pt [--requests 2000] [--k 100]
 
 A trained retrieval model's ad tower encodes the dataset's catalogue into three indexes (float32,
 bfloat16 and int8: `AdIndex(dtype=...)`); the same held-out test requests (a random sample of the
@@ -12,7 +12,6 @@ that it also returns), at k = 10 and the given K.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import numpy as np
@@ -55,34 +54,21 @@ def overlap(got, want, k: int) -> float:
     )
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--data", type=Path, required=True, help="dataset folder the model learnt")
-    ap.add_argument("--model", type=Path, required=True, help="moe or two-tower checkpoint")
-    ap.add_argument("--split", default="leave-last-out")
-    ap.add_argument("--requests", type=int, default=2000)
-    ap.add_argument("--k", type=int, default=100)
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
-    if args.requests <= 0 or args.k <= 0:
-        ap.error("--requests and --k must be positive")
-    feats = features_for(args.data, args.split)
-    model, _ = load_checkpoint(args.model, feats)
-    requests = test_requests(feats, args.requests, args.seed)
+def run(data: Path, model_path: Path, split: str, n_requests: int, k: int, seed: int) -> None:
+    """`m31 bench table-dtypes`: the overlaps of the bfloat16 and int8 tables, printed."""
+    feats = features_for(data, split)
+    model, _ = load_checkpoint(model_path, feats)
+    requests = test_requests(feats, n_requests, seed)
     results = {}
     for name, dtype in DTYPES.items():
-        engine = Retriever(model, feats, index_from_model(args.data, model, feats, dtype))
+        engine = Retriever(model, feats, index_from_model(data, model, feats, dtype))
         results[name] = [
             r for lo in range(0, len(requests), 100)
-            for r in engine.retrieve(requests[lo : lo + 100], args.k).results
+            for r in engine.retrieve(requests[lo : lo + 100], k).results
         ]  # fmt: skip
-    print(f"{len(requests)} test requests, K = {args.k}; overlap with the float32 table's results")
-    print("| table | overlap@10 | " + f"overlap@{args.k} |")
+    print(f"{len(requests)} test requests, K = {k}; overlap with the float32 table's results")
+    print("| table | overlap@10 | " + f"overlap@{k} |")
     print("| --- | ---: | ---: |")
     for name in ("bfloat16", "int8"):
         got, want = results[name], results["float32"]
-        print(f"| {name} | {overlap(got, want, 10):.4f} | {overlap(got, want, args.k):.4f} |")
-
-
-if __name__ == "__main__":
-    main()
+        print(f"| {name} | {overlap(got, want, 10):.4f} | {overlap(got, want, k):.4f} |")
