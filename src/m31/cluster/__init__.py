@@ -11,7 +11,6 @@ channel.py      a shard's searches from an ingress on its node, by socket, not R
 service.py      ClusterService: what the HTTP routes drive, over a Cluster
 serve.py        `m31 serve --ray`: the HTTP API in this process or on Ray Serve replicas
 reaper.py       kills what is left of a local Ray cluster once its server is gone
-bench.py        scatter-gather overhead against the single-process engine
 
 Needs the `ray` extra (`pip install m31[ray]`); nothing outside this package imports Ray.
 """

@@ -642,16 +642,13 @@ class Cluster:
         """Engagement events [n] each (`DurableIndex.add_events`'s arguments) on the shards
         owning their users, all or none; the new global version (a call whose idempotency `key`
         was committed already: its version)."""
-        ids = np.asarray(user_ids, dtype=np.int64).reshape(-1)
-        owner = shard_of(ids, len(self.shards))
-        lists = {"surface": surfaces, "type": types, "weight": weights}  # [n] each, or None
+        owner = shard_of(np.asarray(user_ids, dtype=np.int64), len(self.shards))
+        columns = {"user_id": user_ids, "ad_id": ad_ids, "ts": ts, "surface": surfaces,
+                   "type": types, "weight": weights}  # fmt: skip
         ops = {}
         for s in np.unique(owner).tolist():
-            rows = np.flatnonzero(owner == s)
-            args = {"user_id": ids[rows], "ad_id": np.asarray(ad_ids)[rows],
-                    "ts": np.asarray(ts)[rows]}  # fmt: skip
-            for name, values in lists.items():
-                args[name] = None if values is None else [values[i] for i in rows]
+            rows = np.flatnonzero(owner == s).tolist()
+            args = {k: None if v is None else [v[i] for i in rows] for k, v in columns.items()}
             ops[s] = ("events", args, None)
         return self._mutate(ops, key)
 

@@ -17,7 +17,7 @@ MAX_VOCABULARY = 100_000
 """Distinct values of one list field across the index's rows, tombstoned rows included until
 `compact()` drops the values no ad holds any more. Each costs about 130 bytes of host memory
 (the string, its vocabulary entry and list slot, shared by the frozen views every version makes;
-`bench/attribute_memory.py`, 20-character values), and each of its occurrences 8 bytes on the
+`m31 bench attribute-memory`, 20-character values), and each of its occurrences 8 bytes on the
 index's device (plus the room its buffers grow into). A server's resident memory grows by more than the index holds, as the allocator
 keeps what parsing the upsert calls freed (an outside measurement saw about 550 bytes per value
 over 60,000 values, before the views shared the vocabularies)."""

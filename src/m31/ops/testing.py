@@ -1,5 +1,5 @@
 """`check_topk`: is a score·top-K result an exact top K, up to float rounding? The one comparison
-the tests and `m31 bench --check` hold every implementation to.
+the tests and `m31 bench kernels --check` hold every implementation to.
 
 Shapes: B requests, N ads, E experts, G gate-key dim, D value dim, K' = min(K, N) results.
 
