@@ -376,11 +376,15 @@ class ClusterService(Service):
 
     def _follow(self) -> None:
         """Take the shards' user changes every `USERS_FOLLOW_S` until closed."""
+        failing = False
         while not self._closed.wait(USERS_FOLLOW_S):
             try:
                 self.follow_users()
-            except Exception:  # a shard's bug, or Ray going away: the next round tries again
-                log.exception("taking the shards' user changes failed")
+                failing = False
+            except Exception as e:  # a shard's bug, or Ray going away: the next round tries again
+                if not failing:  # once per run of failures, not every round
+                    log.warning("taking the shards' user changes failed: %s", e)
+                failing = True
 
     def close(self) -> None:
         """Stop following the users; the actors belong to whoever started the cluster."""
