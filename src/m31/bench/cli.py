@@ -36,8 +36,9 @@ app = typer.Typer(
 _DEFAULT_N = "10M on cuda, 1M on cpu, 20k with --quick"
 
 
-def _counts(text: str | None, option: str) -> tuple[int, ...] | None:
-    """ "1,64" or "1M,10M" -> ints (k, M, G suffixes; underscores allowed); None stays None."""
+def _counts(text: str | None, option: str, least: int = 1) -> tuple[int, ...] | None:
+    """ "1,64" or "1M,10M" -> ints >= `least` (k, M, G suffixes; underscores allowed); None
+    stays None."""
     if text is None:
         return None
     scale = {"k": 10**3, "m": 10**6, "g": 10**9}
@@ -48,8 +49,8 @@ def _counts(text: str | None, option: str) -> tuple[int, ...] | None:
             value = int(s[:-1]) * scale[s[-1]] if s and s[-1] in scale else int(s)
         except ValueError:
             raise typer.BadParameter(f"not a count: {part!r}", param_hint=option) from None
-        if value <= 0:
-            raise typer.BadParameter(f"must be positive: {part!r}", param_hint=option)
+        if value < least:
+            raise typer.BadParameter(f"must be at least {least}: {part!r}", param_hint=option)
         out.append(value)
     return tuple(out)
 
@@ -197,6 +198,9 @@ def engine(
     budget: BudgetOption = 2.0,
     seed: SeedOption = 0,
     out: OutOption = Path("bench/out"),
+    max_per: Annotated[
+        str, typer.Option(help="Caps per advertiser to time the requests with, a list (0: none).")
+    ] = "0",
 ) -> None:
     """Retriever.retrieve end to end over a synthetic index of N ads, per table dtype.
 
@@ -208,7 +212,7 @@ def engine(
         device=torch_device(device), timings=False, engine=True, quick=quick,
         engine_n=_counts(n, "--n"), engine_batches=_counts(batches, "--batches"), engine_k=k,
         engine_dtypes=_dtypes(dtype), engine_model=model, repeat=repeat, budget=budget,
-        seed=seed,
+        seed=seed, engine_max_per=_counts(max_per, "--max-per", least=0),
     )  # fmt: skip
     _run_suite(plan, out)
 

@@ -52,6 +52,7 @@ class EngineTiming:
     mask_ms: float
     score_topk_ms: float
     index_build_s: float
+    max_per: int = 0  # the requests' cap per advertiser (`"max_per"`), 0: none
 
 
 def synthetic_index(
@@ -64,8 +65,9 @@ def synthetic_index(
     dtype: torch.dtype = torch.bfloat16,
 ):
     """An AdIndex of N ads in `dtype`: attributes repeat the rows of a dataset's ads table
-    (targeting, status, schedules as real ads have them) under fresh ids 0..N-1; g, x, b are
-    random."""
+    (targeting, status, schedules as real ads have them) under fresh ids 0..N-1, each advertiser
+    id drawn among N / 50 (so that caps per advertiser find as many advertisers as a real index
+    would); g, x, b are random."""
     import pyarrow as pa
 
     from m31.index import AdIndex
@@ -75,6 +77,10 @@ def synthetic_index(
     table = ads.select(keep).take(pa.array(np.arange(n) % ads.num_rows))
     table = table.set_column(
         table.schema.get_field_index("ad_id"), "ad_id", pa.array(np.arange(n, dtype=np.int64))
+    )
+    advertisers = np.random.default_rng(seed).integers(0, max(n // 50, 1), n)
+    table = table.set_column(
+        table.schema.get_field_index("advertiser_id"), "advertiser_id", pa.array(advertisers)
     )
     (g, x, b), _ = random_table(n, gdim, ddim, device, seed)
     return AdIndex.from_table(table, g, x, b, device=device, dtype=dtype)
@@ -91,10 +97,12 @@ def run_engine(
     seed: int = 0,
     log: Log = to_stderr,
     dtypes: Sequence[str] = ("bfloat16",),
+    max_per: Sequence[int] = (0,),
 ) -> list[EngineTiming]:
-    """One row per table dtype and batch size B: the median time of `Retriever.retrieve` on B
-    random requests for K ads each, and the medians of the engine's own encode, mask and
-    score·top-K times. Every dtype's index holds the same ads and answers the same requests."""
+    """One row per table dtype, batch size B and cap: the median time of `Retriever.retrieve`
+    on B random requests for K ads each (with `"max_per": {"advertiser": cap}` where cap > 0),
+    and the medians of the engine's own encode, mask and score·top-K times. Every dtype's index
+    holds the same ads and answers the same requests, with each cap."""
     from m31.engine import AdRequest, Retriever
     from m31.features import FeatureConfig, build_features
     from m31.index.snapshot import DTYPES as _DTYPES
@@ -129,14 +137,16 @@ def run_engine(
         build_s = time.perf_counter() - start
         log(f"engine: {dtype} index of {len(index):,} ads built in {build_s:.1f} s")
         engine = Retriever(net, feats, index)
-        rng = np.random.default_rng(seed)  # the same requests for every dtype
-        for b in batches:
+        for b, cap in ((b, cap) for b in batches for cap in max_per):
+            if cap == max_per[0]:
+                rng = np.random.default_rng([seed, b])  # the same requests for each cap
             requests = [
                 AdRequest(
                     user_id=int(rng.choice(user_ids)),
                     ts=ts,
                     surface=surfaces[rng.integers(len(surfaces))],
                     platform=platforms[rng.integers(len(platforms))],
+                    max_per={"advertiser": cap} if cap else None,
                 )
                 for _ in range(b)
             ]
@@ -167,10 +177,12 @@ def run_engine(
                 mask_ms=part["mask"],
                 score_topk_ms=part["score_topk"],
                 index_build_s=build_s,
+                max_per=cap,
             )
             rows.append(row)
             log(
-                f"engine {dtype} B = {b}: {row.median_ms:.1f} ms, {fmt_rate(row.pairs_per_s)} "
+                f"engine {dtype} B = {b}{f', max {cap} per advertiser' if cap else ''}: "
+                f"{row.median_ms:.1f} ms, {fmt_rate(row.pairs_per_s)} "
                 f"ads scored/s (encode {row.encode_ms:.1f}, masks {row.mask_ms:.1f}, "
                 f"score·top-K {row.score_topk_ms:.1f} ms)"
             )

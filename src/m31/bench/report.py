@@ -248,12 +248,17 @@ def engine_report(rows: Sequence[EngineTiming]) -> str:
             f"## Engine end to end on {first.device}: Retriever.retrieve over N = {first.n:,} "
             f"ads, K = {first.k}, untrained {first.model} moe (E = {first.e}, G = {first.g}, "
             f"D = {first.d}); index built in "
-            + ", ".join(f"{r.index_build_s:.1f} s ({r.dtype})" for r in rows if r.b == first.b),
+            + ", ".join(
+                f"{r.index_build_s:.1f} s ({r.dtype})"
+                for r in rows
+                if (r.b, r.max_per) == (first.b, first.max_per)
+            ),
             "",
             markdown(
                 (
                     "table",
                     "B",
+                    "max per advertiser",
                     "median ms",
                     "ads/s",
                     "pairs/s",
@@ -265,6 +270,7 @@ def engine_report(rows: Sequence[EngineTiming]) -> str:
                     (
                         r.dtype,
                         r.b,
+                        r.max_per or "–",
                         f"{r.median_ms:.1f}",
                         fmt_rate(r.ads_per_s),
                         fmt_rate(r.pairs_per_s),

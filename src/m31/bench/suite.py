@@ -35,6 +35,7 @@ class Plan:
     engine_k: int = 100
     engine_dtypes: tuple[str, ...] = ("bfloat16",)
     engine_model: str = "demo"
+    engine_max_per: tuple[int, ...] = (0,)  # caps per advertiser to time (0: none)
     seed: int = 0
 
 
@@ -95,6 +96,7 @@ def run_suite(plan: Plan, out: Path) -> tuple[str, bool]:
                 plan.budget,
                 plan.seed,
                 dtypes=plan.engine_dtypes,
+                max_per=plan.engine_max_per,
             )
         except Skip as e:
             sections.append(f"## Engine end to end: skipped ({e})")

@@ -152,9 +152,9 @@ def _capped(view: IndexView, cap, rows, ids, scores, k: int, every: bool) -> Ret
     reach far enough: `every` eligible row came, or the walk kept k before the last fetched
     score (ads tied with it may lie beyond)."""
     field_, most = cap
-    values, valid = (t.cpu().numpy() for t in view.attributes.numeric(field_))
     inside = np.ones(len(scores), bool) if every or not len(scores) else scores > scores.min()
-    values, valid = values[rows][inside], valid[rows][inside]
+    at = torch.as_tensor(rows[inside], device=view.row_ids.device)
+    values, valid = (t[at].cpu().numpy() for t in view.attributes.numeric(field_))
     pick = capped(ids[inside], scores[inside], values, valid, most, k)
     if len(pick) < k and not every:
         return None
