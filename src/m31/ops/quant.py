@@ -1,4 +1,5 @@
-"""The 8-bit ad table: symmetric int8 rows with one fp32 scale per row (DESIGN §4, "8-bit variants").
+"""The 8-bit ad table: symmetric int8 rows with one fp32 scale per row (DESIGN §4, "AdIndex";
+§5, "8-bit tables").
 
 Shapes: N ads, G gate-key dim, D value dim.
 
