@@ -201,6 +201,9 @@ def engine(
     max_per: Annotated[
         str, typer.Option(help="Caps per advertiser to time the requests with, a list (0: none).")
     ] = "0",
+    gate_dims: Annotated[
+        str | None, typer.Option(help="The model's G, each timed: 64,0 (0: one folded query).")
+    ] = None,
 ) -> None:
     """Retriever.retrieve end to end over a synthetic index of N ads, per table dtype.
 
@@ -213,6 +216,7 @@ def engine(
         engine_n=_counts(n, "--n"), engine_batches=_counts(batches, "--batches"), engine_k=k,
         engine_dtypes=_dtypes(dtype), engine_model=model, repeat=repeat, budget=budget,
         seed=seed, engine_max_per=_counts(max_per, "--max-per", least=0),
+        engine_gate_dims=_counts(gate_dims, "--gate-dims", least=0),
     )  # fmt: skip
     _run_suite(plan, out)
 

@@ -14,6 +14,7 @@ constructor `index_from_model` ends in.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Sequence
@@ -98,11 +99,14 @@ def run_engine(
     log: Log = to_stderr,
     dtypes: Sequence[str] = ("bfloat16",),
     max_per: Sequence[int] = (0,),
+    gate_dims: Sequence[int] | None = None,
 ) -> list[EngineTiming]:
     """One row per table dtype, batch size B and cap: the median time of `Retriever.retrieve`
     on B random requests for K ads each (with `"max_per": {"advertiser": cap}` where cap > 0),
     and the medians of the engine's own encode, mask and score·top-K times. Every dtype's index
-    holds the same ads and answers the same requests, with each cap."""
+    holds the same ads and answers the same requests, with each cap. `gate_dims`: the preset's
+    model again with each G (default: the preset's); G = 0 is scored as one folded query
+    (`m31.engine.retriever.fold`: 2D + 1 FLOPs per pair)."""
     from m31.engine import AdRequest, Retriever
     from m31.features import FeatureConfig, build_features
     from m31.index.snapshot import DTYPES as _DTYPES
@@ -115,7 +119,6 @@ def run_engine(
     feats = build_features(ds, FeatureConfig(text_embeddings=False))
     torch.manual_seed(seed)
     cfg = model_preset(model, "moe")
-    net = build_model(cfg, vocab_sizes(feats), feats.text_emb.shape[1], feats.cooc_emb.shape[1])
     log(f"engine: tiny world and features in {time.perf_counter() - start:.1f} s")
     # The bf16 table (int8: less); the arrow table the attributes come from, their encoding and
     # the frozen view's copy of it (about 850 bytes per ad together: the process peaked at
@@ -129,11 +132,12 @@ def run_engine(
     surfaces, platforms = feats.meta["vocab"]["surface"], feats.meta["vocab"]["platform"]
     ts = int(ds.meta["time_range"][1])  # the end of the log: every ad of the world is created
     rows = []
-    for dtype in dtypes:
+    for gdim, dtype in ((g, d) for g in gate_dims or (cfg.gate_dim,) for d in dtypes):
+        cfg = dataclasses.replace(cfg, gate_dim=gdim)
+        torch.manual_seed(seed)
+        net = build_model(cfg, vocab_sizes(feats), feats.text_emb.shape[1], feats.cooc_emb.shape[1])
         start = time.perf_counter()
-        index = synthetic_index(
-            ds.ads, n, cfg.gate_dim, cfg.value_dim, device, seed, _DTYPES[dtype]
-        )
+        index = synthetic_index(ds.ads, n, gdim, cfg.value_dim, device, seed, _DTYPES[dtype])
         build_s = time.perf_counter() - start
         log(f"engine: {dtype} index of {len(index):,} ads built in {build_s:.1f} s")
         engine = Retriever(net, feats, index)

@@ -251,12 +251,13 @@ def engine_report(rows: Sequence[EngineTiming]) -> str:
             + ", ".join(
                 f"{r.index_build_s:.1f} s ({r.dtype})"
                 for r in rows
-                if (r.b, r.max_per) == (first.b, first.max_per)
+                if (r.b, r.max_per, r.g) == (first.b, first.max_per, first.g)
             ),
             "",
             markdown(
                 (
                     "table",
+                    "G",
                     "B",
                     "max per advertiser",
                     "median ms",
@@ -269,6 +270,7 @@ def engine_report(rows: Sequence[EngineTiming]) -> str:
                 (
                     (
                         r.dtype,
+                        f"{r.g} (folded)" if r.g == 0 else r.g,
                         r.b,
                         r.max_per or "–",
                         f"{r.median_ms:.1f}",
