@@ -144,7 +144,7 @@ def test_engine(tmp_path):
     assert [(r["dtype"], int(r["b"])) for r in rows] == [
         ("bfloat16", 1), ("bfloat16", 3), ("int8", 1), ("int8", 3),
     ]  # fmt: skip
-    assert "| int8 | 3 |" in (tmp_path / "engine.md").read_text()
+    assert "| int8 | 64 | 3 | – |" in (tmp_path / "engine.md").read_text()
     for r in rows:
         assert (int(r["n"]), int(r["e"]), int(r["g"]), int(r["d"])) == (20_000, 8, 64, 64)
         for col in ("median_ms", "ads_per_s", "encode_ms", "mask_ms", "score_topk_ms"):
@@ -153,6 +153,18 @@ def test_engine(tmp_path):
         # the engine's own parts fit in the wall time of the call
         parts = sum(float(r[c]) for c in ("encode_ms", "mask_ms", "score_topk_ms"))
         assert parts <= 1.5 * float(r["median_ms"])
+
+
+def test_engine_with_caps_and_a_folded_model(tmp_path):
+    argv = ["engine", "--device", "cpu", "--n", "5000", "--batches", "2", "--max-per", "0,2"]
+    argv += ["--gate-dims", "64,0", "--repeat", "1", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    rows = read_csv(tmp_path / "engine.csv")
+    assert [(int(r["g"]), int(r["max_per"])) for r in rows] == [(64, 0), (64, 2), (0, 0), (0, 2)]
+    assert "| bfloat16 | 0 (folded) | 2 | 2 |" in (tmp_path / "engine.md").read_text()
+    with pytest.raises(SystemExit) as bad:
+        main(["engine", "--max-per", "-1"])
+    assert bad.value.code == 2
 
 
 def test_chunk_size_and_canonical_plan():
