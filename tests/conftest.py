@@ -11,6 +11,21 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "ray: runs on the run's Ray cluster (`ray_local`)")
+
+
+def uses_ray(item) -> bool:
+    return "ray_local" in item.fixturenames or item.get_closest_marker("ray") is not None
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own grouping by fixture parameters
+def pytest_collection_modifyitems(items):
+    """The tests on Ray last, in their order: the run's Ray cluster, started by the first of
+    them, is then up only while they run (idle, it and Serve take a tenth of a core)."""
+    items[:] = [i for i in items if not uses_ray(i)] + [i for i in items if uses_ray(i)]
+
+
 @pytest.fixture(scope="session")
 def served_world(tmp_path_factory):
     """The serving tests' tiny world (`serve_helpers.build_world`), built once per run: the
@@ -18,3 +33,28 @@ def served_world(tmp_path_factory):
     from serve_helpers import build_world
 
     return build_world(tmp_path_factory.mktemp("served"))
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """One local Ray cluster for the whole run, started by the first test that needs it (each
+    start costs seconds): the modules start their own actors on it and kill them when done
+    (`serve_helpers.stop_cluster`)."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ray_serve(ray_local):
+    """Ray Serve's HTTP proxy on a free loopback port for the whole run; its base URL. Each
+    module deploys its own applications under their own names and route prefixes, and deletes
+    them when done."""
+    from ray import serve
+    from serve_helpers import free_port
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()

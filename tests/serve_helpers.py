@@ -1,8 +1,9 @@
-"""A tiny served world on disk, and real servers on free loopback ports (in a thread or a child
-process), for the serving tests."""
+"""A tiny served world on disk, and real servers on free loopback ports (in a thread, in a child
+process, or on Ray Serve over a sharded cluster), for the serving tests."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import socket
@@ -81,6 +82,15 @@ def free_socket() -> socket.socket:
     return sock
 
 
+def free_port() -> int:
+    """A loopback port free now, for a server that binds it itself (a race with another binder
+    is unlikely on loopback)."""
+    sock = free_socket()
+    port = sock.getsockname()[1]
+    sock.close()
+    return port
+
+
 class ThreadServer:
     """uvicorn serving an app in a background thread of this process."""
 
@@ -125,9 +135,7 @@ class ProcessServer:
     """`m31 serve` in a child process (so that it can be killed with SIGKILL)."""
 
     def __init__(self, world: World, state: Path, *extra: str) -> None:
-        sock = free_socket()
-        self.port = sock.getsockname()[1]
-        sock.close()  # the child binds it; a race with another binder is unlikely on loopback
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = [
             sys.executable, "-m", "m31.cli", "serve",
@@ -172,3 +180,49 @@ def new_ad(ad_id: int, tag: str, **over) -> dict:
         "tags": [tag],
     }
     return {**ad, **over}
+
+
+def start_cluster(snapshot: Path, root: Path, shards: int = 3):
+    """A cluster of `shards` shards made from an index snapshot and its online features, in a
+    new folder under `root`, started on the Ray cluster this process is connected to:
+    (its state folder, its `Cluster`)."""
+    from m31.cluster.cluster import Cluster, ClusterOptions
+    from m31.cluster.layout import init_cluster
+    from m31.engine.load import copy_online
+
+    state = init_cluster(snapshot, Path(tempfile.mkdtemp(prefix="cluster-", dir=root)) / "c",
+                         shards)  # fmt: skip
+    copy_online(snapshot, state)
+    return state, Cluster.start(state, ClusterOptions(shard_cpus=0))
+
+
+def stop_cluster(cluster) -> None:
+    """Kill a cluster's actors for good (a test's clusters go before the run's Ray cluster)."""
+    import ray
+
+    for actor in [*cluster.shards, cluster.coordinator]:
+        ray.kill(actor, no_restart=True)
+
+
+class RayServer:
+    """A config's API as a Serve application over `cluster` (the config's index is its state
+    folder), on the Serve instance at `base`, under a name and route prefix of its own."""
+
+    names = itertools.count()
+
+    def __init__(self, base: str, cfg, cluster) -> None:
+        self.cfg, self.cluster, self.name = cfg, cluster, f"app{next(self.names)}"
+        self.url = f"{base}/{self.name}"
+
+    def __enter__(self) -> RayServer:
+        from m31.cluster.serve import IngressOptions, deploy
+
+        deploy(self.cfg, self.cluster, IngressOptions(cpus=0), self.name, f"/{self.name}")
+        wait_ready(self.url)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from ray import serve
+
+        # Not waited for: the replica's graceful stop takes seconds, and nothing reuses its name.
+        serve.delete(self.name, _blocking=False)

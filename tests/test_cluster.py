@@ -21,6 +21,7 @@ ray = pytest.importorskip("ray")
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from serve_helpers import stop_cluster  # noqa: E402
 
 from m31.cluster import channel  # noqa: E402
 from m31.cluster.cluster import Cluster, ClusterOptions, Unavailable  # noqa: E402
@@ -67,17 +68,21 @@ def reference(index: AdIndex, query, requests, ks):
     return search(tuple(torch.tensor(t) for t in query), view, eligible_masks(view, ctx), ks)
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+@pytest.fixture
+def clusters(ray_local):
+    """Where a test puts the clusters it starts, stopped after it (the run's Ray cluster
+    outlives the module)."""
+    started: list[Cluster] = []
+    yield started
+    for cluster in started:
+        stop_cluster(cluster)
 
 
-def start(tmp_path, index: AdIndex, shards: int = S) -> Cluster:
+def start(tmp_path, index: AdIndex, started: list[Cluster], shards: int = S) -> Cluster:
     snapshot = index.save(tmp_path / "snapshot")
     state = init_cluster(snapshot, tmp_path / "state", shards)
-    return Cluster.start(state, ClusterOptions(shard_cpus=0))
+    started.append(Cluster.start(state, ClusterOptions(shard_cpus=0)))
+    return started[-1]
 
 
 def test_core_imports_without_ray():
@@ -102,8 +107,9 @@ def mirrored(ray_local, tmp_path_factory):
     index = AdIndex(G, D, dtype=torch.float32, extra_fields=EXTRA)
     ids = rng.choice(10_000, 300, replace=False)
     index.upsert(ids, *ads(ids, rng))
-    cluster = start(tmp_path_factory.mktemp("mirrored"), index)
-    return cluster, index
+    cluster = start(tmp_path_factory.mktemp("mirrored"), index, [])
+    yield cluster, index
+    stop_cluster(cluster)
 
 
 @settings(
@@ -214,14 +220,14 @@ def test_shard_recovers_prepared_and_decided_transactions(tmp_path):
     shard.close()
 
 
-def test_kill_during_upserts_loses_nothing_acknowledged(ray_local, tmp_path):
+def test_kill_during_upserts_loses_nothing_acknowledged(clusters, tmp_path):
     """Cross-shard upsert batches stream in while a shard is killed (ray.kill, then SIGKILL
     of its worker) and the coordinator is killed: every acknowledged batch is there after
     the restarts, and every batch is there entirely or not at all."""
     rng = np.random.default_rng(3)
     index = AdIndex(G, D, dtype=torch.float32, extra_fields=EXTRA)
     index.upsert([1], *ads([1], rng))
-    cluster = start(tmp_path, index)
+    cluster = start(tmp_path, index, clusters)
     acked: dict[int, list[int]] = {}  # version -> ids
     tried: list[list[int]] = []
     stop, first = threading.Event(), threading.Event()
@@ -273,7 +279,7 @@ def test_kill_during_upserts_loses_nothing_acknowledged(ray_local, tmp_path):
     assert cluster.read_point()[0] >= max(acked)
 
 
-def test_outage_policy_within_the_deadline(ray_local, tmp_path):
+def test_outage_policy_within_the_deadline(clusters, tmp_path):
     """A shard that stops answering: a read waits until its deadline, then fails naming the
     shard; the shard is down from then on, so a read that allows a partial answer does not
     wait for it: partial: true with the shard listed, exactly the other shards' ads. After
@@ -282,7 +288,7 @@ def test_outage_policy_within_the_deadline(ray_local, tmp_path):
     index = AdIndex(G, D, dtype=torch.float32, extra_fields=EXTRA)
     ids = rng.choice(10_000, 200, replace=False)
     index.upsert(ids, *ads(ids, rng))
-    cluster = start(tmp_path, index)
+    cluster = start(tmp_path, index, clusters)
     query = tuple(rng.normal(size=s).astype(np.float32) for s in ((1, E, G), (1, E, D), (1, E)))
     requests = [(AdRequest(None, 0, "feed", "ios"), {})]
     whole = cluster.search(query, requests, [50], time.monotonic() + 60)
@@ -314,7 +320,7 @@ def test_outage_policy_within_the_deadline(ray_local, tmp_path):
 
 
 @pytest.mark.skipif(not channel.available(), reason="channels are Linux's")
-def test_searches_go_through_the_shards_channels(ray_local, tmp_path):
+def test_searches_go_through_the_shards_channels(clusters, tmp_path):
     """A shard's first answer comes through Ray and names its channel: later searches go
     through the channel, answering as Ray calls do (a handle that makes none), writes included.
     A shard killed: its channel's calls fail as its Ray call would, the read asks it again
@@ -323,7 +329,7 @@ def test_searches_go_through_the_shards_channels(ray_local, tmp_path):
     index = AdIndex(G, D, dtype=torch.float32, extra_fields=EXTRA)
     ids = rng.choice(10_000, 200, replace=False)
     index.upsert(ids, *ads(ids, rng))
-    cluster = start(tmp_path, index)
+    cluster = start(tmp_path, index, clusters)
     by_ray = Cluster(cluster.shards, cluster.coordinator)
     by_ray.direct = False
     query = tuple(rng.normal(size=s).astype(np.float32) for s in ((2, E, G), (2, E, D), (2, E)))
@@ -356,7 +362,7 @@ def test_searches_go_through_the_shards_channels(ray_local, tmp_path):
     assert cluster.channel(0) is links[0] and cluster.channel(2) is links[2]
 
 
-def test_reshard_offline_keeps_every_ad_and_the_version(ray_local, tmp_path):
+def test_reshard_offline_keeps_every_ad_and_the_version(clusters, tmp_path):
     """`m31 cluster init` then mutations on 2 shards; stopped, `m31 cluster reshard` to 3:
     the new cluster answers as the old one did, at the same version, and takes writes."""
     from typer.testing import CliRunner
@@ -391,6 +397,7 @@ def test_reshard_offline_keeps_every_ad_and_the_version(ray_local, tmp_path):
         time.sleep(0.1)
     assert out.exit_code == 0, out.output
     new = Cluster.start(tmp_path / "three", ClusterOptions(shard_cpus=0))
+    clusters.append(new)
     assert len(new.shards) == 3 and sum(i["ads"] for i in new.info()) == 125
     after = new.search(query, requests, [40, 200], time.monotonic() + 60)
     assert after.version == before.version

@@ -36,15 +36,21 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from ray import serve  # noqa: E402
-from serve_helpers import ADMIN, World, build_world, free_socket, new_ad, wait_ready  # noqa: E402
+from serve_helpers import (  # noqa: E402
+    ADMIN,
+    RayServer,
+    World,
+    free_port,
+    new_ad,
+    start_cluster,
+    stop_cluster,
+    wait_ready,
+)
 
-from m31.cluster.cluster import Cluster, ClusterOptions  # noqa: E402
-from m31.cluster.layout import init_cluster, shard_dir, shard_of  # noqa: E402
-from m31.cluster.serve import IngressOptions, deploy  # noqa: E402
+from m31.cluster.cluster import Cluster  # noqa: E402
+from m31.cluster.layout import shard_dir, shard_of  # noqa: E402
 from m31.cluster.service import ClusterService  # noqa: E402
 from m31.engine import AdRequest  # noqa: E402
-from m31.engine.load import copy_online  # noqa: E402
 from m31.serve.app import ServeConfig  # noqa: E402
 from m31.serve.service import Ask  # noqa: E402
 
@@ -64,30 +70,20 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory) -> World:
-    return build_world(tmp_path_factory.mktemp("hardening"))
+def world(served_world) -> World:
+    return served_world
 
 
 @pytest.fixture(scope="module")
-def served(world):
-    """The API on Ray Serve over a 3-shard cluster made from the world's snapshot."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    sock = free_socket()
-    port = sock.getsockname()[1]
-    sock.close()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    state = init_cluster(world.snapshot, world.root / "cluster", S)
-    copy_online(world.snapshot, state)
-    cluster = Cluster.start(state, ClusterOptions(shard_cpus=0))
+def served(world, ray_serve):
+    """The API on the run's Ray Serve over a 3-shard cluster made from the world's snapshot."""
+    state, cluster = start_cluster(world.snapshot, world.root, S)
     config = ServeConfig(index=state, model=world.model, admin_token=ADMIN)
-    deploy(config, cluster, IngressOptions(cpus=0), "m31", "/m31")
-    url = f"http://127.0.0.1:{port}/m31"
-    wait_ready(url)
     users = pq.read_table(world.data / "users.parquet").column("user_id").to_numpy()[:5]
     ads = pq.read_table(world.data / "ads.parquet").column("ad_id").to_numpy()
-    yield Served(url, cluster, state, config, [int(u) for u in users], ads)
-    serve.shutdown()
-    ray.shutdown()
+    with RayServer(ray_serve, config, cluster) as server:
+        yield Served(server.url, cluster, state, config, [int(u) for u in users], ads)
+    stop_cluster(cluster)
 
 
 def pid(actor) -> int:
@@ -347,27 +343,30 @@ def test_a_batch_answers_its_partial_call_while_its_strict_call_waits(served):
     device call (a Future the batcher settles later), and is answered whole once the shard
     goes on."""
     service = ClusterService.load(served.config, served.cluster)
-    service.defer = True
-    prepared = service.retriever.prepare(
-        [AdRequest(u, int(time.time()), "feed", "ios") for u in served.users[:2]], [20, 20]
-    )
-    stopped = pid(served.cluster.shards[0])
-    os.kill(stopped, signal.SIGSTOP)
     try:
-        now = time.monotonic()
-        strict, partial = service.retrieve_batch(
-            [[Ask(prepared[0], now + BOUND_S, False)], [Ask(prepared[1], now + 3, True)]]
+        service.defer = True
+        prepared = service.retriever.prepare(
+            [AdRequest(u, int(time.time()), "feed", "ios") for u in served.users[:2]], [20, 20]
         )
-        assert isinstance(strict, concurrent.futures.Future)
-        if isinstance(partial, concurrent.futures.Future):
-            partial = partial.result(BOUND_S)
-        results, _, _, _, missing = partial
-        assert missing == [0] and len(results) == 1
-        assert not strict.done()
+        stopped = pid(served.cluster.shards[0])
+        os.kill(stopped, signal.SIGSTOP)
+        try:
+            now = time.monotonic()
+            strict, partial = service.retrieve_batch(
+                [[Ask(prepared[0], now + BOUND_S, False)], [Ask(prepared[1], now + 3, True)]]
+            )
+            assert isinstance(strict, concurrent.futures.Future)
+            if isinstance(partial, concurrent.futures.Future):
+                partial = partial.result(BOUND_S)
+            results, _, _, _, missing = partial
+            assert missing == [0] and len(results) == 1
+            assert not strict.done()
+        finally:
+            os.kill(stopped, signal.SIGCONT)
+        results, _, _, _, missing = strict.result(BOUND_S)
+        assert missing == [] and len(results[0].ad_ids) == 20
     finally:
-        os.kill(stopped, signal.SIGCONT)
-    results, _, _, _, missing = strict.result(BOUND_S)
-    assert missing == [] and len(results[0].ad_ids) == 20
+        service.close()  # its users' follower would outlive the module's cluster
 
 
 def test_partial_calls_are_answered_while_a_strict_call_waits(served):
@@ -426,9 +425,7 @@ def test_serve_ray_stops_cleanly_and_leaves_nothing_behind(world, tmp_path):
     """`m31 serve --ray` (its own local Ray cluster): SIGTERM while it starts (Ray up, not yet
     serving) exits 0 with its Ray processes gone; SIGKILL once it serves leaves none of them
     (Ray's two agents used to outlive it by a minute)."""
-    sock = free_socket()
-    port = sock.getsockname()[1]
-    sock.close()
+    port = free_port()
     args = [
         sys.executable, "-m", "m31.cli", "serve", "--ray", "--shards", "2",
         "--index", str(world.snapshot), "--state", str(tmp_path / "state"),

@@ -18,12 +18,17 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from ray import serve  # noqa: E402
-from serve_helpers import ADMIN, World, free_socket, fresh_state, wait_ready  # noqa: E402
+from serve_helpers import (  # noqa: E402
+    ADMIN,
+    RayServer,
+    World,
+    fresh_state,
+    start_cluster,
+    stop_cluster,
+)
 
-from m31.cluster.cluster import Cluster, ClusterOptions  # noqa: E402
+from m31.cluster.cluster import Cluster  # noqa: E402
 from m31.cluster.layout import init_cluster, reshard, shard_dir, shard_of  # noqa: E402
-from m31.cluster.serve import IngressOptions, deploy  # noqa: E402
 from m31.cluster.shard import Shard, take_user_changes  # noqa: E402
 from m31.engine.load import copy_online, load_engine, online_users  # noqa: E402
 from m31.index import AdIndexError  # noqa: E402
@@ -148,22 +153,13 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def served(world):
-    """The API on Ray Serve over a 3-shard cluster made from the world's snapshot."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    sock = free_socket()
-    port = sock.getsockname()[1]
-    sock.close()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    state = new_state(world, S)
-    cluster = Cluster.start(state, ClusterOptions(shard_cpus=0))
+def served(world, ray_serve):
+    """The API on the run's Ray Serve over a 3-shard cluster made from the world's snapshot."""
+    state, cluster = start_cluster(world.snapshot, world.root, S)
     config = ServeConfig(index=state, model=world.model, admin_token=ADMIN, timeout_ms=60_000)
-    deploy(config, cluster, IngressOptions(cpus=0), "users", "/users")
-    url = f"http://127.0.0.1:{port}/users"
-    wait_ready(url)
-    yield Served(url, cluster, state)
-    serve.shutdown()
-    ray.shutdown()
+    with RayServer(ray_serve, config, cluster) as server:
+        yield Served(server.url, cluster, state)
+    stop_cluster(cluster)
 
 
 def kill_shard(served: Served, s: int) -> None:

@@ -1,14 +1,19 @@
-"""The HTTP service on a real uvicorn server on loopback: answers, batching, auth, bad input,
-overload, ad management with versions, and durability across SIGKILL."""
+"""The HTTP service on real servers on loopback: answers, batching, auth, bad input, overload,
+ad management with versions, and durability across SIGKILL. The API tests run on each backend
+(`launch`): uvicorn in a thread, and Ray Serve over a 3-shard cluster (`m31 serve --ray`),
+where a shard that stops answering gives partial answers naming it."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import random
 import shutil
+import signal
 import threading
 import time
+from dataclasses import replace
 
 import httpx
 import numpy as np
@@ -19,10 +24,13 @@ from serve_helpers import (
     ADMIN,
     READ,
     ProcessServer,
+    RayServer,
     ThreadServer,
     World,
     fresh_state,
     new_ad,
+    start_cluster,
+    stop_cluster,
 )
 
 from m31.client import Client, ServiceError
@@ -44,12 +52,21 @@ def config(world: World, state, **over) -> ServeConfig:
     )
 
 
-@pytest.fixture(scope="module")
-def launch():
-    """How a test starts a server on a config: uvicorn in a thread here (loaded through its
-    lifespan, as `m31 serve` is); tests/test_cluster_serve.py runs the same tests through
-    Ray Serve over a sharded index."""
-    return lambda cfg: ThreadServer(create_app(cfg))
+@pytest.fixture(scope="module", params=["thread", pytest.param("ray", marks=pytest.mark.ray)])
+def launch(request, world):
+    """How a test starts a server on a config. "thread": uvicorn in a thread of this process,
+    loaded through its lifespan as `m31 serve` is. "ray": a Serve application on the run's Ray
+    Serve (`m31 serve --ray`; skipped without Ray) over a 3-shard cluster made from the world's
+    snapshot, in place of the config's serving folder; the module's Ray servers share that one
+    cluster (its start costs seconds), so each test writes ads of its own. Module-scoped, so
+    that pytest runs the tests a backend at a time."""
+    if request.param == "thread":
+        yield lambda cfg: ThreadServer(create_app(cfg))
+        return
+    base = request.getfixturevalue("ray_serve")
+    state, cluster = start_cluster(world.snapshot, world.root)
+    yield lambda cfg: RayServer(base, replace(cfg, index=state), cluster)
+    stop_cluster(cluster)
 
 
 @pytest.fixture(scope="module")
@@ -325,47 +342,83 @@ def test_concurrent_updates_and_queries_stay_consistent(world, launch):
         assert sorted(ids) == sorted(a for a, v in versions.items() if v <= version)
 
 
+@pytest.mark.parametrize("launch", [pytest.param("ray", marks=pytest.mark.ray)], indirect=True)
+def test_partial_answers_name_the_missing_shards(world, server):
+    """A shard that stops answering: a call waits for it until its deadline and answers 503
+    naming it, or, with allow_partial, 200 with partial: true and the shard listed."""
+    import ray
+
+    users, _ = users_and_time(world, 1)
+    body = {"requests": [{"user_id": users[0], "surface": "feed", "platform": "ios", "k": 20}]}
+    whole = httpx.post(f"{server.url}/v1/retrieve", json=body, timeout=60).json()
+    assert whole["partial"] is False and whole["missing_shards"] == []
+    pid = ray.get(server.cluster.shards[2].pid.remote())
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        r = httpx.post(f"{server.url}/v1/retrieve", json={**body, "timeout_ms": 1500}, timeout=60)
+        assert r.status_code == 503 and "shards [2]" in r.json()["detail"], r.text
+        r = httpx.post(
+            f"{server.url}/v1/retrieve",
+            json={**body, "timeout_ms": 1500, "allow_partial": True},
+            timeout=60,
+        )
+        assert r.status_code == 200, r.text
+        got = r.json()
+        assert got["partial"] is True and got["missing_shards"] == [2]
+        assert got["index_version"] == whole["index_version"]
+    finally:
+        os.kill(pid, signal.SIGKILL)  # Ray restarts it
+    again = httpx.post(f"{server.url}/v1/retrieve", json={**body, "timeout_ms": 60_000},
+                       timeout=120).json()  # fmt: skip
+    assert again["partial"] is False
+    assert again["results"][0]["ad_ids"] == whole["results"][0]["ad_ids"]
+
+
 def test_sigkill_loses_no_acknowledged_upsert(world):
+    """Three rounds: upserts stream into `m31 serve`, which is SIGKILLed at a random moment;
+    the server restarted on the same folder holds every acknowledged batch, the one in flight
+    entirely or not at all, and takes the next round's stream."""
     state = fresh_state(world, "killed")
     acked: list[list[int]] = []
     rng = random.Random(0)
-    for round_ in range(3):
-        server = ProcessServer(world, state).start()
-        stop = threading.Event()
-        streaming = threading.Event()  # this round's first acknowledgements are in, or it ended
-        inflight: list[list[int]] = []
+    server = ProcessServer(world, state).start()
+    try:
+        for round_ in range(3):
+            stop = threading.Event()
+            streaming = threading.Event()  # this round's first acknowledgements are in, or it ended
+            inflight: list[list[int]] = []
 
-        def stream(server=server, stop=stop, streaming=streaming, inflight=inflight, round_=round_):
-            # Generous: on a busy machine the first upsert (text encoder, caches) takes long.
-            with Client(server.url, admin_token=ADMIN, timeout=300) as c:
-                try:
-                    for n in range(10_000):
-                        if stop.is_set():
-                            return
-                        ids = [600_000 + round_ * 100_000 + n * 10 + j for j in range(5)]
-                        inflight[:] = [ids]
-                        try:
-                            c.upsert([new_ad(i, f"kill{round_}") for i in ids])
-                        except (httpx.HTTPError, ServiceError):
-                            return  # the server died under this call: not acknowledged
-                        acked.append(ids)
-                        if n == 2:
-                            streaming.set()
-                finally:
-                    streaming.set()
+            def stream(url=server.url, stop=stop, streaming=streaming, inflight=inflight,
+                       round_=round_):  # fmt: skip
+                # Generous: on a busy machine the first upsert (text encoder, caches) takes long.
+                with Client(url, admin_token=ADMIN, timeout=300) as c:
+                    try:
+                        for n in range(10_000):
+                            if stop.is_set():
+                                return
+                            ids = [600_000 + round_ * 100_000 + n * 10 + j for j in range(5)]
+                            inflight[:] = [ids]
+                            try:
+                                c.upsert([new_ad(i, f"kill{round_}") for i in ids])
+                            except (httpx.HTTPError, ServiceError):
+                                return  # the server died under this call: not acknowledged
+                            acked.append(ids)
+                            if n == 2:
+                                streaming.set()
+                    finally:
+                        streaming.set()
 
-        t = threading.Thread(target=stream)
-        t.start()
-        assert streaming.wait(600), "no acknowledgement in 600 s"
-        time.sleep(rng.random() * 0.5)  # then kill at a random moment of the stream
-        server.kill()
-        stop.set()
-        t.join(30)
-        assert acked, "no upsert was acknowledged before the kill"
-        # Restart on the same folder: every acknowledged batch is there, the one in flight
-        # entirely or not at all.
-        server = ProcessServer(world, state).start()
-        try:
+            t = threading.Thread(target=stream)
+            t.start()
+            assert streaming.wait(600), "no acknowledgement in 600 s"
+            time.sleep(rng.random() * 0.5)  # then kill at a random moment of the stream
+            server.kill()
+            stop.set()
+            t.join(30)
+            assert acked, "no upsert was acknowledged before the kill"
+            # Restart on the same folder: every acknowledged batch is there, the one in flight
+            # entirely or not at all.
+            server = ProcessServer(world, state).start()
             with Client(server.url) as c:
                 for ids in acked:
                     for i in ids:
@@ -379,8 +432,8 @@ def test_sigkill_loses_no_acknowledged_upsert(world):
                         except ServiceError:
                             present.append(False)
                     assert all(present) or not any(present), present
-        finally:
-            server.stop()
+    finally:
+        server.stop()
 
 
 def test_cli_serve_query_and_loadtest(world, tmp_path):
