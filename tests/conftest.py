@@ -16,14 +16,20 @@ def pytest_configure(config):
 
 
 def uses_ray(item) -> bool:
+    """On the run's Ray cluster, or starting Ray in this process (which the run's would refuse)."""
     return "ray_local" in item.fixturenames or item.get_closest_marker("ray") is not None
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's own grouping by fixture parameters
 def pytest_collection_modifyitems(items):
     """The tests on Ray last, in their order: the run's Ray cluster, started by the first of
-    them, is then up only while they run (idle, it and Serve take a tenth of a core)."""
-    items[:] = [i for i in items if not uses_ray(i)] + [i for i in items if uses_ray(i)]
+    them, is then up only while they run (idle, it and Serve take a tenth of a core). Under
+    pytest-xdist (`make test`: two workers, `--dist loadgroup`) they are one group, which one
+    worker runs: one Ray cluster per run, as without it."""
+    on_ray = [i for i in items if uses_ray(i)]
+    for item in on_ray:
+        item.add_marker(pytest.mark.xdist_group("ray"))
+    items[:] = [i for i in items if not uses_ray(i)] + on_ray
 
 
 @pytest.fixture(scope="session")

@@ -115,6 +115,15 @@ class ThreadServer:
         self.sock.close()
 
 
+def until(condition, what: str, timeout: float = 300.0) -> None:
+    """Poll `condition()` until it is true; `timeout` only bounds one that never comes true
+    (on a busy machine a condition may take long: no test asserts how long)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
 def wait_ready(url: str, timeout: float = 600.0, proc: subprocess.Popen | None = None) -> None:
     """Poll /health/ready; `timeout` only bounds a server that never comes up (a busy machine
     loads the model and the text encoder slowly)."""

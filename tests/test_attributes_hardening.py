@@ -210,7 +210,7 @@ LISTS = st.none() | st.lists(st.sampled_from(WORDS), max_size=5)  # repeats allo
 ROWS = st.fixed_dictionaries(
     {
         "n": st.none() | st.integers(-2, 2),
-        "s": st.none() | st.sampled_from(["x", "y"]),
+        "s": st.none() | st.sampled_from(["x", "y", "w", "v", "é"]),
         "t": LISTS,
         "u": LISTS,
     }
@@ -265,6 +265,8 @@ def _check_table(table, model, expr):
     decoded = table.to_arrow().to_pylist()
     for row, back in zip(model, decoded, strict=True):
         assert back == {**row, "t": sorted(set(row["t"] or [])), "u": sorted(set(row["u"] or []))}
+    for i in range(len(model)):  # one row decodes only its own words: the same as the table's
+        assert table.to_arrow(torch.tensor([i])).to_pylist() == [decoded[i]]
     assert compile_filter(expr, SCHEMA)(table).tolist() == [evaluate_row(expr, r) for r in model]
 
 

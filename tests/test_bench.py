@@ -346,6 +346,7 @@ def test_events(served_world, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.ray  # starts Ray in this process: not beside the run's cluster (conftest)
 def test_cluster(tmp_path):
     pytest.importorskip("ray")
     argv = ["cluster", "--n", "2000", "--batches", "2", "--shards", "2", "--k", "10"]

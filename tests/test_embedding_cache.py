@@ -6,7 +6,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 import zlib
 
 import numpy as np
@@ -126,6 +125,8 @@ WRITER = textwrap.dedent(
         new = [t for t, f in zip(batch, found) if not f]
         vecs = [np.random.default_rng(zlib.crc32(t.encode())).standard_normal(384) for t in new]
         cache.store(keys[~found], np.array(vecs, dtype=np.float32).reshape(len(new), 384))
+        if lo == 300:
+            print("stored 100", flush=True)  # a hundred upserts are in: kill me from here on
     """
 )
 
@@ -174,7 +175,7 @@ def test_two_processes_store_at_once_without_corrupting_it(tmp_path):
 def test_a_writer_killed_midway_leaves_a_usable_cache(tmp_path):
     n = 100_000  # more than it can store before it is killed
     (writer,) = _start(tmp_path, [(1, n)])
-    time.sleep(0.5)
+    assert writer.stdout.readline().strip() == "stored 100"
     writer.send_signal(signal.SIGKILL)
     assert writer.wait(timeout=60) == -signal.SIGKILL
     assert _integrity(tmp_path) == "ok"

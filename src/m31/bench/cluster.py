@@ -104,7 +104,9 @@ def run(
     rows = []
     try:
         snapshot = index.save(work / "snapshot")
-        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+        own = not ray.is_initialized()  # a Ray this process started already is used as it is
+        if own:
+            ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
         for s in shard_counts:
             state = init_cluster(snapshot, work / f"state-{s}", s)
             # As `m31 serve --ray` places them: at most one core each, one kernel thread.
@@ -126,7 +128,8 @@ def run(
                 rows.append((b, s, ms_single, ms, exact))
             for actor in [*cluster.shards, cluster.coordinator]:
                 ray.kill(actor, no_restart=True)
-        ray.shutdown()
+        if own:
+            ray.shutdown()
     finally:
         shutil.rmtree(work, ignore_errors=True)
     lines = [

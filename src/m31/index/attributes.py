@@ -502,14 +502,12 @@ class AttributeTable:
                 valid = self._valid[name][rows].cpu().numpy()  # [k]
                 arrays.append(pa.array(values, type=ARROW_TYPES[kind], mask=~valid))
                 continue
-            words = pa.array(self.vocabulary(name), type=pa.string())
             if kind == "str":
-                codes = self._values[name][rows].cpu().numpy()  # [k]
-                arrays.append(words.take(pa.array(codes, mask=codes < 0)))
+                arrays.append(self._decode(name, self._values[name][rows].cpu().numpy()))
                 continue
             codes, count = self._lists[name].gather(rows)  # [m], [k]
             count = count.cpu().numpy()
-            held = words.take(pa.array(codes.cpu().numpy()))  # [m]
+            held = self._decode(name, codes.cpu().numpy())  # [m]
             # Each list comes out sorted, whatever order its words entered the vocabulary in.
             order = pc.sort_indices(
                 pa.table({"row": np.repeat(np.arange(len(count)), count), "word": held}),
@@ -518,6 +516,13 @@ class AttributeTable:
             offsets = np.concatenate([[0], np.cumsum(count)])  # [k+1]
             arrays.append(pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), held.take(order)))
         return pa.Table.from_arrays(arrays, schema=arrow_schema(self.schema))
+
+    def _decode(self, name: str, codes: np.ndarray) -> pa.Array:
+        """The words of `codes` [k] of str field `name`, null where a code is negative."""
+        vocab = self.vocabulary(name)
+        if 4 * len(codes) < len(vocab):  # a few rows (one ad's GET): look up just their words
+            return pa.array([vocab[c] if c >= 0 else None for c in codes.tolist()], pa.string())
+        return pa.array(vocab, pa.string()).take(pa.array(codes, mask=codes < 0))
 
 
 class AttributeRows:
