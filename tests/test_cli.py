@@ -364,7 +364,7 @@ def test_index_build(trained, tmp_path):
     assert AdIndex.load(tmp_path / "index8").dtype == torch.int8
     code, out = run("index", "build", "--data", data, "--model", trained["ranking.pt"],
                     "--out", str(tmp_path / "index2"))  # fmt: skip
-    assert code == 2 and "has no ad tower" in out
+    assert code == 2 and "no index can hold" in out
     code, out = run("index", "build", "--data", data, "--model", trained["moe.pt"],
                     "--out", str(index_dir))  # fmt: skip
     assert code == 2 and "exists" in out

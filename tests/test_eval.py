@@ -23,6 +23,7 @@ from m31.eval import (
     target_rank,
     topk_rows,
 )
+from m31.eval.plot import pareto_front, plot_pareto
 from m31.features import FeatureConfig, build_features
 from m31.world.config import preset
 from m31.world.generate import generate
@@ -233,6 +234,35 @@ def test_plot_recall_at_k(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="ndcg"):
         plot_recall_at_k(res, tmp_path / "x.png", metric_prefix="ndcg")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.sampled_from("abcdefg"),
+                       st.tuples(st.integers(1, 5), st.integers(0, 5)), min_size=1))  # fmt: skip
+def test_pareto_front_is_the_models_no_cheaper_model_matches(raw):
+    points = {name: (float(f), float(m), math.nan) for name, (f, m) in raw.items()}
+    front = pareto_front(points)
+
+    # The reference: a model is on the front when no model at its FLOPs or fewer scores as much
+    # (a tie at equal FLOPs keeps the first by name's sort; ties at fewer FLOPs drop it).
+    def beaten(n):
+        f, m, _ = points[n]
+        return any(
+            (g < f and v >= m) or (g == f and (v > m or (v == m and o < n)))
+            for o, (g, v, _) in points.items()
+            if o != n
+        )
+
+    assert sorted(front) == sorted(n for n in points if not beaten(n))
+    assert [points[n][0] for n in front] == sorted(points[n][0] for n in front)
+
+
+def test_plot_pareto(tmp_path):
+    points = {"moe": (2049, 0.2, 0.01), "dense": (99137, 0.21, math.nan), "tt": (129, 0.15, 0.0)}
+    path = plot_pareto(points, "hr@10", tmp_path / "p.png", title="ml100k")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="baselines have none"):
+        plot_pareto({}, "hr@10", tmp_path / "x.png")
 
 
 # --- funnel ----------------------------------------------------------------------------------

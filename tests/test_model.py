@@ -6,7 +6,14 @@ import torch
 
 from m31.data.dataset import VOCABULARIES
 from m31.features import FeatureConfig, build_features
-from m31.model import Catalog, ModelConfig, RankingModel, RetrievalModel, model_preset
+from m31.model import (
+    Catalog,
+    DenseModel,
+    ModelConfig,
+    RankingModel,
+    RetrievalModel,
+    model_preset,
+)
 from m31.model.checkpoint import build_model, load_checkpoint, save_checkpoint, vocab_sizes
 from m31.model.inference import encode_ads, encode_requests
 from m31.model.retrieval import balance_loss, sampled_softmax_loss
@@ -166,8 +173,9 @@ def test_context_changes_scores(feats):
     assert not torch.allclose(s1, s2)
 
 
-def test_ranking_model_scores_pairs(feats):
-    model = make("ranking", feats).eval()
+@pytest.mark.parametrize("kind", ["ranking", "dense"])
+def test_pair_models_score_pairs(feats, kind):
+    model = make(kind, feats).eval()
     catalog = Catalog.from_features(feats)
     r = some_requests(feats, 5)
     cand = torch.randint(0, feats.n_ads, (5, 9))
@@ -177,6 +185,48 @@ def test_ranking_model_scores_pairs(feats):
         one = model(r.slice(2, 3), catalog, cand[2:3])
     assert s.shape == (5, 9) and shared.shape == (5, 9)
     torch.testing.assert_close(one[0], s[2], rtol=1e-5, atol=1e-5)
+
+
+def test_dense_model_is_the_mlp_over_u_a_and_their_product(feats):
+    """The split first layer (per request, per ad, per pair) against the plain MLP over the
+    concatenation [u, a, u * a] of each pair, written out pair by pair."""
+    model = make("dense", feats, seed=5).eval()
+    catalog = Catalog.from_features(feats)
+    r = some_requests(feats, 3)
+    cand = torch.randint(0, feats.n_ads, (3, 7))
+    with torch.no_grad():
+        got = model(r, catalog, cand)
+        u = model.encode_user(r, catalog)  # [3, D]
+        _, a, b = model.ads(catalog.take(cand.reshape(-1)))
+        a, b = a.reshape(3, 7, -1), b.reshape(3, 7)
+        w = torch.cat([model.first_u.weight, model.first_a.weight, model.first_p.weight], dim=1)
+        want = torch.empty(3, 7)
+        for i in range(3):
+            for j in range(7):
+                x = torch.cat([u[i], a[i, j], u[i] * a[i, j]])  # [3D]
+                hidden = torch.nn.functional.gelu(w @ x + model.first_u.bias)
+                want[i, j] = model.rest(hidden)[0] + b[i, j]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(TypeError, match="not dense models"):
+        from m31.engine import Retriever
+
+        Retriever(model, feats, None)
+
+
+def test_training_the_dense_model(feats):
+    """It trains on per-request candidate sets, as the ranking model: the loss falls, and every
+    training call scores [B, C] candidates, never the corpus."""
+    from m31.training import train
+
+    shapes = []
+    forward = DenseModel.forward
+    cfg = model_preset("tiny", "dense").with_overrides(epochs=2)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(DenseModel, "forward",
+                      lambda self, r, c, rows: shapes.append((self.training, rows.dim())) or forward(self, r, c, rows))  # fmt: skip
+        _, history = train(cfg, feats, device="cpu", log=lambda _: None, progress=False)
+    assert {d for training, d in shapes if training} == {2}  # validation scores the corpus
+    assert history[1]["loss"] < history[0]["loss"]
 
 
 def with_base(feats, base_kind="moe"):
@@ -276,14 +326,18 @@ def test_demo_ranking_model_costs_over_100x_the_moe_per_pair():
     ranking = build_model(model_preset("demo", "ranking"), sizes, 384, 32)
     assert moe.flops_per_pair() == 2 * 8 * (64 + 64) + 1
     assert ranking.flops_per_pair() > 100 * moe.flops_per_pair()
+    dense = build_model(model_preset("demo", "dense"), sizes, 384, 32)
+    # u * a (D), its first-layer term (2·D·256) and the two adds (2·256), 256 -> 128 -> 1, bias
+    assert dense.flops_per_pair() == 64 + 2 * 64 * 256 + 2 * 256 + 2 * 256 * 128 + 2 * 128 + 1
+    assert dense.flops_per_pair() > 40 * moe.flops_per_pair()
 
 
-@pytest.mark.parametrize("kind", ["moe", "two-tower", "ranking"])
+@pytest.mark.parametrize("kind", ["moe", "two-tower", "ranking", "dense"])
 def test_gradients_reach_every_tower(feats, kind):
     model = make(kind, feats)
     catalog = Catalog.from_features(feats)
     r = some_requests(feats, 16)
-    if kind == "ranking":
+    if kind in ("ranking", "dense"):
         out = model(r, catalog, torch.randint(0, feats.n_ads, (16, 5)))
     else:
         out = model(r, catalog, catalog.take(torch.arange(40)))[0]
@@ -367,7 +421,7 @@ def test_training_reduces_the_loss(feats):
     assert held_loss() < before - 0.3
 
 
-@pytest.mark.parametrize("kind", ["moe", "ranking", "ranking-with-base"])
+@pytest.mark.parametrize("kind", ["moe", "ranking", "ranking-with-base", "dense"])
 def test_checkpoint_round_trips_exactly(feats, tmp_path, kind):
     model = with_base(feats)[0].eval() if kind == "ranking-with-base" else make(kind, feats).eval()
     path = save_checkpoint(tmp_path / "m.pt", model, feats, history=[{"epoch": 1}])
@@ -379,7 +433,7 @@ def test_checkpoint_round_trips_exactly(feats, tmp_path, kind):
     catalog = Catalog.from_features(feats)
     r = some_requests(feats, 3)
     with torch.no_grad():
-        if kind.startswith("ranking"):
+        if kind != "moe":
             cand = torch.arange(7)
             assert torch.equal(model(r, catalog, cand), again(r, catalog, cand))
         else:
@@ -451,7 +505,7 @@ def test_bad_model_config():
     )
 
 
-@pytest.mark.parametrize("kind", ["moe", "ranking"])
+@pytest.mark.parametrize("kind", ["moe", "ranking", "dense"])
 def test_score_function_full_corpus_and_ranking_agree(feats, kind):
     from m31.eval import requests_from_split
     from m31.model.inference import ScoreFunction

@@ -59,7 +59,9 @@ def load_model(path: str | Path, data: str | Path, device: str = "cpu") -> Model
     `m31 index build` wrote)."""
     net, feats = model_and_features(Path(path), Path(data), device)
     if not isinstance(net, RetrievalModel):
-        raise ValueError(f"{path}: a {net.cfg.kind} model, which has no ad tower to index with")
+        raise ValueError(
+            f"{path}: a {net.cfg.kind} model, whose score no index can hold (moe, two-tower)"
+        )
     return Model(net, feats, Path(path), None if has_online(Path(data)) else Path(data))
 
 

@@ -63,6 +63,13 @@ ProtocolOption = Annotated[
         "and exclusions, and refuses models reading more history than it allows."
     ),
 ]
+ParetoOption = Annotated[
+    Path | None,
+    typer.Option(
+        help="Write a PNG of each model's HR@10 (mean ± std over its checkpoints) against its "
+        "FLOPs per (request, ad) pair, log scale, the Pareto front joined."
+    ),
+]
 ReferenceOption = Annotated[
     str | None, typer.Option(help="Model whose top-K the others are compared with.")
 ]
@@ -83,6 +90,7 @@ def eval_cmd(
     reference: ReferenceOption = None,
     exclude_seen: ExcludeSeenOption = None,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of recall@K against K.")] = None,
+    pareto: ParetoOption = None,
     json_out: JsonOption = None,
     device: DeviceOption = "cpu",
 ) -> None:
@@ -92,7 +100,7 @@ def eval_cmd(
     deviation over them; two models are compared request by request (per-request metric averaged
     over seeds) with a 95% percentile-bootstrap interval over test requests (m31.eval.stats).
     """
-    from m31.eval.plot import plot_recall_at_k
+    from m31.eval.plot import plot_pareto, plot_recall_at_k
     from m31.eval.runs import evaluate_runs
 
     try:
@@ -116,6 +124,10 @@ def eval_cmd(
     if plot:
         plot_recall_at_k(report.means(), plot, "truth_recall" if report.truth else "hr")
         typer.echo(f"wrote {plot}")
+    if pareto:
+        metric = f"hr@{10 if 10 in cutoffs else cutoffs[0]}"
+        plot_pareto(report.pareto(metric), metric, pareto, title=Path(data).name)
+        typer.echo(f"wrote {pareto}")
 
 
 def _pairs(specs: list[str] | None) -> list[tuple[str, str]]:

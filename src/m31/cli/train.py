@@ -85,7 +85,7 @@ TrainDeviceOption = Annotated[
 
 @cli_errors
 def train_cmd(
-    model: Annotated[str, typer.Option(help="moe, two-tower or ranking.")],
+    model: Annotated[str, typer.Option(help="moe, two-tower, dense or ranking.")],
     data: TrainDataOption,
     out: Annotated[Path, typer.Option(help="Checkpoint file to write.")],
     preset: PresetOption = "demo",

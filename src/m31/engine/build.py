@@ -92,7 +92,8 @@ def build_index(
     model, feats = model_and_features(model_path, data, device)
     if not isinstance(model, RetrievalModel):
         raise ValueError(
-            f"--model: {model_path} is a {model.cfg.kind} model, which has no ad tower"
+            f"--model: {model_path} is a {model.cfg.kind} model, whose score no index can "
+            "hold (moe, two-tower)"
         )
     index = index_from_model(data, model, feats, dtype)
     index.model_hash = checkpoint_hash(model_path)

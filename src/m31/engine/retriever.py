@@ -237,7 +237,7 @@ class Retriever:
         without that restriction accept."""
         if not isinstance(model, RetrievalModel):
             raise TypeError(
-                "the engine serves retrieval models (moe, two-tower), not ranking models"
+                f"the engine serves retrieval models (moe, two-tower), not {model.cfg.kind} models"
             )
         self.model = model.eval()
         self.feats = feats

@@ -87,3 +87,55 @@ def plot_ablation(
     path = Path(path)
     fig.savefig(path, format="png")
     return path
+
+
+def pareto_front(points: dict[str, tuple[float, float, float]]) -> list[str]:
+    """The models no other model beats at no more FLOPs: ordered by FLOPs, each one's metric
+    above that of every cheaper one (`points`: name -> (FLOPs per pair, mean, std)); of two
+    models level on both, the first by name."""
+    front, best = [], float("-inf")
+    for name in sorted(points, key=lambda n: (points[n][0], -points[n][1], n)):
+        if points[name][1] > best:
+            front.append(name)
+            best = points[name][1]
+    return front
+
+
+def plot_pareto(
+    points: dict[str, tuple[float, float, float]], metric: str, path: Path | str, title: str = ""
+) -> Path:
+    """PNG of each model's `metric` (mean ± std over training seeds; std NaN: no error bar)
+    against its FLOPs per (request, ad) pair on a log scale, the Pareto front joined; `points`:
+    name -> (FLOPs, mean, std). Returns the path."""
+    import math
+
+    from matplotlib.figure import Figure
+
+    if not points:
+        raise ValueError("no models with FLOPs to plot (baselines have none)")
+    fig = Figure(figsize=(6.5, 4.2), dpi=120)
+    ax = fig.add_subplot()
+    for i, (name, (flops, mean, std)) in enumerate(points.items()):
+        err = None if math.isnan(std) else std
+        ax.errorbar([flops], [mean], yerr=err, fmt="o", color=f"C{i % 10}", capsize=3)
+        ax.annotate(name, (flops, mean), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    front = pareto_front(points)
+    ax.plot(
+        [points[n][0] for n in front],
+        [points[n][1] for n in front],
+        color="grey",
+        linestyle="--",
+        linewidth=1,
+        label="Pareto front",
+    )
+    ax.set_xscale("log")
+    ax.set_xlabel("FLOPs per (request, ad) pair")
+    ax.set_ylabel(metric)
+    if title:
+        ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, format="png")
+    return path

@@ -103,6 +103,7 @@ class EvalReport:
     runs: dict[str, list[dict[str, float]]]  # model -> its metrics, one dict per seed
     summaries: dict[str, dict[str, SeedSummary]]  # model -> metric -> over seeds
     paired: list[tuple[str, str, dict[str, PairedComparison]]]  # (a, b, metric -> a vs b)
+    flops: dict[str, int] = field(default_factory=dict)  # model -> FLOPs per (request, ad) pair
 
     def means(self) -> dict[str, dict[str, float]]:
         return {name: {k: v.mean for k, v in m.items()} for name, m in self.summaries.items()}
@@ -113,6 +114,11 @@ class EvalReport:
             f"seen ads {'excluded' if self.exclude_seen else 'kept'}",
             format_seed_table(self.summaries),
         ]
+        if self.flops:
+            lines.append(
+                "FLOPs per (request, ad) pair: "
+                + ", ".join(f"{name} {n:,}" for name, n in self.flops.items())
+            )
         for a, b, paired in self.paired:
             lines.append(
                 f"\n{a} vs {b}, paired on the same {self.requests:,} requests (per-request "
@@ -130,10 +136,19 @@ class EvalReport:
                 for name, m in self.summaries.items()
             },
             "runs": self.runs,
+            "flops_per_pair": self.flops,
             "paired": [  # one entry per comparison
                 {"a": a, "b": b, **{k: c.as_dict() for k, c in paired.items()}}
                 for a, b, paired in self.paired
             ],
+        }
+
+    def pareto(self, metric: str) -> dict[str, tuple[int, float, float]]:
+        """Each model with a checkpoint: (FLOPs per pair, mean `metric`, its std over seeds)."""
+        return {
+            name: (n, self.summaries[name][metric].mean, self.summaries[name][metric].std)
+            for name, n in self.flops.items()
+            if name in self.summaries
         }
 
 
@@ -195,6 +210,7 @@ def evaluate_runs(
     catalog = Catalog.from_features(feats).to(device)
     seeds = SeedRuns()
     latest: dict[str, ScoreFunction] = {}  # each model's last loaded checkpoint
+    flops: dict[str, int] = {}
     for s in range(max((len(p) for p in groups.values()), default=1)):
         fns = dict(base_fns) if s == 0 else {}
         for key, paths in groups.items():
@@ -206,6 +222,7 @@ def evaluate_runs(
                 if name in fns:
                     raise ValueError(f"two models are named {name!r}; name them NAME=PATH")
                 fns[name] = latest[name] = fn
+                flops[name] = fn.model.flops_per_pair()
         stages = {}
         if rerank is not None:
             if s == 0 and (rerank.first not in fns or rerank.second not in fns):
@@ -261,6 +278,7 @@ def evaluate_runs(
         runs=seeds.metrics,
         summaries=seeds.summaries(),
         paired=paired,
+        flops=flops,
     )
 
 

@@ -21,6 +21,7 @@ from m31.data.dataset import VOCABULARIES
 from m31.data.schema import N_AGE_BUCKETS
 from m31.features import Features
 from m31.model.config import ModelConfig
+from m31.model.dense import DenseModel
 from m31.model.ranking import RankingModel
 from m31.model.retrieval import RetrievalModel
 
@@ -48,7 +49,7 @@ def vocab_sizes(feats: Features) -> dict[str, int]:
 
 
 def build_model(cfg: ModelConfig, sizes: dict[str, int], text_dim: int, cooc_dim: int):
-    cls = RankingModel if cfg.kind == "ranking" else RetrievalModel
+    cls = {"ranking": RankingModel, "dense": DenseModel}.get(cfg.kind, RetrievalModel)
     return cls(cfg, sizes, text_dim, cooc_dim)
 
 

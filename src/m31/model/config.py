@@ -6,7 +6,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 
 EXPERT_FAMILIES = ("sequence", "cohort", "semantic", "coengagement")
-MODEL_KINDS = ("moe", "two-tower", "ranking")
+MODEL_KINDS = ("moe", "two-tower", "ranking", "dense")
 # The sequence expert: causal self-attention over the engagements (`m31.model.sequence`), or the
 # attention pool with one learned query per slot that preceded it (kept for ablations).
 SEQUENCE_ENCODERS = ("transformer", "pool")
@@ -117,8 +117,8 @@ class ModelConfig:
 
     @property
     def n_experts(self) -> int:
-        """E: for the two-tower model always 1."""
-        return 1 if self.kind == "two-tower" else sum(self.experts.values())
+        """E: for the two-tower and dense models always 1."""
+        return 1 if self.kind in ("two-tower", "dense") else sum(self.experts.values())
 
     @property
     def val_k(self) -> int:
@@ -135,14 +135,14 @@ class ModelConfig:
         return (
             self.every_position
             and self.sequence_encoder == "transformer"
-            and self.kind != "ranking"
+            and self.kind not in ("ranking", "dense")
             and "sequence" in used
             and (self.kind == "moe" or used <= {"sequence", "cohort"})
         )
 
     @property
     def effective_gate_dim(self) -> int:
-        return 0 if self.kind == "two-tower" else self.gate_dim
+        return 0 if self.kind in ("two-tower", "dense") else self.gate_dim
 
     def base_config(self) -> ModelConfig | None:
         """The config of the retrieval model under a ranking model (`ranking_base`), if any."""

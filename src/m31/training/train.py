@@ -231,7 +231,7 @@ def train(
                 rows = perm[step * cfg.batch_size : (step + 1) * cfg.batch_size]
                 r = requests_for(feats, train_split, rows, cfg.max_len).to(device)
                 pos = torch.from_numpy(train_split["item"][rows]).to(device)
-                if cfg.kind == "ranking":
+                if cfg.kind in ("ranking", "dense"):  # pair models: per-request candidates
                     hard_ads = None if hard is None else _draw(hard[rows], cfg.ranking_hard, rng)
                     loss = _ranking_step(
                         model, r, catalog, pos, pop, n_ads, cfg, rng, device, hard_ads
