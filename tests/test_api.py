@@ -5,6 +5,7 @@ the retriever does, and serving from the online features answers what the full f
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import re
@@ -117,7 +118,7 @@ def test_ads_the_model_never_saw_go_through_its_ad_tower(beauty):
     new = renamed.slice(0, 3).to_pylist()
     fields = ("ad_id", "advertiser_id", "objective", "format", "topic", "category", "text")
     g, x, b = encoder.encode(
-        [NewAd(**{f: a[f] for f in fields}, quality=a["quality"]) for a in new]
+        [NewAd(**{f: a[f] for f in fields}, quality=a["quality"], attributes=a) for a in new]
     )
     for i, ad_id in enumerate((10_001, 10_002, 10_003)):
         row = mixed.get(ad_id)
@@ -127,6 +128,27 @@ def test_ads_the_model_never_saw_go_through_its_ad_tower(beauty):
     # The other ads are the catalogue's, encoded from their features as before.
     for ad_id in ads["ad_id"].to_numpy()[3:10].tolist():
         torch.testing.assert_close(mixed.get(ad_id).g, full.get(ad_id).g, rtol=0, atol=0)
+
+
+def test_the_ad_tower_reads_the_item_attributes(beauty):
+    """The imported attributes are tokens of the ad tower: a new ad's, made by the server's
+    encoder, are the features' tokens of the same values; other attributes, another vector."""
+    data = beauty / "data" / "beauty"
+    model = m31.load_model(beauty / "runs" / "beauty.pt", data=data)
+    feats = model.features
+    assert model.net.ads.item.attributes is not None
+    assert feats.meta["attribute_tokens"] == {"attributes": "str_list"}
+    ads = dataset.load(data).ads.to_pylist()
+    encoder = AdEncoder(model.net, feats)
+    fields = ("ad_id", "advertiser_id", "objective", "format", "topic", "category", "text")
+    new = [NewAd(**{f: a[f] for f in fields}, attributes=a) for a in ads[:5]]
+    row = {int(i): r for r, i in enumerate(feats.ads["ad_id"])}
+    for a, tokens in zip(ads[:5], encoder.tokens(new), strict=True):
+        want = feats.attr_tokens[row[a["ad_id"]]]
+        assert tokens.tolist() == want[want >= 0].tolist() and len(tokens) == 2
+    other = [dataclasses.replace(new[0], attributes={"attributes": ["99", "98"]}), new[0]]
+    x = encoder.encode(other)[1]
+    assert not torch.equal(x[0], x[1])
 
 
 def test_online_features_answer_what_the_full_ones_do(beauty):

@@ -5,6 +5,7 @@ from hypothesis import strategies as st
 
 from m31.data.dataset import DatasetError
 from m31.features import EventSequences, FeatureConfig, Features, build_features
+from m31.features.attributes import MAX_TOKENS, attribute_tokens, token
 from m31.features.cooc import cooc_embeddings, cooccurrence_pairs
 from m31.world.config import preset
 from m31.world.generate import generate
@@ -202,3 +203,26 @@ def test_embedding_cache_encodes_each_text_once(tmp_path):
     np.testing.assert_array_equal(more[:3], first)
     assert len(EmbeddingCache(tmp_path, model_key())) == 3, "only the new text was encoded"
     assert float(more[0] @ more[1]) < 0.5 < float(more[0] @ embed_texts(["running shoes"], None)[0])
+
+
+def test_attribute_tokens_by_hand():
+    kinds = {"brand": "str", "cats": "str_list", "price": "float", "size": "str"}
+    columns = {
+        "brand": ["acme", None, "acme"],
+        "cats": [["b", "a", "b"], None, []],
+        "size": [None, "xl", None],
+    }
+    out = attribute_tokens(columns, kinds, 3)  # price is a filter field only, not read
+    a, b = token("cats", "a"), token("cats", "b")
+    assert out.tolist() == [
+        [token("brand", "acme"), a, b],  # columns in declared order, values sorted, deduplicated
+        [token("size", "xl"), -1, -1],
+        [token("brand", "acme"), -1, -1],
+    ]
+    assert token("brand", "acme") != token("size", "acme") and 0 <= a < 2**63
+    many = attribute_tokens({"cats": [[f"w{i:02d}" for i in range(40)]]}, {"cats": "str_list"}, 1)
+    assert many.shape == (1, MAX_TOKENS)  # the first MAX_TOKENS in sorted order
+    assert many[0].tolist() == [token("cats", f"w{i:02d}") for i in range(MAX_TOKENS)]
+    assert attribute_tokens({}, {"price": "float"}, 2).shape == (2, 0)
+    with pytest.raises(ValueError, match="cats: 1 values for 2 ads"):
+        attribute_tokens({"cats": [None]}, {"cats": "str_list"}, 2)

@@ -11,6 +11,10 @@ model's vocabulary does not hold (a format first seen online) embeds as the unkn
 embedding is zero: the tower reads no objective or format for that ad until a model trained on
 it is served.
 
+Its item attributes (the dataset's declared str and str_list columns the features made tokens
+of, `m31.features.attributes`) become the same tokens as in training; a value the model never
+saw still hashes into its table, whose row it then reads untrained.
+
 What an ad lacks (None) is no input, as a null is in the training catalogue
 (`m31.features.build`): no advertiser (a zero advertiser embedding), the unknown objective,
 format, topic or category (zero rows), no text (a zero text embedding; the encoder never sees a
@@ -19,13 +23,15 @@ made-up sentence), quality 0 (the prior's mean).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from m31.features import Features
+from m31.features.attributes import attribute_tokens
 from m31.model import Catalog, RetrievalModel
 from m31.model.inputs import NO_ADVERTISER
 
@@ -43,6 +49,9 @@ class NewAd:
     text: str | None
     quality: float | None = 0.0  # prior quality score, about N(0, 1) like the training
     # catalogue's; None: unknown, read as 0
+    # the item attributes the features made tokens of (meta `attribute_tokens`), column ->
+    # value (a str, a list of str, or None); a column it lacks is None: no tokens from it
+    attributes: Mapping[str, Any] | None = None
 
 
 class AdEncoder:
@@ -59,6 +68,7 @@ class AdEncoder:
             for name in ("objective", "format")
         }
         self.cache_dir = cache_dir
+        self.attribute_kinds: dict[str, str] = dict(feats.meta.get("attribute_tokens") or {})
 
     def load_text_encoder(self) -> None:
         """Load the sentence encoder of new ads' texts now, not on the first ad (it takes
@@ -92,6 +102,13 @@ class AdEncoder:
         codes = self.codes[name]
         return codes.get(value, len(codes))
 
+    def tokens(self, ads: Sequence[NewAd]) -> np.ndarray:
+        """[n, T] the ads' item-attribute tokens, as the features make them."""
+        columns = {
+            name: [(a.attributes or {}).get(name) for a in ads] for name in self.attribute_kinds
+        }
+        return attribute_tokens(columns, self.attribute_kinds, len(ads))
+
     @torch.no_grad()
     def encode(self, ads: Sequence[NewAd]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(g [n, G], x [n, D], b [n]) fp32 on the model's device."""
@@ -121,6 +138,7 @@ class AdEncoder:
             quality=t([a.quality or 0.0 for a in ads], torch.float32),
             text_emb=t(text, torch.float32).reshape(n, self.text_dim),
             cooc_emb=torch.zeros(n, self.cooc_dim, device=device),
+            attributes=t(self.tokens(ads)),
         )
         self.model.eval()
         return self.model.encode_ads(catalog)

@@ -66,7 +66,7 @@ def index_of(
     if not listed.all():
         fields = ("ad_id", "advertiser_id", "objective", "format", "topic", "category", "text")
         new = ads.filter(pa.array(~listed)).to_pylist()
-        ads_ = [NewAd(**{f: a[f] for f in fields}, quality=a["quality"]) for a in new]
+        ads_ = [NewAd(**{f: a[f] for f in fields}, quality=a["quality"], attributes=a) for a in new]
         encoder = AdEncoder(model, feats, embedding_cache_dir())
         at = torch.from_numpy(~listed)
         g[at], x[at], b[at] = (t.cpu() for t in encoder.encode(ads_))

@@ -25,6 +25,7 @@ Folder layout (`Features.save`)::
     meta.json                  config, vocabularies, counts
     ads.parquet users.parquet  per-row categorical and numeric features
     text_emb.npy cooc_emb.npy  [A, H] and [A, d] float32
+    attr_tokens.npy            [A, T] int64 item-attribute tokens (`m31.features.attributes`)
     engagements.parquet organic.parquet          the event sequences
     train.parquet val.parquet test.parquet impressions.parquet   examples
 
@@ -48,11 +49,13 @@ from m31.data.dataset import (
     VOCABULARIES,
     Dataset,
     DatasetError,
+    item_attributes,
     repeat_engagement,
     vocabularies,
     write_atomic,
 )
 from m31.data.schema import N_AGE_BUCKETS, age_bucket
+from m31.features.attributes import attribute_tokens, token_columns
 from m31.features.cooc import cooc_embeddings
 from m31.features.sequences import EventSequences
 from m31.features.text_encoder import EMBED_DIM
@@ -62,9 +65,9 @@ SPLITS = ("leave-last-out", "time")
 # Bumped whenever the rule that assigns engagements to splits changes, so that feature folders
 # built under an older rule are rebuilt (2: same-second ties, `_split`).
 SPLIT_RULE = 2
-# Bumped whenever the folder's content changes (3: users' raw age, for targeting), with the same
-# effect.
-FEATURES_FORMAT = 3
+# Bumped whenever the folder's content changes (3: users' raw age, for targeting; 4: item
+# attribute tokens), with the same effect.
+FEATURES_FORMAT = 4
 OPEN_START = np.iinfo(np.int64).min  # the created_at of an ad without one: no start
 EXAMPLE_COLUMNS = ("user", "item", "ts", "surface", "hour", "platform", "click", "conversion")
 EXAMPLE_SETS = ("train", "val", "test", "impressions")
@@ -147,6 +150,12 @@ class Features:
     engagements: EventSequences  # values: item, surface
     organic: EventSequences  # values: topic, surface
     splits: dict[str, dict[str, np.ndarray]]  # train/val/test/impressions -> column -> [n]
+    # [A, T] item-attribute tokens, -1 padding (`m31.features.attributes`); T = 0: none declared
+    attr_tokens: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.attr_tokens is None:
+            self.attr_tokens = np.zeros((self.n_ads, 0), dtype=np.int64)
 
     @property
     def is_online(self) -> bool:
@@ -165,6 +174,7 @@ class Features:
             users=self.users,
             text_emb=self.text_emb,
             cooc_emb=self.cooc_emb,
+            attr_tokens=self.attr_tokens,
             engagements=self.engagements.last(max_len or self.config.max_len),
             organic=self.organic.last(self.config.organic_len),
             splits={},
@@ -205,6 +215,7 @@ class Features:
             pq.write_table(pa.table(self.users), tmp / "users.parquet")
             np.save(tmp / "text_emb.npy", self.text_emb)
             np.save(tmp / "cooc_emb.npy", self.cooc_emb)
+            np.save(tmp / "attr_tokens.npy", self.attr_tokens)
             for name, seq in (("engagements", self.engagements), ("organic", self.organic)):
                 user = np.repeat(np.arange(seq.n_users), np.diff(seq.offsets))
                 pq.write_table(
@@ -241,6 +252,10 @@ class Features:
             users=table("users"),
             text_emb=np.load(folder / "text_emb.npy"),
             cooc_emb=np.load(folder / "cooc_emb.npy"),
+            # a folder written before the tokens (online features of an older snapshot): none
+            attr_tokens=np.load(tokens)
+            if (tokens := folder / "attr_tokens.npy").is_file()
+            else None,
             engagements=seqs["engagements"],
             organic=seqs["organic"],
             splits={} if meta.get("online") else {name: table(name) for name in EXAMPLE_SETS},
@@ -353,6 +368,11 @@ def build_features(
         texts = pc.drop_null(ads_t["text"]).to_pylist()
         text_emb[has_text] = embed_texts(texts, cache_dir, progress=progress)
 
+    kinds = item_attributes(ds.meta)
+    attr_tokens = attribute_tokens(
+        {name: ads_t[name].to_pylist() for name in token_columns(kinds)}, kinds, n_a
+    )
+
     meta = {
         "source": ds.meta.get("source"),
         "repeat_engagement": repeat_engagement(ds.meta),
@@ -369,6 +389,8 @@ def build_features(
             **{name: list(vocab[name]) for name in VOCABULARIES},
         },
         "time_range": [int(ev["ts"].min()), int(ev["ts"].max())] if len(ev["ts"]) else None,
+        # the item attributes that became `attr_tokens`, column -> kind: how a new ad's are read
+        "attribute_tokens": {name: kinds[name] for name in token_columns(kinds)},
     }
     return Features(
         config=config,
@@ -380,6 +402,7 @@ def build_features(
         engagements=engagements,
         organic=organic,
         splits=splits,
+        attr_tokens=attr_tokens,
     )
 
 

@@ -45,6 +45,8 @@ def vocab_sizes(feats: Features) -> dict[str, int]:
         "age": N_AGE_BUCKETS + 1,
         "topic": int(feats.meta["n_topics"]) + 1,
         "category": int(feats.meta["n_categories"]) + 1,
+        # not a vocabulary: the item-attribute tokens per ad, 0 when the data declares none
+        "attributes": int(feats.attr_tokens.shape[1]),
     }
 
 

@@ -38,6 +38,8 @@ class ModelConfig:
     every_position: bool = True
     id_buckets: int = 1 << 17  # hashed ad-id embedding rows (unseen ids still land somewhere)
     advertiser_buckets: int = 1 << 14
+    # hashed item-attribute token rows (`m31.features.attributes`); 0: attributes not read
+    attribute_buckets: int = 1 << 16
     ranking_mlp: tuple[int, ...] = (256, 128)
     # training
     batch_size: int = 512
@@ -74,6 +76,8 @@ class ModelConfig:
             )
         if self.n_experts < 1 or any(v < 0 for v in self.experts.values()):
             raise ValueError(f"experts needs at least one slot, got {self.experts}")
+        if self.attribute_buckets < 0:
+            raise ValueError(f"attribute_buckets must be >= 0, got {self.attribute_buckets}")
         for name in ("hidden", "value_dim", "max_len", "batch_size", "epochs", "sequence_blocks"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -157,6 +161,8 @@ class ModelConfig:
         d["ranking_mlp"] = tuple(d["ranking_mlp"])
         # a config written before the transformer had the attention pool
         d.setdefault("sequence_encoder", "pool")
+        # a config written before the ad tower read item attributes
+        d.setdefault("attribute_buckets", 0)
         return cls(**d)
 
     def with_overrides(self, **kw) -> ModelConfig:
@@ -172,6 +178,7 @@ PRESETS: dict[str, ModelConfig] = {
         max_len=8,
         id_buckets=1 << 12,
         advertiser_buckets=1 << 8,
+        attribute_buckets=1 << 10,
         ranking_mlp=(32, 16),
         batch_size=64,
         uniform_negatives=64,

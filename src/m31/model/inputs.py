@@ -40,6 +40,7 @@ class Catalog:
     quality: torch.Tensor  # [A] float
     text_emb: torch.Tensor  # [A, H]
     cooc_emb: torch.Tensor  # [A, d]
+    attributes: torch.Tensor  # [A, T] int64 item-attribute tokens, -1 padding (T may be 0)
 
     @classmethod
     def from_features(cls, feats: Features) -> Catalog:
@@ -58,6 +59,7 @@ class Catalog:
             quality=torch.from_numpy(ads["quality"].astype(np.float32)),
             text_emb=torch.from_numpy(feats.text_emb),
             cooc_emb=torch.from_numpy(feats.cooc_emb),
+            attributes=torch.from_numpy(feats.attr_tokens),
         )
 
     def __len__(self) -> int:

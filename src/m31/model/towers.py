@@ -46,7 +46,9 @@ def mlp(dims: list[int], last_activation: bool = False) -> nn.Sequential:
 
 
 class ItemEncoder(nn.Module):
-    """An ad's content -> [.., h]: hashed id, topic, category, format, text and co-engagement."""
+    """An ad's content -> [.., h]: hashed id, topic, category, format, text, co-engagement and,
+    where the data declares item attributes (`sizes["attributes"]` > 0) and the config reads
+    them, the mean of its hashed attribute tokens' embeddings."""
 
     def __init__(self, cfg, sizes: dict[str, int], text_dim: int, cooc_dim: int) -> None:
         super().__init__()
@@ -60,6 +62,11 @@ class ItemEncoder(nn.Module):
         self.cooc = nn.Linear(cooc_dim, h)
         self.norm = nn.LayerNorm(h)
         nn.init.normal_(self.id.weight, std=0.02)
+        self.attribute_buckets = cfg.attribute_buckets if sizes.get("attributes", 0) else 0
+        self.attributes = None
+        if self.attribute_buckets:
+            self.attributes = nn.Embedding(self.attribute_buckets, h)
+            nn.init.normal_(self.attributes.weight, std=0.02)
 
     def forward(self, ads: Catalog) -> torch.Tensor:
         e = (
@@ -70,6 +77,11 @@ class ItemEncoder(nn.Module):
             + self.text(ads.text_emb)
             + self.cooc(ads.cooc_emb)
         )
+        if self.attributes is not None:
+            tokens = ads.attributes  # [.., T]
+            valid = (tokens >= 0).to(e.dtype)[..., None]  # [.., T, 1]
+            rows = self.attributes(hash_ids(tokens.clamp_min(0), self.attribute_buckets, 2))
+            e = e + (rows * valid).sum(-2) / valid.sum(-2).clamp_min(1.0)  # no tokens: nothing
         return self.norm(e)
 
 

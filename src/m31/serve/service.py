@@ -145,6 +145,7 @@ class Service:
                 a.category,
                 a.text,
                 a.quality,
+                attributes=a.model_dump(),  # the item attributes among its fields
             )
             for a in ads
         ]
