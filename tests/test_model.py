@@ -229,6 +229,30 @@ def test_training_the_dense_model(feats):
     assert history[1]["loss"] < history[0]["loss"]
 
 
+def test_bce_loss_by_hand():
+    from m31.training.train import bce_loss
+
+    pos, neg = torch.tensor([0.0, 2.0]), torch.tensor([0.0, -1.0])
+    want = (2 * math.log(2) + math.log1p(math.exp(-2.0)) + math.log1p(math.exp(-1.0))) / 2
+    assert float(bce_loss(pos, neg)) == pytest.approx(want, rel=1e-6)
+    with pytest.raises(ValueError, match="loss must be one of softmax, bce"):
+        model_preset("tiny", "moe").with_overrides(loss="hinge")
+    for kind in ("ranking", "dense"):
+        with pytest.raises(ValueError, match=f"not a {kind} model"):
+            model_preset("tiny", kind).with_overrides(loss="bce")
+
+
+@pytest.mark.parametrize("encoder", ["transformer", "pool"])
+def test_training_with_the_bce_loss(feats, encoder):
+    """SASRec's loss, with a target at every position (transformer) or at the request only."""
+    from m31.training import train
+
+    cfg = model_preset("tiny", "moe").with_overrides(loss="bce", sequence_encoder=encoder, epochs=2)
+    assert cfg.trains_every_position == (encoder == "transformer")
+    _, history = train(cfg, feats, device="cpu", log=lambda _: None, progress=False)
+    assert 0 < history[1]["loss"] < history[0]["loss"]
+
+
 def with_base(feats, base_kind="moe"):
     """A ranking model over a (randomly initialised) base retrieval model, and the base."""
     base = make(base_kind, feats, seed=3).eval()

@@ -27,6 +27,13 @@ ProtocolOption = Annotated[
         "request, the history excluded, NDCG@10); implies its split."
     ),
 ]
+LossOption = Annotated[
+    str | None,
+    typer.Option(
+        help="The retrieval models' loss: softmax (sampled, in-batch and uniform negatives, "
+        "logQ; the default) or bce (SASRec's: each target against one uniform negative)."
+    ),
+]
 SequenceEncoderOption = Annotated[
     str | None,
     typer.Option(
@@ -94,6 +101,7 @@ def train_cmd(
     split: Annotated[str, typer.Option(help="leave-last-out or time.")] = "leave-last-out",
     protocol: ProtocolOption = None,
     sequence_encoder: SequenceEncoderOption = None,
+    loss: LossOption = None,
     seed: Annotated[int | None, typer.Option(help="Random seed.")] = None,
     max_len: MaxLenOption = None,
     lr: Annotated[float | None, typer.Option(help="Override the preset's learning rate.")] = None,
@@ -118,7 +126,7 @@ def train_cmd(
         hard_negatives=hard_negatives is not None, hard=hard, hard_pool=hard_pool,
         base=base is not None,
         epochs=epochs, seed=seed, max_len=max_len, lr=lr, patience=patience,
-        sequence_encoder=sequence_encoder,
+        sequence_encoder=sequence_encoder, loss=loss,
     )  # fmt: skip
     trained = train_checkpoint(
         cfg, data, out, split, preset=preset, device=device, hard_negatives=hard_negatives,

@@ -10,6 +10,10 @@ MODEL_KINDS = ("moe", "two-tower", "ranking", "dense")
 # The sequence expert: causal self-attention over the engagements (`m31.model.sequence`), or the
 # attention pool with one learned query per slot that preceded it (kept for ablations).
 SEQUENCE_ENCODERS = ("transformer", "pool")
+# The retrieval models' training loss (`m31.training.train`): a sampled softmax over in-batch and
+# uniform negatives with logQ correction, or SASRec's binary cross-entropy of each target
+# against one uniformly drawn negative.
+LOSSES = ("softmax", "bce")
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,7 @@ class ModelConfig:
     attribute_buckets: int = 1 << 16
     ranking_mlp: tuple[int, ...] = (256, 128)
     # training
+    loss: str = "softmax"  # one of LOSSES; bce trains the retrieval models only
     batch_size: int = 512
     uniform_negatives: int = 512
     ranking_negatives: int = 32  # uniform negatives per request for the ranking model
@@ -76,6 +81,10 @@ class ModelConfig:
             )
         if self.n_experts < 1 or any(v < 0 for v in self.experts.values()):
             raise ValueError(f"experts needs at least one slot, got {self.experts}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
+        if self.loss == "bce" and self.kind not in ("moe", "two-tower"):
+            raise ValueError(f"the bce loss trains retrieval models, not a {self.kind} model")
         if self.attribute_buckets < 0:
             raise ValueError(f"attribute_buckets must be >= 0, got {self.attribute_buckets}")
         for name in ("hidden", "value_dim", "max_len", "batch_size", "epochs", "sequence_blocks"):

@@ -4,7 +4,8 @@ Shapes: B requests in a batch, U uniform negatives, C candidates, A ads, E exper
 
 Retrieval models train with a sampled softmax over in-batch and uniform negatives with logQ
 correction (a candidate's logit minus the log-probability that sampling put it in the set),
-plus the gate's load-balancing term. The ranking model trains the same way, but scores each
+plus the gate's load-balancing term; or, with `loss="bce"`, SASRec's binary cross-entropy of
+each target against one uniformly drawn negative (`bce_loss`). The ranking model trains the same way, but scores each
 request against its own small candidate set (its positive, other requests' positives, uniform
 negatives), since every (request, ad) pair costs it a full forward pass. Such negatives are
 easy; where the ranking model re-ranks a retrieval model's top candidates it meets hard ones, so
@@ -36,6 +37,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from m31.data.dataset import repeat_engagement
 from m31.eval import evaluate
@@ -287,8 +289,22 @@ def train(
     return model, history
 
 
+def bce_loss(pos: torch.Tensor, neg: torch.Tensor) -> torch.Tensor:
+    """SASRec's loss: −log σ(s⁺) − log(1 − σ(s⁻)) of each target's score and its one negative's,
+    both [P], averaged over the P targets."""
+    return (F.softplus(-pos) + F.softplus(neg)).mean()
+
+
 def _retrieval_step(model, r, catalog, pos, pop, n_ads, cfg, rng, device):
     b = len(pos)
+    if cfg.loss == "bce":  # each request's positive against one uniform negative
+        neg = torch.from_numpy(rng.integers(0, n_ads, b)).to(device)
+        scores, gate = model(r, catalog, catalog.take(torch.cat([pos, neg])))  # [B, 2B]
+        i = torch.arange(b, device=device)
+        loss = bce_loss(scores[i, i], scores[i, b + i])
+        if cfg.kind == "moe" and cfg.balance_weight > 0:
+            loss = loss + cfg.balance_weight * balance_loss(gate)
+        return loss, gate
     neg = torch.from_numpy(rng.integers(0, n_ads, cfg.uniform_negatives)).to(device)
     cand = torch.cat([pos, neg])  # [C] in-batch positives, then uniform negatives
     # Probability that a candidate was drawn into the set: by popularity in-batch, or uniformly.
@@ -317,6 +333,8 @@ def _position_step(model, r, catalog, pos, hist_ts, pop, n_ads, cfg, rng, device
     position against the next engagement and the same candidates (module docstring).
     hist_ts [B, L] the history's times."""
     b = len(pos)
+    if cfg.loss == "bce":
+        return _position_step_bce(model, r, catalog, pos, hist_ts, n_ads, cfg, rng, device)
     neg = torch.from_numpy(rng.integers(0, n_ads, cfg.uniform_negatives)).to(device)
     cand = torch.cat([pos, neg])  # [C]
     pop_t = torch.from_numpy(pop).to(device)
@@ -325,11 +343,7 @@ def _position_step(model, r, catalog, pos, hist_ts, pop, n_ads, cfg, rng, device
     g, x, bias = model.encode_ads(catalog.take(cand))  # [C, G], [C, D], [C]
     scores, gate = score(qf, vf, pf, g, x, bias, return_gate=True)  # [B, C], [B, C, E]
     final = sampled_softmax_loss(scores, log_q, torch.arange(b, device=device), cand, pos)
-    items = r.hist_item  # [B, L]
-    ts = torch.from_numpy(hist_ts).to(device)
-    nxt = items[:, 1:]  # [B, L-1] the target of each position but the last
-    has = (items[:, :-1] >= 0) & (nxt >= 0) & (ts[:, 1:] > ts[:, :-1])  # [B, L-1]
-    target = nxt[has]  # [P]
+    has, target = _next_targets(r, hist_ts, device)  # [B, L-1], [P]
     loss = final
     if len(target):
         qp, vp, pp = q[:, :-1][has], v[:, :-1][has], p[:, :-1][has]  # [P, E', G] ...
@@ -345,6 +359,39 @@ def _position_step(model, r, catalog, pos, hist_ts, pop, n_ads, cfg, rng, device
             target,
         )
         loss = (final * b + at * len(target)) / (b + len(target))
+    if cfg.kind == "moe" and cfg.balance_weight > 0:
+        loss = loss + cfg.balance_weight * balance_loss(gate)
+    return loss, gate
+
+
+def _next_targets(r, hist_ts, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(has [B, L-1]: the history positions with a target, target [P]: the engagement after
+    each): a position's next engagement, unless padding or in the same second."""
+    items = r.hist_item  # [B, L]
+    ts = torch.from_numpy(hist_ts).to(device)
+    nxt = items[:, 1:]
+    has = (items[:, :-1] >= 0) & (nxt >= 0) & (ts[:, 1:] > ts[:, :-1])  # [B, L-1]
+    return has, nxt[has]
+
+
+def _position_step_bce(model, r, catalog, pos, hist_ts, n_ads, cfg, rng, device):
+    """`_position_step` with SASRec's loss: the request's query and the query after each
+    history position, each scoring its target against one uniformly drawn negative."""
+    (qf, vf, pf), (q, v, p) = model.encode_positions(r, catalog)
+    has, target = _next_targets(r, hist_ts, device)  # [B, L-1], [P]
+
+    def pairs(targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(g [n, 2, G], x [n, 2, D], b [n, 2]): each target ad [n], then one uniform negative."""
+        negatives = torch.from_numpy(rng.integers(0, n_ads, len(targets))).to(device)
+        return model.encode_ads(catalog.take(torch.stack([targets, negatives], dim=1)))
+
+    # The request's query (every slot) and each position's (E' slots): two score calls.
+    final, gate = score(qf, vf, pf, *pairs(pos), return_gate=True)  # [B, 2]
+    scores = [final]
+    if len(target):
+        scores.append(score(q[:, :-1][has], v[:, :-1][has], p[:, :-1][has], *pairs(target)))
+    pair = torch.cat(scores)  # [B + P, 2]
+    loss = bce_loss(pair[:, 0], pair[:, 1])
     if cfg.kind == "moe" and cfg.balance_weight > 0:
         loss = loss + cfg.balance_weight * balance_loss(gate)
     return loss, gate
