@@ -26,6 +26,7 @@ from m31.engine.load import ONLINE, copy_online, load_engine, serving_folder
 from m31.features import Features
 from m31.features.sequences import EventSequences
 from m31.index import AdIndex
+from m31.model import build_model, vocab_sizes
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 runner = CliRunner()
@@ -149,6 +150,11 @@ def test_the_ad_tower_reads_the_item_attributes(beauty):
     other = [dataclasses.replace(new[0], attributes={"attributes": ["99", "98"]}), new[0]]
     x = encoder.encode(other)[1]
     assert not torch.equal(x[0], x[1])
+    # `m31 train --attribute-buckets 0`: the ablation without them
+    cfg = model.net.cfg.with_overrides(attribute_buckets=0)
+    sizes = vocab_sizes(feats)
+    assert sizes["attributes"] == 2
+    assert build_model(cfg, sizes, 384, feats.cooc_emb.shape[1]).ads.item.attributes is None
 
 
 def test_online_features_answer_what_the_full_ones_do(beauty):

@@ -34,6 +34,13 @@ LossOption = Annotated[
         "logQ; the default) or bce (SASRec's: each target against one uniform negative)."
     ),
 ]
+AttributeBucketsOption = Annotated[
+    int | None,
+    typer.Option(
+        help="Rows of the item-attribute token table (preset 65536); 0 leaves the dataset's "
+        "item attributes out of the ad tower (an ablation)."
+    ),
+]
 SequenceEncoderOption = Annotated[
     str | None,
     typer.Option(
@@ -102,6 +109,7 @@ def train_cmd(
     protocol: ProtocolOption = None,
     sequence_encoder: SequenceEncoderOption = None,
     loss: LossOption = None,
+    attribute_buckets: AttributeBucketsOption = None,
     seed: Annotated[int | None, typer.Option(help="Random seed.")] = None,
     max_len: MaxLenOption = None,
     lr: Annotated[float | None, typer.Option(help="Override the preset's learning rate.")] = None,
@@ -126,7 +134,7 @@ def train_cmd(
         hard_negatives=hard_negatives is not None, hard=hard, hard_pool=hard_pool,
         base=base is not None,
         epochs=epochs, seed=seed, max_len=max_len, lr=lr, patience=patience,
-        sequence_encoder=sequence_encoder, loss=loss,
+        sequence_encoder=sequence_encoder, loss=loss, attribute_buckets=attribute_buckets,
     )  # fmt: skip
     trained = train_checkpoint(
         cfg, data, out, split, preset=preset, device=device, hard_negatives=hard_negatives,
