@@ -44,3 +44,26 @@ def test_no_source_file_is_too_long():
     assert {"cli/__init__.py", "ops/cpu_native/native.h", "ops/cpu_native/scan.c"} <= set(sizes)
     long = {name: n for name, n in sizes.items() if n > MAX_FILE_LINES}
     assert not long, f"files over {MAX_FILE_LINES} lines: {long}"
+
+
+def test_every_design_reference_resolves():
+    """Each "DESIGN §N" in the code names a section of docs/DESIGN.md, and each `§N, "Title"`
+    a heading or a bold lead-in within that section."""
+    import re
+
+    design = (Path(__file__).parents[1] / "docs" / "DESIGN.md").read_text()
+    sections = dict(re.findall(r"^## (\d+)\. .*?\n(.*?)(?=^## \d+\. |\Z)", design, re.M | re.S))
+    seen = 0
+    for path in sorted(SOURCE.rglob("*")):
+        if path.suffix not in CODE:
+            continue
+        text = path.read_text()
+        for number, title in re.findall(r'DESIGN §(\d+)(?:,? "([^"]+)")?', text):
+            seen += 1
+            where = f"{path.relative_to(SOURCE)}: DESIGN §{number}"
+            assert number in sections, f"{where}: no such section"
+            if title:
+                title, body = " ".join(title.split()), sections[number]
+                named = re.search(rf"^#+ {re.escape(title)}|\*\*{re.escape(title)}", body, re.M)
+                assert named, f'{where}, "{title}": not a heading or lead-in of that section'
+    assert seen > 40  # the code does cite it
