@@ -145,7 +145,9 @@ class Service:
                 a.category,
                 a.text,
                 a.quality,
-                attributes=a.model_dump(),  # the item attributes among its fields
+                # the item attributes among its fields: none yet, as the ad routes take only
+                # the index's base fields (an item attribute is refused as unknown)
+                attributes=a.model_dump(),
             )
             for a in ads
         ]
