@@ -16,7 +16,7 @@ def pytest_configure(config):
 
 
 def uses_ray(item) -> bool:
-    """On the run's Ray cluster, or starting Ray in this process (which the run's would refuse)."""
+    """On the run's Ray cluster, or on a Ray of its own in this process (marked `ray`)."""
     return "ray_local" in item.fixturenames or item.get_closest_marker("ray") is not None
 
 
@@ -24,12 +24,9 @@ def uses_ray(item) -> bool:
 def pytest_collection_modifyitems(items):
     """The tests on Ray last, in their order: the run's Ray cluster, started by the first of
     them, is then up only while they run (idle, it and Serve take a tenth of a core). Under
-    pytest-xdist (`make test`: two workers, `--dist loadgroup`) they are one group, which one
-    worker runs: one Ray cluster per run, as without it."""
-    on_ray = [i for i in items if uses_ray(i)]
-    for item in on_ray:
-        item.add_marker(pytest.mark.xdist_group("ray"))
-    items[:] = [i for i in items if not uses_ray(i)] + on_ray
+    `make test`'s two pytest-xdist workers (`--dist loadscope`: a module's tests on one worker,
+    so its module fixtures are built once) each worker that meets a Ray test starts its own."""
+    items[:] = [i for i in items if not uses_ray(i)] + [i for i in items if uses_ray(i)]
 
 
 @pytest.fixture(scope="session")

@@ -346,7 +346,7 @@ def test_events(served_world, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.ray  # starts Ray in this process: not beside the run's cluster (conftest)
+@pytest.mark.ray  # Ray in this process (the run's, if up): with the tests on Ray (conftest)
 def test_cluster(tmp_path):
     pytest.importorskip("ray")
     argv = ["cluster", "--n", "2000", "--batches", "2", "--shards", "2", "--k", "10"]

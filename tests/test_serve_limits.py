@@ -135,14 +135,17 @@ def test_the_deadline_counts_from_arrival(server):
 
 def test_small_calls_run_between_the_slices_of_a_large_call(world, server):
     users = stored_users(world)
-    big = [{**OK, "user_id": users[i % len(users)]} for i in range(MAX_REQUESTS)]
-    during = []
-    for _ in range(5):  # a machine fast enough to finish the large call first gets retries
+    n, during = MAX_REQUESTS, []
+    for _ in range(10):  # a machine fast enough to finish the large call first gets retries
+        big = [{**OK, "user_id": users[i % len(users)]} for i in range(n)]
         answer, more = while_running(
             server,
-            lambda: retrieve(server, big, timeout_ms=LONG),
+            lambda big=big: retrieve(server, big, timeout_ms=LONG),
             lambda: retrieve(server, [OK], timeout_ms=LONG),
         )
+        if answer.status_code == 503 and "more than the deadline" in answer.text and n > 128:
+            n //= 2  # a busy machine: the server expects the call to outlast the longest deadline
+            continue
         assert answer.status_code == 200, answer.text
         during += more
         if len(during) >= 5:
