@@ -129,12 +129,13 @@ def plot_pareto(
         label="Pareto front",
     )
     ax.set_xscale("log")
+    ax.margins(x=0.12, y=0.12)  # room for the labels of the points at the edges
     ax.set_xlabel("FLOPs per (request, ad) pair")
     ax.set_ylabel(metric)
     if title:
         ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(loc="lower right")
+    ax.legend(loc="best")
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, format="png")
