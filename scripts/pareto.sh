@@ -55,8 +55,12 @@ OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 nice -n 10 xargs -P "$JOBS" -I{} -d '\n' bas
   <"$jobs_file"
 
 for data in $DATASETS; do
-  models=()
-  for name in "${NAMES[@]}"; do models+=("--model=$name=$OUT/$data/runs/$name-s*.pt"); done
+  models=()  # the finished trainings only: a stopped one leaves its best epoch so far
+  for name in "${NAMES[@]}"; do
+    for done in "$OUT/$data/runs/$name"-s*.pt.done; do
+      [ -f "$done" ] && models+=("--model=$name=${done%.done}")
+    done
+  done
   # The demo's 50,000 ads cost the pair models (dense, ranking) about a minute per 100 requests.
   limit=()
   [ "$data" = demo ] && limit=(--max-users 500)
