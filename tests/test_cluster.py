@@ -300,9 +300,8 @@ def test_outage_policy_within_the_deadline(clusters, tmp_path):
         with pytest.raises(Unavailable, match=r"shards \[1\]") as e:
             cluster.search(query, requests, [50], start_ + 1.5)
         assert e.value.shards == [1]
-        assert (
-            time.monotonic() - start_ >= 1.4
-        )  # not before the deadline (ray.wait may wake a ms early)
+        # Not before the deadline (ray.wait may wake a ms early).
+        assert time.monotonic() - start_ >= 1.4
         deadline = time.monotonic() + 300
         part = cluster.search(query, requests, [50], deadline, allow_partial=True)
         assert time.monotonic() < deadline  # not waited for: down since the deadline above

@@ -145,10 +145,7 @@ class Service:
                 a.category,
                 a.text,
                 a.quality,
-                # the item attributes among its fields: none yet, as the ad routes take only
-                # the index's base fields (an item attribute is refused as unknown)
-                attributes=a.model_dump(),
-            )
+            )  # no item attributes: the ad routes take the index's base fields only
             for a in ads
         ]
         self.encoder.check(new)  # ValueError naming ads[i].field before any work

@@ -5,10 +5,10 @@ Shapes: B requests in a batch, U uniform negatives, C candidates, A ads, E exper
 Retrieval models train with a sampled softmax over in-batch and uniform negatives with logQ
 correction (a candidate's logit minus the log-probability that sampling put it in the set),
 plus the gate's load-balancing term; or, with `loss="bce"`, SASRec's binary cross-entropy of
-each target against one uniformly drawn negative (`bce_loss`). The ranking model trains the same way, but scores each
-request against its own small candidate set (its positive, other requests' positives, uniform
-negatives), since every (request, ad) pair costs it a full forward pass. Such negatives are
-easy; where the ranking model re-ranks a retrieval model's top candidates it meets hard ones, so
+each target against one uniformly drawn negative (`bce_loss`). The ranking model trains the
+same way, but scores each request against its own small candidate set (its positive, other
+requests' positives, uniform negatives), since every (request, ad) pair costs it a full
+forward pass; so does the dense interaction model. Such negatives are easy; where the ranking model re-ranks a retrieval model's top candidates it meets hard ones, so
 it can also draw `ranking_hard` negatives per request from that model's top
 `ranking_hard_pool` ads for the request (`hard_negative_pool`, computed once before training).
 A ranking model with a base (`ModelConfig.ranking_base`) takes the base's weights from the
@@ -295,25 +295,26 @@ def bce_loss(pos: torch.Tensor, neg: torch.Tensor) -> torch.Tensor:
     return (F.softplus(-pos) + F.softplus(neg)).mean()
 
 
+def _with_balance(loss: torch.Tensor, gate: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """`loss` plus the moe gate's specialisation term (`balance_loss`), if it has one."""
+    if cfg.kind == "moe" and cfg.balance_weight > 0:
+        return loss + cfg.balance_weight * balance_loss(gate)
+    return loss
+
+
 def _retrieval_step(model, r, catalog, pos, pop, n_ads, cfg, rng, device):
     b = len(pos)
-    if cfg.loss == "bce":  # each request's positive against one uniform negative
+    if cfg.loss == "bce":  # each request's positive against one uniform negative, its own ads
         neg = torch.from_numpy(rng.integers(0, n_ads, b)).to(device)
-        scores, gate = model(r, catalog, catalog.take(torch.cat([pos, neg])))  # [B, 2B]
-        i = torch.arange(b, device=device)
-        loss = bce_loss(scores[i, i], scores[i, b + i])
-        if cfg.kind == "moe" and cfg.balance_weight > 0:
-            loss = loss + cfg.balance_weight * balance_loss(gate)
-        return loss, gate
+        scores, gate = model(r, catalog, catalog.take(torch.stack([pos, neg], dim=1)))  # [B, 2]
+        return _with_balance(bce_loss(scores[:, 0], scores[:, 1]), gate, cfg), gate
     neg = torch.from_numpy(rng.integers(0, n_ads, cfg.uniform_negatives)).to(device)
     cand = torch.cat([pos, neg])  # [C] in-batch positives, then uniform negatives
     # Probability that a candidate was drawn into the set: by popularity in-batch, or uniformly.
     q = b * torch.from_numpy(pop).to(device)[cand] + cfg.uniform_negatives / n_ads
     scores, gate = model(r, catalog, catalog.take(cand))  # [B, C], [B, C, E]
     loss = sampled_softmax_loss(scores, q.log(), torch.arange(b, device=device), cand, pos)
-    if cfg.kind == "moe" and cfg.balance_weight > 0:
-        loss = loss + cfg.balance_weight * balance_loss(gate)
-    return loss, gate
+    return _with_balance(loss, gate, cfg), gate
 
 
 def _anchors(split: dict[str, np.ndarray], every: int) -> np.ndarray:
@@ -359,9 +360,7 @@ def _position_step(model, r, catalog, pos, hist_ts, pop, n_ads, cfg, rng, device
             target,
         )
         loss = (final * b + at * len(target)) / (b + len(target))
-    if cfg.kind == "moe" and cfg.balance_weight > 0:
-        loss = loss + cfg.balance_weight * balance_loss(gate)
-    return loss, gate
+    return _with_balance(loss, gate, cfg), gate
 
 
 def _next_targets(r, hist_ts, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -391,10 +390,7 @@ def _position_step_bce(model, r, catalog, pos, hist_ts, n_ads, cfg, rng, device)
     if len(target):
         scores.append(score(q[:, :-1][has], v[:, :-1][has], p[:, :-1][has], *pairs(target)))
     pair = torch.cat(scores)  # [B + P, 2]
-    loss = bce_loss(pair[:, 0], pair[:, 1])
-    if cfg.kind == "moe" and cfg.balance_weight > 0:
-        loss = loss + cfg.balance_weight * balance_loss(gate)
-    return loss, gate
+    return _with_balance(bce_loss(pair[:, 0], pair[:, 1]), gate, cfg), gate
 
 
 def _draw(pool: np.ndarray, count: int, rng: np.random.Generator) -> np.ndarray:
