@@ -17,7 +17,7 @@ from m31.index import AdIndex, AdIndexError, DurableIndex, DurableIndexError, re
 from m31.index.durable import LOG, LOG_HEADER
 
 G, D = 3, 5
-EXTRA = {"bid": "float"}  # floats in attributes must round-trip exactly too
+EXTRA = {"price": "float"}  # floats in attributes must round-trip exactly too
 
 
 def new_index(dtype=torch.float32) -> AdIndex:
@@ -35,7 +35,7 @@ def ads(ids, seed):
             "target_countries": ["US", "DE"][: i % 3],
             "target_age_min": 18 + i if i % 2 else None,
             "status": ["active", "paused", None][i % 3],
-            "bid": i / 3,
+            "price": i / 3,
         }
         for i in range(n)
     ]
@@ -62,7 +62,7 @@ def mutate(d: DurableIndex, seed: int) -> None:
     base = seed * 10
     d.upsert(*ads(list(range(base, base + 6)), seed))
     d.upsert(*ads([base + 1, base + 7], seed + 1000))  # replaces base+1
-    d.update_attributes(base + 2, tags=["x", "y"], target_age_max=60, status=None, bid=0.1)
+    d.update_attributes(base + 2, tags=["x", "y"], target_age_max=60, status=None, price=0.1)
     d.pause(base + 3)
     d.resume(base + 4)
     d.delete([base, base + 5])

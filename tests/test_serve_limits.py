@@ -166,10 +166,13 @@ def test_a_large_call_is_admitted_after_steady_small_traffic(world, server):
     for u in users[:100]:
         assert retrieve(server, [{**OK, "user_id": u}]).status_code == 200
     batcher = server.server.config.app.state.batcher
-    one = batcher.expected_seconds(1)[0]
     # Charged per request, as before, 1,024 requests would take 1,024 times one: a deadline
-    # below that was refused at once (503), though batches make the call far cheaper.
-    deadline_ms = max(1, int(0.9 * 1000 * MAX_REQUESTS * one))
+    # below that was refused at once (503), though batches make the call far cheaper. The
+    # server's own estimate of the batched call, with room, is the deadline here: on an idle
+    # machine it is a fraction of the per-request charge, on a busy one (where one request's
+    # cost is most of a batch's) it may not be, and only the admission is this test's.
+    batched = batcher.expected_seconds(MAX_REQUESTS)[0]
+    deadline_ms = max(1, int(1.5 * 1000 * batched))
     big = [{**OK, "user_id": users[i % len(users)]} for i in range(MAX_REQUESTS)]
     answer = retrieve(server, big, timeout_ms=min(deadline_ms, 60_000))
     # Admitted; a machine that slows down meanwhile may still miss the deadline (504).

@@ -55,6 +55,21 @@ def _counts(text: str | None, option: str, least: int = 1) -> tuple[int, ...] | 
     return tuple(out)
 
 
+def _ranks(text: str) -> tuple[str, ...]:
+    """--rank "relevance,value" -> the requests' rankings, each known, none twice."""
+    from m31.engine.requests import RANKS
+
+    names = tuple(v.strip() for v in text.split(","))
+    bad = [v for v in names if v not in RANKS]
+    if bad:
+        raise typer.BadParameter(
+            f"unknown {bad[0]!r}; choose from {', '.join(RANKS)}", param_hint="--rank"
+        )
+    if len(set(names)) != len(names):
+        raise typer.BadParameter("a ranking given twice", param_hint="--rank")
+    return names
+
+
 def _dtypes(text: str) -> tuple[str, ...]:
     """--dtype "bfloat16,int8" -> names of index table dtypes, each known, none twice."""
     from m31.index.snapshot import DTYPES as _DTYPES
@@ -204,6 +219,12 @@ def engine(
     gate_dims: Annotated[
         str | None, typer.Option(help="The model's G, each timed: 64,0 (0: one folded query).")
     ] = None,
+    rank: Annotated[
+        str,
+        typer.Option(
+            help="The requests' rankings to time, a list: relevance, value (the value column)."
+        ),
+    ] = "relevance",
 ) -> None:
     """Retriever.retrieve end to end over a synthetic index of N ads, per table dtype.
 
@@ -217,6 +238,7 @@ def engine(
         engine_dtypes=_dtypes(dtype), engine_model=model, repeat=repeat, budget=budget,
         seed=seed, engine_max_per=_counts(max_per, "--max-per", least=0),
         engine_gate_dims=_counts(gate_dims, "--gate-dims", least=0),
+        engine_ranks=_ranks(rank),
     )  # fmt: skip
     _run_suite(plan, out)
 

@@ -54,6 +54,7 @@ class EngineTiming:
     score_topk_ms: float
     index_build_s: float
     max_per: int = 0  # the requests' cap per advertiser (`"max_per"`), 0: none
+    rank: str = "relevance"  # the requests' ranking: relevance, or value (the value column)
 
 
 def synthetic_index(
@@ -68,7 +69,8 @@ def synthetic_index(
     """An AdIndex of N ads in `dtype`: attributes repeat the rows of a dataset's ads table
     (targeting, status, schedules as real ads have them) under fresh ids 0..N-1, each advertiser
     id drawn among N / 50 (so that caps per advertiser find as many advertisers as a real index
-    would); g, x, b are random."""
+    would), every ad with a bid (log-normal) and a pacing (uniform in (0, 1]), so that a
+    value-ranked request finds the same eligible ads as the others; g, x, b are random."""
     import pyarrow as pa
 
     from m31.index import AdIndex
@@ -79,10 +81,13 @@ def synthetic_index(
     table = table.set_column(
         table.schema.get_field_index("ad_id"), "ad_id", pa.array(np.arange(n, dtype=np.int64))
     )
-    advertisers = np.random.default_rng(seed).integers(0, max(n // 50, 1), n)
+    rng = np.random.default_rng(seed)
+    advertisers = rng.integers(0, max(n // 50, 1), n)
     table = table.set_column(
         table.schema.get_field_index("advertiser_id"), "advertiser_id", pa.array(advertisers)
     )
+    table = table.append_column("bid", pa.array(rng.lognormal(0.0, 1.0, n)))
+    table = table.append_column("pacing", pa.array(1.0 - rng.random(n)))  # (0, 1]
     (g, x, b), _ = random_table(n, gdim, ddim, device, seed)
     return AdIndex.from_table(table, g, x, b, device=device, dtype=dtype)
 
@@ -100,11 +105,13 @@ def run_engine(
     dtypes: Sequence[str] = ("bfloat16",),
     max_per: Sequence[int] = (0,),
     gate_dims: Sequence[int] | None = None,
+    ranks: Sequence[str] = ("relevance",),
 ) -> list[EngineTiming]:
-    """One row per table dtype, batch size B and cap: the median time of `Retriever.retrieve`
-    on B random requests for K ads each (with `"max_per": {"advertiser": cap}` where cap > 0),
-    and the medians of the engine's own encode, mask and score·top-K times. Every dtype's index
-    holds the same ads and answers the same requests, with each cap. `gate_dims`: the preset's
+    """One row per table dtype, batch size B, cap and ranking: the median time of
+    `Retriever.retrieve` on B random requests for K ads each (with `"max_per": {"advertiser":
+    cap}` where cap > 0, `"rank": "value"` for the value column), and the medians of the
+    engine's own encode, mask and score·top-K times. Every dtype's index holds the same ads and
+    answers the same requests, with each cap and ranking. `gate_dims`: the preset's
     model again with each G (default: the preset's); G = 0 is scored as one folded query
     (`m31.engine.retriever.fold`: 2D + 1 FLOPs per pair)."""
     from m31.engine import AdRequest, Retriever
@@ -141,9 +148,8 @@ def run_engine(
         build_s = time.perf_counter() - start
         log(f"engine: {dtype} index of {len(index):,} ads built in {build_s:.1f} s")
         engine = Retriever(net, feats, index)
-        for b, cap in ((b, cap) for b in batches for cap in max_per):
-            if cap == max_per[0]:
-                rng = np.random.default_rng([seed, b])  # the same requests for each cap
+        for b, cap, rank in ((b, c, r) for b in batches for c in max_per for r in ranks):
+            rng = np.random.default_rng([seed, b])  # the same requests for each cap and rank
             requests = [
                 AdRequest(
                     user_id=int(rng.choice(user_ids)),
@@ -151,6 +157,7 @@ def run_engine(
                     surface=surfaces[rng.integers(len(surfaces))],
                     platform=platforms[rng.integers(len(platforms))],
                     max_per={"advertiser": cap} if cap else None,
+                    rank=rank,
                 )
                 for _ in range(b)
             ]
@@ -182,10 +189,12 @@ def run_engine(
                 score_topk_ms=part["score_topk"],
                 index_build_s=build_s,
                 max_per=cap,
+                rank=rank,
             )
             rows.append(row)
             log(
-                f"engine {dtype} B = {b}{f', max {cap} per advertiser' if cap else ''}: "
+                f"engine {dtype} B = {b}{f', max {cap} per advertiser' if cap else ''}"
+                f"{', ranked by value' if rank == 'value' else ''}: "
                 f"{row.median_ms:.1f} ms, {fmt_rate(row.pairs_per_s)} "
                 f"ads scored/s (encode {row.encode_ms:.1f}, masks {row.mask_ms:.1f}, "
                 f"score·top-K {row.score_topk_ms:.1f} ms)"

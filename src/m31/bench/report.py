@@ -251,7 +251,7 @@ def engine_report(rows: Sequence[EngineTiming]) -> str:
             + ", ".join(
                 f"{r.index_build_s:.1f} s ({r.dtype})"
                 for r in rows
-                if (r.b, r.max_per, r.g) == (first.b, first.max_per, first.g)
+                if (r.b, r.max_per, r.g, r.rank) == (first.b, first.max_per, first.g, first.rank)
             ),
             "",
             markdown(
@@ -260,6 +260,7 @@ def engine_report(rows: Sequence[EngineTiming]) -> str:
                     "G",
                     "B",
                     "max per advertiser",
+                    "rank",
                     "median ms",
                     "ads/s",
                     "pairs/s",
@@ -273,6 +274,7 @@ def engine_report(rows: Sequence[EngineTiming]) -> str:
                         f"{r.g} (folded)" if r.g == 0 else r.g,
                         r.b,
                         r.max_per or "–",
+                        r.rank,
                         f"{r.median_ms:.1f}",
                         fmt_rate(r.ads_per_s),
                         fmt_rate(r.pairs_per_s),

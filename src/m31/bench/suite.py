@@ -36,6 +36,7 @@ class Plan:
     engine_dtypes: tuple[str, ...] = ("bfloat16",)
     engine_model: str = "demo"
     engine_max_per: tuple[int, ...] = (0,)  # caps per advertiser to time (0: none)
+    engine_ranks: tuple[str, ...] = ("relevance",)  # the requests' rankings to time
     engine_gate_dims: tuple[int, ...] | None = None  # the model's G, each timed (None: preset's)
     seed: int = 0
 
@@ -99,6 +100,7 @@ def run_suite(plan: Plan, out: Path) -> tuple[str, bool]:
                 dtypes=plan.engine_dtypes,
                 max_per=plan.engine_max_per,
                 gate_dims=plan.engine_gate_dims,
+                ranks=plan.engine_ranks,
             )
         except Skip as e:
             sections.append(f"## Engine end to end: skipped ({e})")

@@ -232,7 +232,9 @@ class Shard:
             )  # [B, N]
             query = tuple(torch.tensor(t, device=self.device) for t in (q, v, p))  # [B, E, *]
         t1 = time.perf_counter()
-        found = search(query, view, masks, ks, caps=[group_cap(r.max_per) for r, _ in requests])
+        caps = [group_cap(r.max_per) for r, _ in requests]
+        valued = [r.rank == "value" for r, _ in requests]
+        found = search(query, view, masks, ks, caps=caps, valued=valued)
         t2 = time.perf_counter()
         timings = {"mask": round(1000 * (t1 - t0), 3), "score_topk": round(1000 * (t2 - t1), 3)}
         rows = int(view.row_ids.shape[0])

@@ -43,7 +43,7 @@ VOCABULARIES = tuple(BUILT_IN_VOCAB)
 # columns of the ads table: an item attribute may not take them, but it may feed the index's
 # `tags` and `target_surfaces`, which are sets of strings.
 INDEX_FIELDS = {"schedule_start": None, "schedule_end": None, "tags": "str_list",
-                "target_surfaces": "str_list"}  # fmt: skip
+                "target_surfaces": "str_list", "bid": None, "pacing": None}  # fmt: skip
 
 
 class DatasetError(ValueError):

@@ -55,6 +55,7 @@ class Prober:
         mask: PackedMask | torch.Tensor | None,
         ks: Sequence[int],
         caps: Sequence | None = None,
+        valued: Sequence[bool] | None = None,
     ) -> tuple[list, int]:
         """(each request's top `ks[r]` eligible ads of its probed clusters, as `search` gives
         them; rows scored in all). mask: as `search` takes it ([B, N] or packed, or None)."""
@@ -73,7 +74,7 @@ class Prober:
             sub = dataclasses.replace(
                 view, g=view.g[at], x=view.x[at], b=view.b[at], row_ids=view.row_ids[at],
                 scales=None if view.scales is None else tuple(s[at] for s in view.scales),
-                attributes=view.attributes.rows(at),
+                attributes=view.attributes.rows(at), _memo={},
             )  # fmt: skip
             one = None
             if isinstance(mask, PackedMask):
@@ -81,7 +82,8 @@ class Prober:
             elif mask is not None:
                 one = mask[i : i + 1, at]
             cap = None if caps is None else [caps[i]]
+            kind = None if valued is None else [valued[i]]
             results += search((q[i : i + 1], v[i : i + 1], p[i : i + 1]), sub, one, [ks[i]],
-                              caps=cap)  # fmt: skip
+                              caps=cap, valued=kind)  # fmt: skip
             scored += len(picked)
         return results, scored

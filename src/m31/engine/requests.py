@@ -18,6 +18,12 @@ if TYPE_CHECKING:
     from m31.index.filters import CompiledFilter
 
 
+# How a request ranks its ads (`AdRequest.rank`)
+RANKS = ("relevance", "value")
+# What a value-ranked request adds to its filter: only ads with a bid have a value term
+HAS_BID = {"range": ["bid", None, None]}
+
+
 class RequestError(ValueError):
     """A request the engine cannot answer; the message names the field."""
 
@@ -89,6 +95,9 @@ class AdRequest:
     # At most this many results of one advertiser (or campaign), e.g. {"advertiser": 2}: one
     # grouping per request (`m31.engine.caps`)
     max_per: Mapping[str, int] | None = None
+    # "relevance": the model's score; "value": the score plus the ad's value term
+    # log(bid · pacing), over the ads with a bid (DESIGN §2, "The value term")
+    rank: str = "relevance"
 
 
 @dataclass(frozen=True)

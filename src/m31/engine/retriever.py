@@ -34,7 +34,15 @@ import torch
 
 from m31.data.schema import N_AGE_BUCKETS, age_bucket
 from m31.engine.caps import GROUP_FIELDS, capped, group_cap
-from m31.engine.requests import AdRequest, InlineUser, PreparedRequest, RequestError, one_of
+from m31.engine.requests import (
+    HAS_BID,
+    RANKS,
+    AdRequest,
+    InlineUser,
+    PreparedRequest,
+    RequestError,
+    one_of,
+)
 from m31.features import Features
 from m31.index import AdIndex, CompiledFilter, IndexView, RequestContext, compile_filter
 from m31.index.users import ATTRIBUTES as USER_ATTRIBUTES
@@ -100,13 +108,19 @@ def search(
     ks: Sequence[int],
     kernel: str = "auto",
     caps: Sequence[tuple[str, int] | None] | None = None,
+    valued: Sequence[bool] | None = None,
 ) -> list[Retrieved]:
     """Each request's top `ks[r]` eligible ads of `view`, best first, ties to the lower ad id.
 
     query = (q [B, E, G], v [B, E, D], p [B, E]); mask: a `PackedMask` of B requests or bool
     [B, N] or None (every row). caps: per request, (the ads' field, max) of a cap per group
-    (`m31.engine.caps`) or None.
+    (`m31.engine.caps`) or None. valued: per request, whether it ranks by the score plus the
+    ads' value term (`IndexView.value_term`, read by the pass as one more column); a batch that
+    mixes both kinds takes one pass per kind.
     """
+    if valued is not None and any(valued) and not all(valued):
+        return _by_kind(query, view, mask, ks, kernel, caps, valued)
+    value = view.value_term() if valued is not None and any(valued) else None
     n = int(view.row_ids.shape[0])
     out: list[Retrieved | None] = [None] * len(ks)
     todo = np.arange(len(ks))
@@ -122,7 +136,7 @@ def search(
         sub_mask = mask
         if mask is not None and len(todo) < len(ks):
             sub_mask = mask.select(pick) if isinstance(mask, PackedMask) else mask[pick]
-        scores, rows = score_topk(sub, view.ad_table, sub_mask, want, kernel)  # [b, K']
+        scores, rows = score_topk(sub, view.ad_table, sub_mask, want, kernel, value)  # [b, K']
         ids = torch.where(rows == NO_ROW, NO_ROW, view.row_ids[rows.clamp_min(0)])
         scores, ids, rows = scores.cpu().numpy(), ids.cpu().numpy(), rows.cpu().numpy()
         again = []
@@ -144,6 +158,24 @@ def search(
             order = np.lexsort((i, -s))[:k]  # score descending, then ad id ascending
             out[r] = Retrieved(ad_ids=i[order], scores=s[order])
         todo, want = np.array(again, dtype=np.int64), min(2 * want, n)
+    return out  # type: ignore[return-value]
+
+
+def _by_kind(query, view: IndexView, mask, ks, kernel: str, caps, valued) -> list[Retrieved]:
+    """`search` of a batch that mixes value-ranked requests with others: one pass per kind."""
+    out: list[Retrieved | None] = [None] * len(ks)
+    for kind in (False, True):
+        idx = [r for r, v in enumerate(valued) if v == kind]
+        pick = torch.as_tensor(idx, device=view.row_ids.device)
+        sub_mask = mask
+        if mask is not None:
+            sub_mask = mask.select(pick) if isinstance(mask, PackedMask) else mask[pick]
+        found = search(
+            tuple(t[pick] for t in query), view, sub_mask, [ks[r] for r in idx], kernel,
+            None if caps is None else [caps[r] for r in idx], [kind] * len(idx),
+        )  # fmt: skip
+        for r, got in zip(idx, found, strict=True):
+            out[r] = got
     return out  # type: ignore[return-value]
 
 
@@ -482,6 +514,7 @@ class Retriever:
                 self._check_inline(i, r.user)
             if r.max_per is not None:
                 self._check_max_per(i, r.max_per)
+            one_of(f"requests[{i}].rank", r.rank, RANKS)
         rows = np.full(len(requests), -1, dtype=np.int64)  # feature-store row of stored users
         stored = [i for i, r in enumerate(requests) if r.user is None]
         if stored:
@@ -489,6 +522,10 @@ class Retriever:
             rows[stored] = self._user_rows(ids, stored)
         prepared = []
         for i, (r, k_, row) in enumerate(zip(requests, ks, rows.tolist(), strict=True)):
+            if r.rank == "value":  # only ads with a bid have a value
+                r = dataclasses.replace(
+                    r, filter=HAS_BID if not r.filter else {"all": [r.filter, HAS_BID]}
+                )
             if r.frequency_cap is not None:
                 r, compiled = self._capped(i, r, row)
             else:
@@ -572,10 +609,11 @@ class Retriever:
             t2 = time.perf_counter()
         ks = [one.k for one in prepared]
         caps = [group_cap(one.request.max_per) for one in prepared]
+        valued = [one.request.rank == "value" for one in prepared]
         if self.probe is None:
-            results = search(query, view, mask, ks, caps=caps)
+            results = search(query, view, mask, ks, caps=caps, valued=valued)
         else:
-            results, _ = self.probe.search(query, view, mask, ks, caps)
+            results, _ = self.probe.search(query, view, mask, ks, caps, valued)
         t3 = time.perf_counter()
         timings = {"encode": t1 - t0, "mask": t2 - t1, "score_topk": t3 - t2}
         return RetrievalResult(

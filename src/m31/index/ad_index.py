@@ -48,17 +48,11 @@ import torch
 
 from m31.data.schema import BUILT_IN_VOCAB, STATUSES
 from m31.index import checks, snapshot
-from m31.index.attributes import (
-    BASE_FIELDS,
-    AttributeTable,
-    check_schema,
-)
+from m31.index.attributes import BASE_FIELDS, AttributeTable, check_schema, value_term
 from m31.index.eligibility import Eligibility
 from m31.index.errors import AdIndexError
 from m31.index.filters import CompiledFilter, compile_filter
-from m31.index.limits import (
-    MAX_VOCABULARY,
-)
+from m31.index.limits import MAX_VOCABULARY
 from m31.ops.masks import PackedMask
 from m31.ops.quant import Int8Table, quantize_ad_table
 
@@ -130,6 +124,13 @@ class IndexView:
     scales: tuple[torch.Tensor, torch.Tensor] | None = None  # int8: (g_scale [N], x_scale [N])
     # the version of the ads it shows: `version` may be newer when only the users changed since
     ads_version: int = -1
+    _memo: dict = field(default_factory=dict, repr=False, compare=False)  # of these rows
+
+    def value_term(self) -> torch.Tensor:
+        """[N] fp32: the rows' value term (`attributes.value_term`), once per ads version."""
+        if "value" not in self._memo:
+            self._memo["value"] = value_term(self.attributes)
+        return self._memo["value"]
 
     @property
     def ad_table(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | Int8Table:

@@ -39,7 +39,14 @@ BASE_FIELDS: dict[str, str] = {
     "target_platforms": "str_list",
     "target_surfaces": "str_list",
     "tags": "str_list",
+    # The auction's live value (DESIGN §2, "The value term"): the ad's bid, in the value units of
+    # its objective (> 0; null: no bid, which value-aware requests never return), and its pacing
+    # multiplier (0 < pacing <= 1; null: 1). Changing them re-encodes nothing.
+    "bid": "float",
+    "pacing": "float",
 }
+# Base fields that snapshots written before they existed lack: read as null.
+LATER_FIELDS = ("bid", "pacing")
 
 KINDS: tuple[str, ...] = ("int", "float", "str", "str_list")
 ARROW_TYPES: dict[str, pa.DataType] = {
@@ -567,3 +574,14 @@ class AttributeRows:
         )  # [m]
         hit[owner[codes == code]] = True
         return hit
+
+
+def value_term(table: AttributeTable) -> torch.Tensor:
+    """[N] fp32: each row's value term log(bid · pacing) (DESIGN §2, "The value term"), pacing
+    null read as 1, and 0 for a row without a bid (which value-ranked requests filter out,
+    `m31.engine.requests.HAS_BID`). Computed in fp64 and rounded once."""
+    bid, has_bid = table.numeric("bid")
+    pacing, has_pacing = table.numeric("pacing")
+    term = torch.log(torch.where(has_bid, bid.double(), 1.0))
+    term += torch.log(torch.where(has_pacing & has_bid, pacing.double(), 1.0))
+    return term.float()

@@ -4,6 +4,7 @@ what they return is what a mutation applies (and a `DurableIndex` logs)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -118,6 +119,7 @@ def columns(
         "status",
         pc.fill_null(table.column("status"), "active"),
     )
+    _check_value_fields(table, ids)
     for name, values_of in allowed.items():
         col = table.column(name)
         values = pc.list_flatten(col) if schema[name] == "str_list" else col
@@ -129,3 +131,20 @@ def columns(
         if kind == "str_list" and name not in allowed:
             check_list(table.column(name).combine_chunks(), name, ids)
     return table
+
+
+# The value fields' ranges (`m31.index.attributes.BASE_FIELDS`): lo < value <= hi.
+VALUE_RANGES = {"bid": (0.0, math.inf), "pacing": (0.0, 1.0)}
+
+
+def _check_value_fields(table: pa.Table, ids: np.ndarray) -> None:
+    """Refuse a bid that is not a positive finite number, or a pacing outside (0, 1]."""
+    for name, (lo, hi) in VALUE_RANGES.items():
+        col = table.column(name)
+        values = col.to_numpy(zero_copy_only=False).astype(np.float64)  # nulls: NaN
+        given = np.asarray(col.is_valid())
+        bad = given & ~(np.isfinite(values) & (values > lo) & (values <= hi))
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            want = "a positive finite number" if name == "bid" else "a number in (0, 1]"
+            raise AdIndexError(f"attributes: ad {int(ids[i])}: {name} {values[i]!r} is not {want}")

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import torch
 
 from m31.data.dataset import DatasetError, write_atomic
-from m31.index.attributes import BASE_FIELDS, KINDS
+from m31.index.attributes import BASE_FIELDS, KINDS, LATER_FIELDS
 from m31.index.errors import AdIndexError
 
 FORMAT = "m31.ad_index"
@@ -151,7 +151,8 @@ def read_manifest(path: str | Path) -> dict:
     if manifest["dtype"] not in DTYPES:
         raise AdIndexError(f"{file}: dtype {manifest['dtype']!r} not one of {list(DTYPES)}")
     fields = manifest["fields"]
-    if any(fields.get(k) != v for k, v in BASE_FIELDS.items()) or any(
+    lacks = [k for k, v in BASE_FIELDS.items() if fields.get(k) != v]
+    if any(k not in LATER_FIELDS or k in fields for k in lacks) or any(
         v not in KINDS for v in fields.values()
     ):
         raise AdIndexError(f"{file}: fields {fields} lack the built-in attributes or kinds")

@@ -41,7 +41,8 @@ def from_ads_table(
     with g, x, b.
 
     The schedule starts at `created_at` (null: open) and never ends; `tags` and
-    `target_surfaces` are taken when the table has them and are empty otherwise. Nulls are
+    `target_surfaces` are taken when the table has them and are empty otherwise, as are `bid`
+    and `pacing` (null otherwise; checked as the index checks them). Nulls are
     kept as nulls (an open age bound, an ad without an advertiser, a filter that never
     matches). `targeting`: as `AdIndex`'s. `extra_fields`: more columns of the table to keep
     as filter fields, name -> kind (a dataset's `item_attributes`); one named `tags` or
@@ -57,7 +58,7 @@ def from_ads_table(
         "target_genders",
         "target_platforms",
     ]
-    optional = ["target_surfaces", "tags", *TABLE_EXTRA_FIELDS]
+    optional = ["target_surfaces", "tags", "bid", "pacing", *TABLE_EXTRA_FIELDS]
     extra = dict(extra_fields or {})
     taken = sorted(set(extra) & {"ad_id", *renamed.values(), *kept, *TABLE_EXTRA_FIELDS})
     if taken:

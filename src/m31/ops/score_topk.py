@@ -61,6 +61,7 @@ def score_topk(
     mask: torch.Tensor | PackedMask | None,
     k: int,
     kernel: str = "auto",
+    value: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-K eligible ads of each request under the DESIGN §2 score, exact, ties to the lower row.
 
@@ -69,7 +70,10 @@ def score_topk(
     index makes them: the `cpu` kernel unpacks a block's bytes at a time, the Triton kernel reads
     them as its int32 words), or None. Returns (scores [B, min(k, N)] fp32,
     rows [B, min(k, N)] int64), best first; a request with fewer eligible ads than that ends in
-    rows NO_ROW (-1). `kernel`: auto, or one of KERNELS (see the module docstring).
+    rows NO_ROW (-1). `kernel`: auto, or one of KERNELS (see the module docstring). `value`:
+    None, or fp32 [N], one more per-ad column that every kernel adds to the bias as it streams
+    the table (`m31.ops.torch_score.value_bias`: the score is then s + value up to one fp32
+    rounding of b + value; DESIGN §2, "The value term").
 
     Every kernel scores the fp32 query against the table's values as stored (products summed in
     fp32 or better; `rounded_score` is the reference's), so their answers agree up to fp32
@@ -80,8 +84,9 @@ def score_topk(
     naming the tensor) on every kernel. With a finite query, a score beyond the fp32 range is
     ±inf, and on every kernel:
     * +inf ranks above every finite score; tied +inf scores come in row order;
-    * an ad scoring -inf, or NaN (which takes NaN or ±inf in the ad table), is never returned,
-      as if ineligible: a request left with fewer ads ends in (NO_ROW, -inf) slots.
+    * an ad scoring -inf, or NaN (which takes NaN or ±inf in the ad table or its value), is
+      never returned, as if ineligible: a request left with fewer ads ends in (NO_ROW, -inf)
+      slots.
     The reference and the `cpu` kernel evaluate a score in fp64 and round it once, so only the
     score itself overflows (the `cpu` kernel hands inputs whose logits or scores could pass 2¹⁰⁰
     to the reference); the Triton kernel evaluates in fp32, where a gate logit or an affinity
@@ -92,23 +97,23 @@ def score_topk(
     if quantized:
         ad_table.check()  # every kernel, the reference included, reads the same kind of table
     g, x, b = (ad_table.g, ad_table.x, ad_table.b) if quantized else ad_table
-    check_args(q, v, p, g, x, b, mask, k)
+    check_args(q, v, p, g, x, b, mask, k, value)
     name = _pick(kernel, g.device)
     if name == "triton":
         from m31.ops import triton_score_topk as tr
 
         if quantized:
-            return tr.triton_score_topk_int8(q, v, p, ad_table, mask, k)
-        return tr.triton_score_topk(q, v, p, g, x, b, mask, k)
+            return tr.triton_score_topk_int8(q, v, p, ad_table, mask, k, value=value)
+        return tr.triton_score_topk(q, v, p, g, x, b, mask, k, value=value)
     if name == "cpu":
         from m31.ops.cpu import cpu_score_topk, cpu_score_topk_int8
 
         if quantized:
-            return cpu_score_topk_int8(q, v, p, ad_table, mask, k)
-        return cpu_score_topk(q, v, p, g, x, b, mask, k)
+            return cpu_score_topk_int8(q, v, p, ad_table, mask, k, value=value)
+        return cpu_score_topk(q, v, p, g, x, b, mask, k, value=value)
     if quantized:  # the 8-bit table's score is the score of its dequantized table
         g, x, b = ad_table.dequantize()
-    return torch_score_topk(q, v, p, g, x, b, mask, k)
+    return torch_score_topk(q, v, p, g, x, b, mask, k, value=value)
 
 
 __all__ = ["KERNELS", "NO_ROW", "NonFiniteQueryError", "available_kernels", "score_topk"]

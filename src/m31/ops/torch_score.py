@@ -56,6 +56,12 @@ def score(
     return (s, w) if return_gate else s
 
 
+def value_bias(b: torch.Tensor, value: torch.Tensor | None) -> torch.Tensor:
+    """The bias a pass scores, fp32: b, or with a value column (DESIGN §2, "The value term")
+    b + value, one fp32 addition, so that every kernel adds the same number."""
+    return b.float() if value is None else b.float() + value
+
+
 def rounded_score(q, v, p, g, x, b) -> torch.Tensor:
     """s [B, N] fp32: the §2 score evaluated in fp64, rounded to fp32 once (module docstring).
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from m31.ops.masks import PackedMask, mask_rows
-from m31.ops.torch_score import rounded_score
+from m31.ops.torch_score import rounded_score, value_bias
 
 NO_ROW = -1
 
@@ -24,11 +24,12 @@ class NonFiniteQueryError(ValueError):
     """A query tensor (q, v or p) holds NaN or ±inf: no §2 score is defined for that request."""
 
 
-def check_args(q, v, p, g, x, b, mask, k) -> tuple[int, int, int]:
+def check_args(q, v, p, g, x, b, mask, k, value=None) -> tuple[int, int, int]:
     """(B, E, N) of a score·top-K problem, or ValueError naming what is off. Every
     implementation takes these shapes: q [B, E, G], v [B, E, D], p [B, E], g [N, G], x [N, D],
     b [N], mask bool [N] or [B, N] or a `PackedMask` of B requests over N rows or None, k a
-    positive int; and a finite query
+    positive int, value None or fp32 [N] on b's device (like b, a non-finite value makes
+    the ad's score non-finite, see `score_topk`); and a finite query
     (NonFiniteQueryError otherwise: the kernels would disagree on what NaN means)."""
     if not isinstance(k, int) or isinstance(k, bool) or k <= 0:
         raise ValueError(f"k must be positive (an int), got {k!r}")
@@ -50,6 +51,8 @@ def check_args(q, v, p, g, x, b, mask, k) -> tuple[int, int, int]:
             f"ad table must be g [N, {q.shape[2]}], x [N, {v.shape[2]}], b [N]; "
             f"got {tuple(g.shape)}, {tuple(x.shape)}, {tuple(b.shape)}"
         )
+    if value is not None:
+        _check_value(value, n_ads, b.device)
     if isinstance(mask, PackedMask):
         mask.check(n_req, n_ads)
     elif mask is not None and (
@@ -69,6 +72,16 @@ def check_args(q, v, p, g, x, b, mask, k) -> tuple[int, int, int]:
     return n_req, n_exp, n_ads
 
 
+def _check_value(value, n_ads: int, device: torch.device) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"value must be a float32 tensor [{n_ads}], got {type(value).__name__}")
+    if value.dtype != torch.float32 or value.shape != (n_ads,) or value.device != device:
+        raise ValueError(
+            f"value must be float32 [{n_ads}] on {device}, "
+            f"got {value.dtype} {tuple(value.shape)} on {value.device}"
+        )
+
+
 def torch_score_topk(
     q: torch.Tensor,
     v: torch.Tensor,
@@ -79,21 +92,24 @@ def torch_score_topk(
     mask: torch.Tensor | PackedMask | None,
     k: int,
     chunk: int = 32_768,
+    value: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(scores [B, K'], rows [B, K']) with K' = min(k, N), best first.
 
     `mask` is bool [N] (one eligibility for all requests) or [B, N], a `PackedMask`, or None
-    (all eligible).
+    (all eligible). `value`: None, or fp32 [N], each ad's value term, scored as part of its
+    bias (`value_bias`: b + value in fp32).
     Requests with fewer than K' eligible ads get rows NO_ROW and scores -inf in the tail.
     """
-    check_args(q, v, p, g, x, b, mask, k)
+    check_args(q, v, p, g, x, b, mask, k, value)
     n_req, n_ads = q.shape[0], g.shape[0]
     k_out = min(k, n_ads)
     best_s = torch.full((n_req, 0), float("-inf"), device=q.device)
     best_r = torch.full((n_req, 0), NO_ROW, dtype=torch.long, device=q.device)
     for lo in range(0, n_ads, chunk):
         hi = min(lo + chunk, n_ads)
-        s = rounded_score(q, v, p, g[lo:hi], x[lo:hi], b[lo:hi])  # [B, C] fp32
+        bias = value_bias(b[lo:hi], None if value is None else value[lo:hi])  # [C]
+        s = rounded_score(q, v, p, g[lo:hi], x[lo:hi], bias)  # [B, C] fp32
         dropped = s.isnan()  # [B, C]
         if mask is not None:
             dropped |= ~mask_rows(mask, lo, hi)

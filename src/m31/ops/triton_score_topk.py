@@ -68,7 +68,7 @@ import triton.language as tl
 
 from m31.ops.masks import PackedMask
 from m31.ops.quant import Int8Table, checked_int8_table
-from m31.ops.torch_score import score
+from m31.ops.torch_score import score, value_bias
 from m31.ops.torch_score_topk import NO_ROW, check_args, torch_score_topk
 
 _LOG2E = 1.4426950408889634
@@ -198,11 +198,13 @@ def _online_scores(
 def _score_topk_kernel(
     q_ptr, v_ptr, p_ptr,  # query [3, B·E, G] and [3, B·E, D] bf16 parts, [B·E] fp32 p·log2(e)
     g_ptr, x_ptr, b_ptr, g_scale_ptr, x_scale_ptr,  # ad rows; the scales only when QUANT
+    value_ptr,  # [N] fp32 value column, read only when HAS_VALUE
     bits_ptr, tau_ptr, count_ptr, cand_score_ptr, cand_row_ptr,  # [(B,) W], [B], [B], [B, C] x2
     n_req, n_ads, gate_dim, value_dim, stride_g, stride_x, stride_bits, capacity,
     gate_scale,  # log2(e) / √G
     BB: tl.constexpr, BN: tl.constexpr, E: tl.constexpr, EP: tl.constexpr, GP: tl.constexpr,
     DP: tl.constexpr, HAS_GATE: tl.constexpr, STACKED: tl.constexpr, QUANT: tl.constexpr,
+    HAS_VALUE: tl.constexpr,
     MASK_MODE: tl.constexpr,  # 0: no mask, 1: one [N] mask, 2: a [B, N] mask
     TP: tl.constexpr,  # bf16 parts per table value: 1 (bf16, int8 rows), 2 (fp16), 3 (fp32)
     DOT: tl.constexpr,  # dot operand type: bf16 (fp32 under the interpreter, see _DOT_TYPE)
@@ -216,6 +218,8 @@ def _score_topk_kernel(
     x_t = tl.load(x_ptr + rows[None, :] * stride_x + dc[:, None], mask=x_mask, other=0)
     x0, x1, x2 = _table_parts(x_t, TP, DOT)  # [DP, BN] each; exact for int8
     bias = tl.load(b_ptr + rows, mask=row_ok, other=0.0)  # [BN]
+    if HAS_VALUE:  # `value_bias`: one fp32 addition, as every kernel makes it
+        bias = bias + tl.load(value_ptr + rows, mask=row_ok, other=0.0)
     if QUANT:
         x_scale = tl.load(x_scale_ptr + rows, mask=row_ok, other=0.0)  # [BN]
     if HAS_GATE:
@@ -334,6 +338,7 @@ class _Table(NamedTuple):
     b: torch.Tensor  # [N] fp32
     g_scale: torch.Tensor | None  # [N] fp32 for int8 tables
     x_scale: torch.Tensor | None  # [N] fp32 for int8 tables
+    value: torch.Tensor | None = None  # [N] fp32 value column (`value_bias`)
 
     @property
     def parts(self) -> int:
@@ -476,13 +481,15 @@ def _scan(query: _Query, table: _Table, bits, tau, capacity: int):
         query.q, query.v, query.p,
         table.g, table.x, table.b,
         table.g_scale if quant else table.b, table.x_scale if quant else table.b,
+        table.b if table.value is None else table.value,
         bits, tau, counts, cand_score, cand_row,
         n_req, n_ads, gate_dim, value_dim,
         table.g.stride(0), table.x.stride(0), bits.stride(0) if mask_mode == 2 else 0, capacity,
         _LOG2E / math.sqrt(gate_dim) if query.has_gate else 1.0,
         BB=tiles.bb, BN=tiles.bn, E=n_exp, EP=exp_pad,
         GP=gate_pad, DP=value_pad,
-        HAS_GATE=query.has_gate, STACKED=tiles.stacked, QUANT=quant, MASK_MODE=mask_mode,
+        HAS_GATE=query.has_gate, STACKED=tiles.stacked, QUANT=quant,
+        HAS_VALUE=table.value is not None, MASK_MODE=mask_mode,
         TP=table.parts, DOT=_DOT_TYPE,
         num_warps=_NUM_WARPS,
     )  # fmt: skip
@@ -506,8 +513,12 @@ def _exact_top(counts, cand_score, cand_row, k_out: int, n_ads: int):
     return s, r.masked_fill(s == float("-inf"), NO_ROW)
 
 
-def _check(q, v, p, g, x, b, mask, k, scales=()) -> None:
-    n_ads = check_args(q, v, p, g, x, b, mask, k)[2]
+def _at(value: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor | None:
+    return None if value is None else value[idx]
+
+
+def _check(q, v, p, g, x, b, mask, k, scales=(), value=None) -> None:
+    n_ads = check_args(q, v, p, g, x, b, mask, k, value)[2]
     if not all(t.is_floating_point() for t in (q, v, p)):
         raise ValueError(f"query must be floating point, got {q.dtype}, {v.dtype}, {p.dtype}")
     if v.shape[2] < 1 or max(q.shape[2], v.shape[2]) > _MAX_DIM:
@@ -519,7 +530,7 @@ def _check(q, v, p, g, x, b, mask, k, scales=()) -> None:
     masks = (
         [] if mask is None else [mask.bits, mask.index] if isinstance(mask, PackedMask) else [mask]
     )
-    devices = {t.device for t in (q, v, p, g, x, b, *scales, *masks)}
+    devices = {t.device for t in (q, v, p, g, x, b, *scales, *masks)}  # value: on b's
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
     if devices.pop().type != "cuda" and not triton.knobs.runtime.interpret:
@@ -585,18 +596,19 @@ def triton_score_topk(
     _tau: torch.Tensor | float | None = None,
     _capacity: int | None = None,
     _sample_rows: int = _SAMPLE_ROWS,
+    value: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(scores [B, K'] fp32, rows [B, K'] int64), K' = min(k, N), best first, exact.
 
     The contract of `torch_score_topk`: q [B, E, G], v [B, E, D], p [B, E]; g [N, G], x [N, D],
     b [N] (any float dtype; bf16, fp16 and fp32 rows are read as stored, a bf16 table on the
     tensor cores, the others with fp32 products); mask bool [N] or [B, N], a `PackedMask`, or
-    None. Ties go to the
-    lower row; requests with fewer eligible ads end with rows NO_ROW and scores -inf. The private
+    None; value None or fp32 [N], added to b as the tile is loaded (`value_bias`). Ties go to
+    the lower row; requests with fewer eligible ads end with rows NO_ROW and scores -inf. The private
     arguments exist for tests of the retry paths: `_tau` replaces the seeded thresholds
     (a float or [B]), `_capacity` the first buffer size, `_sample_rows` the sample size.
     """
-    _check(q, v, p, g, x, b, mask, k)
+    _check(q, v, p, g, x, b, mask, k, value=value)
     if not all(t.is_floating_point() for t in (g, x, b)):
         raise ValueError(
             f"ad table must be floating point (an Int8Table goes to triton_score_topk_int8), "
@@ -604,14 +616,15 @@ def triton_score_topk(
         )
     n_req, n_ads = p.shape[0], x.shape[0]
     if n_req == 0 or n_ads == 0:
-        return torch_score_topk(q, v, p, g, x, b, mask, k)  # empty: nothing to launch
+        return torch_score_topk(q, v, p, g, x, b, mask, k, value=value)  # nothing to launch
     query = _prepare_query(q, v, p)
     x_k = _rows_unit_stride(x)
     g_k = _rows_unit_stride(g) if query.has_gate else x_k  # unread without the gate
-    table = _Table(g_k, x_k, b.float().contiguous(), None, None)
+    value = None if value is None else value.contiguous()
+    table = _Table(g_k, x_k, b.float().contiguous(), None, None, value)
 
     def fp32_rows(idx):
-        return g[idx].float(), x[idx].float(), b[idx].float()
+        return g[idx].float(), x[idx].float(), value_bias(b[idx], _at(value, idx))
 
     seed = _seed(q, v, p, fp32_rows, n_ads, mask, _sample_rows)
     return _score_topk(query, table, seed, mask, k, _tau, _capacity)
@@ -628,23 +641,31 @@ def triton_score_topk_int8(
     _tau: torch.Tensor | float | None = None,
     _capacity: int | None = None,
     _sample_rows: int = _SAMPLE_ROWS,
+    value: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`triton_score_topk` on an 8-bit table: the exact top-K of the §2 score of
     `table.dequantize()` (up to fp32 rounding), reading one byte per ad dimension."""
     checked_int8_table(table)
-    _check(q, v, p, table.g, table.x, table.b, mask, k, scales=(table.g_scale, table.x_scale))
+    scales = (table.g_scale, table.x_scale)
+    _check(q, v, p, table.g, table.x, table.b, mask, k, scales=scales, value=value)
     n_req, n_ads = p.shape[0], table.num_ads
-    if n_req == 0 or n_ads == 0:
-        return torch_score_topk(q, v, p, *table.dequantize(), mask, k)  # empty: nothing to launch
+    if n_req == 0 or n_ads == 0:  # nothing to launch
+        return torch_score_topk(q, v, p, *table.dequantize(), mask, k, value=value)
+    value = None if value is None else value.contiguous()
     kernel_table = _Table(
         _rows_unit_stride(table.g, torch.int8),
         _rows_unit_stride(table.x, torch.int8),
         table.b.contiguous(),  # fp32, as `Int8Table.check` requires
         table.g_scale.contiguous(),
         table.x_scale.contiguous(),
+        value,
     )
 
-    seed = _seed(q, v, p, table.dequantize, n_ads, mask, _sample_rows)
+    def fp32_rows(idx):
+        g_s, x_s, b_s = table.dequantize(idx)
+        return g_s, x_s, value_bias(b_s, _at(value, idx))
+
+    seed = _seed(q, v, p, fp32_rows, n_ads, mask, _sample_rows)
     return _score_topk(_prepare_query(q, v, p), kernel_table, seed, mask, k, _tau, _capacity)
 
 

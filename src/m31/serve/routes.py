@@ -114,6 +114,7 @@ def to_engine(r: RetrieveRequest, now: int) -> AdRequest:
         if r.frequency_cap is None
         else FrequencyCap(r.frequency_cap.per, r.frequency_cap.max, r.frequency_cap.window_s),
         max_per=r.max_per,
+        rank=r.rank,
     )
 
 

@@ -155,6 +155,11 @@ class RetrieveRequest(Strict):
         '{"advertiser": 2}: the eligible ads in score order, each skipped when its group '
         "already has that many; an ad without the field is never skipped",
     )
+    rank: Literal["relevance", "value"] = Field(
+        "relevance",
+        description="relevance: the model's score; value: the score plus log(bid × pacing), "
+        "the ad's expected value in log space, over the ads that have a bid",
+    )
 
     @field_validator("filter")
     @classmethod
@@ -247,6 +252,11 @@ _BOUND_DOC = {
     "target_age_max": "at least target_age_min; null: open",
 }
 _LIST_DOC = "empty or null: no restriction"
+_VALUE_DOC = {
+    "bid": "what a conversion (the ad's objective) is worth to its advertiser, > 0; null: no "
+    "bid (value-ranked requests skip the ad)",
+    "pacing": "the budget pacing multiplier in (0, 1]; null: 1",
+}
 
 
 class Attributes(Strict):
@@ -265,6 +275,10 @@ class Attributes(Strict):
     target_surfaces: list[Surface] | None = Field(default_factory=list, description=_LIST_DOC)
     tags: list[str] | None = Field(
         default_factory=list, max_length=1000, description="null: no tags"
+    )
+    bid: float | None = Field(None, gt=0, allow_inf_nan=False, description=_VALUE_DOC["bid"])
+    pacing: float | None = Field(
+        None, gt=0, le=1, allow_inf_nan=False, description=_VALUE_DOC["pacing"]
     )
 
     _lists = field_validator(*LISTS)(_null_is_empty)
@@ -311,6 +325,10 @@ class AttributesPatch(Strict):
     target_platforms: list[Platform] | None = Field(None, description=_LIST_DOC)
     target_surfaces: list[Surface] | None = Field(None, description=_LIST_DOC)
     tags: list[str] | None = Field(None, max_length=1000, description="null: no tags")
+    bid: float | None = Field(None, gt=0, allow_inf_nan=False, description=_VALUE_DOC["bid"])
+    pacing: float | None = Field(
+        None, gt=0, le=1, allow_inf_nan=False, description=_VALUE_DOC["pacing"]
+    )
 
     _lists = field_validator(*LISTS)(_null_is_empty)
 

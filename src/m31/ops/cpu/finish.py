@@ -14,7 +14,7 @@ import torch
 from m31.ops.cpu.partition import spans_in_threads
 from m31.ops.masks import PackedMask
 from m31.ops.quant import Int8Table
-from m31.ops.torch_score import rounded_score
+from m31.ops.torch_score import rounded_score, value_bias
 from m31.ops.torch_score_topk import NO_ROW
 
 _RESCORE_PAIRS = 1 << 15  # (request, candidate) pairs per chunk of the exact rescoring
@@ -63,13 +63,26 @@ def exact_topk(q, v, p, take, rows, valid, k_out: int, threads: int = 1):
     return scores, rows.masked_fill(scores == -math.inf, NO_ROW)
 
 
-def rows_of(table):
+def rows_of(table, value: torch.Tensor | None = None):
     """take(index) -> (g, x, b) of the ads at index: as stored, or dequantized for an 8-bit
-    table exactly as `Int8Table.dequantize` does, so the rescored scores are the reference's."""
+    table exactly as `Int8Table.dequantize` does, so the rescored scores are the reference's;
+    with a value column, b is the bias the reference scores (`value_bias`)."""
     if isinstance(table, Int8Table):
-        return table.dequantize
-    g, x, b = table
-    return lambda i: (g[i], x[i], b[i])
+        take = table.dequantize
+    else:
+        g, x, b = table
+
+        def take(i):
+            return g[i], x[i], b[i]
+
+    if value is None:
+        return take
+
+    def valued(i):
+        g_i, x_i, b_i = take(i)
+        return g_i, x_i, value_bias(b_i, value[i])
+
+    return valued
 
 
 def every_eligible(q, v, p, take, n_ads: int, mask, k_out: int, threads: int):

@@ -40,8 +40,8 @@ def _check_mask(mask) -> None:
         raise ValueError(f"the mask must be on the CPU, got {device}")
 
 
-def _check(q, v, p, g, x, b, mask, k) -> None:
-    check_args(q, v, p, g, x, b, mask, k)
+def _check(q, v, p, g, x, b, mask, k, value) -> None:
+    check_args(q, v, p, g, x, b, mask, k, value)
     _check_mask(mask)
     _check_float_cpu(q=q, v=v, p=p, g=g, x=x, b=b)
 
@@ -66,6 +66,7 @@ def cpu_score_topk(
     *,
     block: int | None = None,
     threads: int | None = None,
+    value: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(scores [B, K'] fp32, rows [B, K'] int64), K' = min(k, N): the contract of `torch_score_topk`.
 
@@ -77,10 +78,13 @@ def cpu_score_topk(
     count is set to 1 in those threads for the call (the MKL part of that setting is process-wide)
     and restored afterwards. Requests with at most K' eligible ads skip the filters (their answer
     is every eligible ad); inputs beyond the filters' range (`in_range`) go to the reference.
+    `value`: fp32 [N] or None, added to the bias (`value_bias`); the steps read it through the
+    per-ad constants they keep beside the table's norms (`table_stats`), so the bounds and the
+    compiled pass hold as they are.
     """
-    _check(q, v, p, g, x, b, mask, k)
+    _check(q, v, p, g, x, b, mask, k, value)
     g, x, b = g.contiguous(), x.contiguous(), b.contiguous()
-    return _solve(q, v, p, (g, x, b), mask, k, block, threads)
+    return _solve(q, v, p, (g, x, b), mask, k, block, threads, value)
 
 
 def cpu_score_topk_int8(
@@ -93,6 +97,7 @@ def cpu_score_topk_int8(
     *,
     block: int | None = None,
     threads: int | None = None,
+    value: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`cpu_score_topk` reading an 8-bit table as stored: the exact top K of its dequantized
     table (the `Int8Table` definition), with no dequantized copy of the table.
@@ -105,18 +110,20 @@ def cpu_score_topk_int8(
     """
     checked_int8_table(table)
     g, x, b = table.g, table.x, table.b
-    check_args(q, v, p, g, x, b, mask, k)
+    check_args(q, v, p, g, x, b, mask, k, value)
     _check_mask(mask)
     _check_float_cpu(q=q, v=v, p=p)
     if table.device.type != "cpu":
         raise ValueError(f"the table must be on the CPU, got {table.device}")
     if not exact_products(g.shape[1], x.shape[1]):
-        return cpu_score_topk(q, v, p, *table.dequantize(), mask, k, block=block, threads=threads)
+        return cpu_score_topk(
+            q, v, p, *table.dequantize(), mask, k, block=block, threads=threads, value=value
+        )
     table = Int8Table(*(t.contiguous() for t in table))
-    return _solve(q, v, p, table, mask, k, block, threads)
+    return _solve(q, v, p, table, mask, k, block, threads, value)
 
 
-def _solve(q, v, p, table, mask, k: int, block, threads):
+def _solve(q, v, p, table, mask, k: int, block, threads, value):
     """The driver behind both entry points: table (g, x, b) or an Int8Table, arguments checked."""
     if block is not None and block <= 0:
         raise ValueError(f"block must be positive, got {block}")
@@ -127,16 +134,18 @@ def _solve(q, v, p, table, mask, k: int, block, threads):
     k_out = min(k, n_ads)
     if n_req == 0 or n_ads == 0:
         return torch.full((n_req, k_out), -math.inf), torch.full((n_req, k_out), NO_ROW)
+    value = None if value is None else value.contiguous()
     if quantized:
-        stats = table_stats(table.g, table.x, table.b, table.g_scale, table.x_scale)
+        stats = table_stats(table.g, table.x, table.b, table.g_scale, table.x_scale, value)
     else:
-        stats = table_stats(*table)
+        stats = table_stats(*table, value=value)
     if not in_range(q, v, p, stats):
-        return torch_score_topk(q, v, p, *(table.dequantize() if quantized else table), mask, k)
+        plain = table.dequantize() if quantized else table
+        return torch_score_topk(q, v, p, *plain, mask, k, value=value)
     # on one core: an OpenMP team woken here would spin on the cores the workers need next
     with single_threaded(torch.get_num_threads()):
         few = few_eligible(mask, n_req, n_ads, k_out)  # [B]
-    take = rows_of(table)
+    take = rows_of(table, value)
 
     def filtered(q, v, p, mask):
         return _filtered_topk(q, v, p, table, take, stats, mask, k_out, block, threads)
