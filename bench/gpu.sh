@@ -2,7 +2,8 @@
 # The whole GPU check of the score·filter·top-K pass, on the GPU image as it is (PyTorch, Triton,
 # numpy, typer, pyarrow, matplotlib; nothing is installed): every kernel against the reference on
 # fresh random data (stops here on a mismatch), then the timings at DESIGN §6's canonical shapes
-# with every baseline, then the engine end to end at N = 10 M over a bf16 and an int8 index.
+# with every baseline, then the engine end to end at N = 10 M over a bf16 and an int8 index,
+# plain, capped and ranked by value.
 # Under 5 minutes on one H200.
 #
 #   bash bench/gpu.sh                  # results in bench/out
@@ -21,5 +22,7 @@ export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
 # baselines (the reference at B = 512 or N = 100 M) stop after one, which keeps the run short.
 "$python" -m m31.bench kernels --device cuda --canonical --repeat 5 --budget 1.5 --out "$out"
 
+# Each request also with a cap per advertiser and ranked by value (the value column), beside
+# the plain pass in the same run.
 "$python" -m m31.bench engine --device cuda --n 10M --dtype bfloat16,int8 \
-    --repeat 5 --budget 1.5 --out "$out"
+    --max-per 0,2 --rank relevance,value --repeat 5 --budget 1.5 --out "$out"

@@ -1,6 +1,7 @@
-"""`m31 bench kernels --check`: every kernel the device can run, on bf16 and 8-bit tables, against the
-reference on fresh random data, judged by `m31.ops.testing.check_topk` (the tests' comparison);
-and recall@K of the 8-bit table's top K against the bf16 table's.
+"""`m31 bench kernels --check`: every kernel the device can run, on bf16 and 8-bit tables (and
+the bf16 table with a value column, DESIGN §2 "The value term"), against the reference on fresh
+random data, judged by `m31.ops.testing.check_topk` (the tests' comparison); and recall@K of the
+8-bit table's top K against the bf16 table's.
 
 Shapes: B requests, N ads, E experts, G gate-key dim, D value dim, K results.
 """
@@ -16,6 +17,7 @@ from m31.bench.common import Log, random_query, random_table, recall_at_k, to_st
 from m31.ops import NO_ROW, PackedMask, available_kernels, quantize_ad_table, score_topk
 from m31.ops.masks import pack
 from m31.ops.testing import check_topk
+from m31.ops.torch_score import value_bias
 from m31.ops.torch_score_topk import torch_score_topk
 
 # (B, N, E, G, D, K, mask): odd sizes, K > N, nothing eligible, the G = 0 two-tower case, and
@@ -69,10 +71,10 @@ def _check_mask(kind: str, n_req: int, n: int, device: torch.device, seed: int):
     return torch.rand(shape, generator=gen, device=device) < 0.5
 
 
-def _check_kernel(row: CheckRow, query, table, plain, mask, ref) -> None:
+def _check_kernel(row: CheckRow, query, table, plain, value, mask, ref) -> None:
     """Run `row.kernel` through the dispatcher and fill in the row's verdict."""
     try:
-        got = score_topk(query, table, mask, row.k, kernel=row.kernel)
+        got = score_topk(query, table, mask, row.k, kernel=row.kernel, value=value)
     except Exception as err:  # a kernel that raises fails this case; the check goes on
         row.status, row.note = "FAIL", f"raised {type(err).__name__}: {str(err).splitlines()[0]}"
         return
@@ -102,17 +104,25 @@ def run_check(
         bf16, _ = random_table(n, gdim, ddim, device, seed + 2 * i + 1)
         mask = _check_mask(mask_kind, n_req, n, device, seed + i)
         int8 = quantize_ad_table(*bf16)
-        tables = {"bf16": (bf16, bf16), "int8": (int8, int8.dequantize())}  # (scored, reference)
+        gen = torch.Generator(device).manual_seed(seed + i)
+        value = torch.randn(n, generator=gen, device=device)  # a value term of unit spread
+        valued = (*bf16[:2], value_bias(bf16[2], value))  # the table the reference scores
+        tables = {  # (scored, as the reference scores it, value column)
+            "bf16": (bf16, bf16, None),
+            "int8": (int8, int8.dequantize(), None),
+            "bf16 + value": (bf16, valued, value),
+        }
         refs = {
-            name: torch_score_topk(*query, *plain, mask, k) for name, (_, plain) in tables.items()
+            name: torch_score_topk(*query, *plain, mask, k)
+            for name, (_, plain, _) in tables.items()
         }
         for kernel in available_kernels(device):
-            for name, (table, plain) in tables.items():
+            for name, (table, plain, value) in tables.items():
                 row = CheckRow(kernel, name, n_req, n, e, gdim, ddim, k, mask_kind, "ok")
                 if kernel == "triton" and interpreted and i >= len(CHECK_CASES):
                     row.status, row.note = "skipped", "interpreted Triton: small cases only"
                 else:
-                    _check_kernel(row, query, table, plain, mask, refs[name])
+                    _check_kernel(row, query, table, plain, value, mask, refs[name])
                 rows.append(row)
                 log(
                     f"check {row.status:<7} {kernel:<6} {name} B = {n_req} N = {n:,} E = {e} "
