@@ -490,6 +490,8 @@ def test_demo_runs_end_to_end_on_a_tiny_world(tmp_path):
     text = "\n".join(str(x) for x in lines)
     assert "quality on" in text and "moe vs two-tower" in text and "M ads scored per second" in text
     assert set(out["quality"]) == {"moe", "two-tower"} and out["ads_per_s"] > 0
+    assert "the funnel as an auction" in text and "value, max 2 per advertiser" in text
+    assert len(out["auction"]["arms"]) == 4
     index = AdIndex.load(tmp_path / "demo" / "index")
     assert len(index) == 2_000 and read_manifest(tmp_path / "demo" / "index")["model_hash"]
     again = run(tmp_path / "demo", log=lines.append, world="tiny", models_preset="tiny", epochs=1)

@@ -1,5 +1,5 @@
-"""Offline evaluation: `m31 eval` and `m31 simulate` (`m31.eval.runs`), `m31 ablate`
-(`m31.eval.ablation`)."""
+"""Offline evaluation: `m31 eval`, `m31 simulate` and `m31 auction` (`m31.eval.runs`),
+`m31 ablate` (`m31.eval.ablation`)."""
 
 from __future__ import annotations
 
@@ -241,5 +241,44 @@ def simulate_cmd(
         requests=requests, seed=seed, split=split, device=device,
     )  # fmt: skip
     typer.echo(format_funnel(result))
+    if json_out:
+        write_json(json_out, result)
+
+
+@cli_errors
+def auction_cmd(
+    data: Annotated[Path, typer.Option(help="Dataset folder of a synthetic marketplace.")],
+    model: Annotated[Path, typer.Option(help="Retrieval checkpoint (moe or two-tower).")],
+    ranker: Annotated[Path, typer.Option(help="Checkpoint whose scores predict conversions.")],
+    minutes: Annotated[int, typer.Option(min=1, help="Simulated minutes in the day.")] = 60,
+    per_minute: Annotated[int, typer.Option(min=1, help="Requests per simulated minute.")] = 25,
+    k: Annotated[int, typer.Option(min=1, help="Ads retrieved per request.")] = 100,
+    slots: Annotated[int, typer.Option(min=1, help="Winners per auction.")] = 4,
+    max_per: Annotated[
+        int, typer.Option(min=1, help="The capped arms' most ads per advertiser.")
+    ] = 2,
+    budget_share: Annotated[
+        float, typer.Option(help="Budgets: this share of what ads spend with no budget.")
+    ] = 0.5,
+    seed: Annotated[int, typer.Option(help="Seed of the values and the conversion draws.")] = 0,
+    split: SplitOption = "leave-last-out",
+    json_out: JsonOption = None,
+    device: DeviceOption = "cpu",
+) -> None:
+    """The funnel as an auction: relevance- against value-ranked retrieval, with and without a
+    cap per advertiser; second-price auctions, budgets and pacing (DESIGN §8)."""
+    from m31.eval.auction import AuctionConfig, format_auction
+    from m31.eval.runs import simulate_auction_run
+
+    try:
+        cfg = AuctionConfig(minutes=minutes, per_minute=per_minute, k=k, slots=slots,
+                            budget_share=budget_share, seed=seed)  # fmt: skip
+    except ValueError as e:
+        fail(str(e))
+    arms = (("relevance", None), ("value", None), ("relevance", max_per), ("value", max_per))
+    result = simulate_auction_run(
+        data, model, ranker, cfg, arms=arms, split=split, device=device, log=typer.echo
+    )
+    typer.echo(format_auction(result))
     if json_out:
         write_json(json_out, result)

@@ -80,7 +80,7 @@ def _shown(
     return np.take_along_axis(cand, top, 1), filled
 
 
-def _paired(x: np.ndarray, y: np.ndarray, prefix: str) -> dict:
+def paired(x: np.ndarray, y: np.ndarray, prefix: str) -> dict:
     """Mean per-request difference x - y per 1,000 requests, its 95% CI and the lift over y."""
     d = x - y  # [n]
     mean, base = d.mean(), y.mean()
@@ -157,8 +157,8 @@ def simulate(
             {
                 "model": name,
                 "baseline": base,
-                **_paired(conv[name], conv[base], ""),
-                **_paired(expected[name], expected[base], "expected_"),
+                **paired(conv[name], conv[base], ""),
+                **paired(expected[name], expected[base], "expected_"),
             }
             for i, base in enumerate(names)
             for name in names[i + 1 :]

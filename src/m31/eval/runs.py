@@ -335,3 +335,33 @@ def simulate_funnel(
         seed=seed,
         eligible=eligible(req.ts),  # never show an ineligible ad, however few are eligible
     )
+
+
+def simulate_auction_run(
+    data: Path,
+    model: Path,
+    ranker: Path,
+    cfg,
+    arms=None,
+    split: str = "leave-last-out",
+    device: str = "cpu",
+    log=lambda _: None,
+) -> dict:
+    """The funnel as an auction (`m31.eval.auction.run_auction`) on a synthetic world: the
+    retrieval checkpoint `model` indexes the world's ads with the market's bids, the checkpoint
+    `ranker` (a ranking model, or any model) predicts conversions for the auction."""
+    from m31.data import dataset
+    from m31.eval.auction import ARMS, run_auction
+    from m31.pipeline import features_for
+    from m31.world.truth import GroundTruth
+
+    data = Path(data)
+    if not (data / "truth.npz").is_file():
+        raise ValueError(f"{data}: no truth.npz; the auction needs a synthetic marketplace")
+    feats = features_for(data, split)
+    catalog = Catalog.from_features(feats).to(device)
+    retrieval = load_scorer(model, feats, device, catalog).model
+    rank = load_scorer(ranker, feats, device, catalog)
+    truth = GroundTruth.from_arrays(dataset.load_truth(data))
+    ads = dataset.load(data).ads
+    return run_auction(ads, feats, retrieval, rank.rank, truth, cfg, arms or ARMS, log=log)
