@@ -58,7 +58,8 @@ class Prober:
         valued: Sequence[bool] | None = None,
     ) -> tuple[list, int]:
         """(each request's top `ks[r]` eligible ads of its probed clusters, as `search` gives
-        them; rows scored in all). mask: as `search` takes it ([B, N] or packed, or None)."""
+        them; rows scored in all). mask: as `search` takes it ([B, N] or packed, or None);
+        caps, valued: as `search` takes them (clusters are picked by relevance either way)."""
         from m31.engine.retriever import search
 
         q, v, p = query
