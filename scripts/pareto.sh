@@ -2,9 +2,10 @@
 # The Pareto table of docs/QUALITY.md (issue 27): quality against FLOPs per (request, ad) pair
 # for the two-tower, the moe at E = 1, 2, 4 and 8, the moe with G = 0, the dense interaction
 # model and the ranking model, each over SEEDS training seeds (default 3), on MovieLens-100K and
-# the demo marketplace (DATASETS, default "ml100k demo"). Trainings run JOBS at a time (default
-# 2), each on one thread under nice; a checkpoint already there is kept, so a stopped run goes on
-# where it stopped. Then one `m31 eval` per dataset: the table, the paired moe comparisons, a
+# the demo marketplace (DATASETS, default "ml100k demo"); VARIANTS names the rows to train (default
+# all). Trainings run JOBS at a time (default 2), each on one thread under nice; a finished
+# training (its .done file) is kept, so a stopped run goes on where it stopped. Then one
+# `m31 eval` per dataset over every finished training: the table, the paired moe comparisons, a
 # JSON and the plot (docs/img/pareto-<dataset>.png).
 #   scripts/pareto.sh [OUT] [MOVIELENS_DIR]      (hours on 2 cores)
 set -euo pipefail
@@ -35,7 +36,11 @@ declare -A VARIANT=(
   [dense]="--model dense"
   [ranking]="--model ranking --epochs 3"
 )
-NAMES=(two-tower moe-e1 moe-e2 moe-e4 moe moe-g0 dense ranking)
+ALL=(two-tower moe-e1 moe-e2 moe-e4 moe moe-g0 dense ranking)
+read -r -a NAMES <<<"${VARIANTS:-${ALL[*]}}"  # the rows to train, e.g. VARIANTS="moe ranking"
+for name in "${NAMES[@]}"; do
+  [ -n "${VARIANT[$name]:-}" ] || { echo "unknown variant $name (${!VARIANT[*]})" >&2; exit 2; }
+done
 
 jobs_file=$OUT/jobs.txt
 : >"$jobs_file"
@@ -45,8 +50,9 @@ for data in $DATASETS; do
       ckpt=$OUT/$data/runs/$name-s$seed.pt
       [ -f "$ckpt.done" ] && continue  # written once the training has finished
       mkdir -p "$(dirname "$ckpt")"
-      echo "$M31 train ${VARIANT[$name]} --data $OUT/$data --seed $seed --device cpu --out $ckpt \
->$OUT/logs/$data-$name-s$seed.log 2>&1 && touch $ckpt.done" >>"$jobs_file"
+      # checked again when the job starts: another run may have finished it meanwhile
+      echo "[ -f $ckpt.done ] || { $M31 train ${VARIANT[$name]} --data $OUT/$data --seed $seed \
+--device cpu --out $ckpt >$OUT/logs/$data-$name-s$seed.log 2>&1 && touch $ckpt.done; }" >>"$jobs_file"
     done
   done
 done
@@ -55,17 +61,19 @@ OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 nice -n 10 xargs -P "$JOBS" -I{} -d '\n' bas
   <"$jobs_file"
 
 for data in $DATASETS; do
-  models=()  # the finished trainings only: a stopped one leaves its best epoch so far
-  for name in "${NAMES[@]}"; do
+  models=() compare=()  # the finished trainings only: a stopped one leaves its best epoch so far
+  for name in "${ALL[@]}"; do
     for done in "$OUT/$data/runs/$name"-s*.pt.done; do
       [ -f "$done" ] && models+=("--model=$name=${done%.done}")
     done
+    if [ "$name" != moe ] && [ -f "$OUT/$data/runs/$name-s0.pt.done" ]; then
+      compare+=(--compare "moe,$name")
+    fi
   done
   # The demo's 50,000 ads cost the pair models (dense, ranking) about a minute per 100 requests.
   limit=()
   [ "$data" = demo ] && limit=(--max-users 500)
   "$M31" eval --data "$OUT/$data" "${models[@]}" --baselines recency-knn "${limit[@]}" \
-    --ks 10,50 --compare moe,moe-g0 --compare moe,dense --compare moe,ranking \
-    --compare moe,two-tower --json "$OUT/$data/pareto.json" \
+    --ks 10,50 "${compare[@]}" --json "$OUT/$data/pareto.json" \
     --pareto "docs/img/pareto-$data.png" | tee "$OUT/$data/pareto.txt"
 done
