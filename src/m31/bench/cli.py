@@ -55,34 +55,31 @@ def _counts(text: str | None, option: str, least: int = 1) -> tuple[int, ...] | 
     return tuple(out)
 
 
-def _ranks(text: str) -> tuple[str, ...]:
-    """--rank "relevance,value" -> the requests' rankings, each known, none twice."""
-    from m31.engine.requests import RANKS
-
+def _choices(text: str, allowed, option: str, what: str) -> tuple[str, ...]:
+    """A comma-separated list of an option's values, each one of `allowed`, none twice."""
     names = tuple(v.strip() for v in text.split(","))
-    bad = [v for v in names if v not in RANKS]
+    bad = [v for v in names if v not in allowed]
     if bad:
         raise typer.BadParameter(
-            f"unknown {bad[0]!r}; choose from {', '.join(RANKS)}", param_hint="--rank"
+            f"unknown {bad[0]!r}; choose from {', '.join(allowed)}", param_hint=option
         )
     if len(set(names)) != len(names):
-        raise typer.BadParameter("a ranking given twice", param_hint="--rank")
+        raise typer.BadParameter(f"a {what} given twice", param_hint=option)
     return names
+
+
+def _ranks(text: str) -> tuple[str, ...]:
+    """--rank "relevance,value" -> the requests' rankings."""
+    from m31.engine.requests import RANKS
+
+    return _choices(text, RANKS, "--rank", "ranking")
 
 
 def _dtypes(text: str) -> tuple[str, ...]:
-    """--dtype "bfloat16,int8" -> names of index table dtypes, each known, none twice."""
+    """--dtype "bfloat16,int8" -> names of index table dtypes."""
     from m31.index.snapshot import DTYPES as _DTYPES
 
-    names = tuple(v.strip() for v in text.split(","))
-    bad = [v for v in names if v not in _DTYPES]
-    if bad:
-        raise typer.BadParameter(
-            f"unknown {bad[0]!r}; choose from {', '.join(_DTYPES)}", param_hint="--dtype"
-        )
-    if len(set(names)) != len(names):
-        raise typer.BadParameter("a dtype given twice", param_hint="--dtype")
-    return names
+    return _choices(text, tuple(_DTYPES), "--dtype", "dtype")
 
 
 def _variants(text: str) -> tuple[str, ...]:
