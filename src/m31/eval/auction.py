@@ -312,7 +312,7 @@ def simulate_auction(
             "ads_exhausted": d.exhausted,
             "advertisers_per_request": float(d.advertisers_retrieved.mean()),
             "advertisers_per_auction": float(d.advertisers_shown.mean()),
-            "pacing_patches": d.patches,
+            "patches": d.patches,  # pacing changes and pauses
         }
     pairs = []
     for model, base in _pairs(arms, names):
@@ -352,7 +352,7 @@ def format_auction(result: dict) -> str:
         f"{cfg['budget_share']:.0%} of the unconstrained day's spend",
         "",
         "| arm | conversions / 1k | value / 1k | spend / 1k | spend / budget | ads exhausted "
-        "| advertisers / request | advertisers / auction | pacing PATCHes |",
+        "| advertisers / request | advertisers / auction | PATCHes |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, m in result["arms"].items():
@@ -360,7 +360,7 @@ def format_auction(result: dict) -> str:
             f"| {name} | {m['conversions_per_1k']:.1f} | {m['value_per_1k']:.1f} "
             f"| {m['spend_per_1k']:.1f} | {m['spend_of_budget']:.0%} | {m['ads_exhausted']} "
             f"| {m['advertisers_per_request']:.1f} | {m['advertisers_per_auction']:.2f} "
-            f"| {m['pacing_patches']:,} |"
+            f"| {m['patches']:,} |"
         )
     if result["pairs"]:
         lines += [
