@@ -42,17 +42,20 @@ for name in "${NAMES[@]}"; do
   [ -n "${VARIANT[$name]:-}" ] || { echo "unknown variant $name (${!VARIANT[*]})" >&2; exit 2; }
 done
 
-jobs_file=$OUT/jobs.txt
-: >"$jobs_file"
+jobs_file=$(mktemp "$OUT/jobs.XXXXXX")  # one per run: several runs may share OUT
+trap 'rm -f "$jobs_file"' EXIT
 for data in $DATASETS; do
   for seed in $(seq 0 $((SEEDS - 1))); do
     for name in "${NAMES[@]}"; do
       ckpt=$OUT/$data/runs/$name-s$seed.pt
       [ -f "$ckpt.done" ] && continue  # written once the training has finished
       mkdir -p "$(dirname "$ckpt")"
-      # checked again when the job starts: another run may have finished it meanwhile
-      echo "[ -f $ckpt.done ] || { $M31 train ${VARIANT[$name]} --data $OUT/$data --seed $seed \
---device cpu --out $ckpt >$OUT/logs/$data-$name-s$seed.log 2>&1 && touch $ckpt.done; }" >>"$jobs_file"
+      # checked again when the job starts, and claimed (mkdir is atomic): another run on the
+      # same OUT may have finished or started it meanwhile. A killed training leaves its
+      # .lock folder behind; remove it to train that run again.
+      echo "[ -f $ckpt.done ] || ! mkdir $ckpt.lock 2>/dev/null || { $M31 train \
+${VARIANT[$name]} --data $OUT/$data --seed $seed --device cpu --out $ckpt \
+>$OUT/logs/$data-$name-s$seed.log 2>&1 && touch $ckpt.done; rmdir $ckpt.lock; }" >>"$jobs_file"
     done
   done
 done
