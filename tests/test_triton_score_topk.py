@@ -261,7 +261,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from m31.ops import triton_score_topk as T
 
-def compile_variant(n_req, n_exp, gdim, ddim, quant, mask_mode, table="*bf16"):
+def compile_variant(n_req, n_exp, gdim, ddim, quant, mask_mode, table="*bf16", value=False):
     has_gate = gdim > 0 and n_exp > 1
     ep, gp, dp = (triton.next_power_of_2(n) for n in (n_exp, gdim, ddim))
     gp, dp = max(16, gp), max(16, dp)
@@ -269,13 +269,14 @@ def compile_variant(n_req, n_exp, gdim, ddim, quant, mask_mode, table="*bf16"):
     parts = {"*i8": 1, "*bf16": 1, "*fp16": 2, "*fp32": 3}[table]
     tiles = T._pick_tiles(n_req, ep, max(gp, dp), has_gate, parts - 1 + quant)
     ptr = dict(q_ptr="*bf16", v_ptr="*bf16", p_ptr="*fp32", g_ptr=table, x_ptr=table,
-               b_ptr="*fp32", g_scale_ptr="*fp32", x_scale_ptr="*fp32", bits_ptr="*i32",
+               b_ptr="*fp32", g_scale_ptr="*fp32", x_scale_ptr="*fp32", value_ptr="*fp32",
+               bits_ptr="*i32",
                tau_ptr="*fp32", count_ptr="*i32", cand_score_ptr="*fp32", cand_row_ptr="*i32")
     ints = dict(n_req="i32", n_ads="i32", gate_dim="i32", value_dim="i32", stride_g="i64",
                 stride_x="i64", stride_bits="i32", capacity="i32", gate_scale="fp32")
     const = dict(BB=tiles.bb, BN=tiles.bn, E=n_exp, EP=ep, GP=gp, DP=dp, HAS_GATE=has_gate,
-                 STACKED=tiles.stacked, QUANT=quant, MASK_MODE=mask_mode, TP=parts,
-                 DOT=tl.bfloat16)
+                 STACKED=tiles.stacked, QUANT=quant, HAS_VALUE=value, MASK_MODE=mask_mode,
+                 TP=parts, DOT=tl.bfloat16)
     signature = ptr | ints | {name: "constexpr" for name in const}
     src = ASTSource(T._score_topk_kernel, signature, constexprs=const)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -283,7 +284,9 @@ def compile_variant(n_req, n_exp, gdim, ddim, quant, mask_mode, table="*bf16"):
     assert "mma" in kernel.asm["ptx"], "no tensor-core instruction"
 
 compile_variant(1, 8, 64, 64, False, 2)  # stacked
+compile_variant(1, 8, 64, 64, False, 2, value=True)  # stacked, with a value column
 compile_variant(64, 8, 64, 64, True, 1)  # online, int8
+compile_variant(64, 8, 64, 64, True, 1, value=True)  # online, int8, with a value column
 compile_variant(17, 3, 8, 5, False, 0)  # online, padded dims
 compile_variant(5, 1, 0, 64, True, 2)  # gate folded away
 compile_variant(1, 8, 64, 64, False, 0, "*fp16")  # stacked, an fp16 table in two bf16 parts
