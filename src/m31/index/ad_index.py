@@ -562,8 +562,8 @@ class AdIndex:
         with self._lock:
             checked = self.check_update(ad_id, attrs)
             rows = torch.tensor([self._rows[checked.ad_id]], device=self.device)  # [1]
-            self._attrs.write(rows, checked.columns)
-            self._bitmaps.write(rows, self._attrs)
+            self._attrs.write(rows, checked.columns, checked.attrs)  # the changed fields only
+            self._bitmaps.write(rows, self._attrs, checked.attrs)
             return self._bump()
 
     def pause(self, ad_id: int) -> int:

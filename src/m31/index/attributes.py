@@ -362,8 +362,9 @@ class AttributeTable:
         idx = pc.fill_null(enc.indices, len(lut) - 1).to_numpy(zero_copy_only=False)
         return np.asarray(lut, dtype=np.int64)[idx]
 
-    def write(self, rows: torch.Tensor, columns: pa.Table) -> None:
-        """Set distinct rows [k] (< capacity) from a table of `arrow_schema(self.schema)`.
+    def write(self, rows: torch.Tensor, columns: pa.Table, fields=None) -> None:
+        """Set distinct rows [k] (< capacity) from a table of `arrow_schema(self.schema)`;
+        `fields`: only these columns (the others hold the rows' values already).
 
         Raises ValueError, changing nothing, if a list field would exceed `MAX_VOCABULARY`.
         """
@@ -378,6 +379,8 @@ class AttributeTable:
                 f"row {row}, attribute {name!r}: more than {MAX_VOCABULARY} distinct values"
             )
         for name, kind in self.schema.items():
+            if fields is not None and name not in fields:
+                continue
             col = columns.column(name).combine_chunks()
             if kind in ("int", "float"):
                 valid = col.is_valid().to_numpy(zero_copy_only=False)  # [k]

@@ -190,15 +190,18 @@ class Eligibility:
         match = torch.full((1, len(rows)), alive, dtype=torch.bool, device=self.device)
         _assign(self.live[None], rows, match)
 
-    def write(self, rows: torch.Tensor, attrs: AttributeTable) -> None:
-        """Follow `attrs` after it wrote the distinct rows [k]."""
+    def write(self, rows: torch.Tensor, attrs: AttributeTable, fields=None) -> None:
+        """Follow `attrs` after it wrote the distinct rows [k] (`fields`: only these changed;
+        the cached predicates are evaluated again on the rows whatever they read)."""
         self._schedules.clear()
         for lo in range(0, len(rows), _CHUNK):
-            self._write(rows[lo : lo + _CHUNK], attrs)
+            self._write(rows[lo : lo + _CHUNK], attrs, fields)
 
-    def _write(self, rows: torch.Tensor, attrs: AttributeTable) -> None:
+    def _write(self, rows: torch.Tensor, attrs: AttributeTable, fields) -> None:
         view, k = attrs.rows(rows), len(rows)
         for name, family in self._families.items():
+            if fields is not None and name not in fields:
+                continue
             used = family.follow(attrs.vocabulary(name))
             if attrs.schema[name] == "str":
                 codes = view.codes(name) + 1  # [k], 0 for null

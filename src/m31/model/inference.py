@@ -87,8 +87,14 @@ class ScoreFunction:
 
     @torch.no_grad()
     def rank(self, req, cand_rows: np.ndarray) -> np.ndarray:
-        """Scores [n, k] of candidate ad rows [n, k]: what a ranking stage does."""
-        if self._ads is not None:  # retrieval models: the full-corpus scores are cheap
-            return np.take_along_axis(self(req), cand_rows, axis=1)
+        """Scores [n, k] of candidate ad rows [n, k]: what a ranking stage does. A retrieval
+        model scores each request against its own candidates' encoded rows (the §2 score, as
+        the full corpus gets it, up to fp32 rounding)."""
         rows = torch.from_numpy(np.ascontiguousarray(cand_rows, dtype=np.int64)).to(self.device)
+        if self._ads is not None:
+            q, v, p = self.model.encode_requests(self._inputs(req), self.catalog)
+            if self.query_map is not None:
+                q, v, p = self.query_map(q, v, p)
+            g, x, b = (t[rows] for t in self._ads)  # [n, k, G], [n, k, D], [n, k]
+            return score(q, v, p, g, x, b).cpu().numpy()
         return self.model(self._inputs(req), self.catalog, rows).cpu().numpy()
