@@ -16,7 +16,7 @@ import torch
 DEMO_EPOCHS = 3  # of the demo preset's 5: keeps `make demo` near 10 minutes on 2 cores
 N_EVAL = 1000  # held-out requests for the quality figures
 SLOTS = 4  # ads shown per request in the funnel
-AUCTION_MINUTES, AUCTION_PER_MINUTE = 30, 20  # the demo's simulated auction day
+AUCTION_MINUTES, AUCTION_PER_MINUTE = 20, 20  # the demo's simulated auction day (a minute or two)
 
 
 def run(
