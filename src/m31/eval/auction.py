@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
@@ -100,10 +100,11 @@ def calibrate(rank_fn, feats, n: int = 4000, seed: int = 0, chunk: int = 256):
     if y.min(initial=0) == y.max(initial=0):
         raise ValueError("the impressions hold no conversions (or nothing else): nothing to fit")
     items = imp["item"][pick].astype(np.int64)
-    s = np.concatenate(
-        [rank_fn(req.take(slice(lo, lo + chunk)), items[lo : lo + chunk, None])[:, 0]
-         for lo in range(0, len(items), chunk)]
-    )  # fmt: skip
+    parts = [
+        rank_fn(req.take(slice(lo, lo + chunk)), items[lo : lo + chunk, None])[:, 0]
+        for lo in range(0, len(items), chunk)
+    ]
+    s = np.concatenate(parts)
     return platt(s, y)
 
 
@@ -194,21 +195,31 @@ class _Bids:
         self.patches = 0
 
 
-def _day(engine, bids: _Bids, requests, req: Requests, predict: Predict, truth, cfg,
-         rank: str, cap: int | None, budget: np.ndarray | None) -> _Day:  # fmt: skip
+def _day(
+    engine,
+    bids: _Bids,
+    requests,
+    req: Requests,
+    predict: Predict,
+    truth,
+    cfg: AuctionConfig,
+    rank: str,
+    cap: int | None,
+    budget: np.ndarray | None,
+) -> _Day:
     """One arm's simulated day; `budget` None: no budgets, no pacing (the calibration run)."""
-    import dataclasses
-
     market, n = bids.market, len(req)
-    out = {name: np.zeros(n) for name in _Day.__dataclass_fields__ if name not in
-           ("ad_spend", "exhausted", "patches")}  # fmt: skip
+    per_request = [
+        f.name for f in fields(_Day) if f.name not in ("ad_spend", "exhausted", "patches")
+    ]
+    out = {name: np.zeros(n) for name in per_request}
     ad_spend = np.zeros(len(market.ad_ids))
     for minute in range(cfg.minutes):
         lo, hi = minute * cfg.per_minute, min((minute + 1) * cfg.per_minute, n)
         if lo >= hi:
             break
-        batch = [dataclasses.replace(r, rank=rank, max_per=None if cap is None else
-                                     {"advertiser": cap}) for r in requests[lo:hi]]  # fmt: skip
+        max_per = None if cap is None else {"advertiser": cap}
+        batch = [replace(r, rank=rank, max_per=max_per) for r in requests[lo:hi]]
         found = engine.retrieve(batch, cfg.k).results
         width = max(len(f.ad_ids) for f in found)
         cand = np.zeros((hi - lo, max(width, 1)), np.int64)  # [b, k] catalogue rows
@@ -219,8 +230,7 @@ def _day(engine, bids: _Bids, requests, req: Requests, predict: Predict, truth, 
         sub = req.take(slice(lo, hi))
         p_hat = np.where(real, predict(sub, cand), 0.0)  # [b, k]
         e = p_hat * market.bid[cand] * bids.pacing[cand]  # [b, k]
-        p_true = truth.probabilities(sub.user, cand, sub.surface, sub.hour, sub.platform,
-                                     sub.ts)[1]  # fmt: skip
+        p_true = truth.probabilities(sub.user, cand, sub.surface, sub.hour, sub.platform, sub.ts)[1]
         for i in range(hi - lo):
             r = lo + i
             live = real[i] & ~bids.paused[cand[i]]  # paused this minute: out of the auction
@@ -317,13 +327,18 @@ def simulate_auction(
     pairs = []
     for model, base in _pairs(arms, names):
         x, y = days[model], days[base]
-        pairs.append({"model": model, "baseline": base,
-                      **paired(x.conversions, y.conversions, "conversions_"),
-                      **paired(x.value, y.value, "value_"),
-                      **paired(x.expected_value, y.expected_value, "expected_value_"),
-                      **paired(x.advertisers_retrieved, y.advertisers_retrieved, "advertisers_")})  # fmt: skip
-    return {"config": cfg.__dict__, "requests": n, "budget_total": float(budget.sum()),
-            "arms": report, "pairs": pairs}  # fmt: skip
+        pair = {"model": model, "baseline": base}
+        for what in ("conversions", "value", "expected_value", "advertisers_retrieved"):
+            prefix = "advertisers_" if what == "advertisers_retrieved" else f"{what}_"
+            pair |= paired(getattr(x, what), getattr(y, what), prefix)
+        pairs.append(pair)
+    return {
+        "config": cfg.__dict__,
+        "requests": n,
+        "budget_total": float(budget.sum()),
+        "arms": report,
+        "pairs": pairs,
+    }
 
 
 def _pairs(arms, names) -> list[tuple[str, str]]:
@@ -381,8 +396,16 @@ def format_auction(result: dict) -> str:
     return "\n".join(lines)
 
 
-def run_auction(ads, feats, model, rank_fn, truth, cfg: AuctionConfig = AuctionConfig(),
-                arms: Sequence[tuple[str, int | None]] = ARMS, log=lambda _: None) -> dict:  # fmt: skip
+def run_auction(
+    ads,
+    feats,
+    model,
+    rank_fn,
+    truth,
+    cfg: AuctionConfig = AuctionConfig(),
+    arms: Sequence[tuple[str, int | None]] = ARMS,
+    log: Callable[[str], None] = lambda _: None,
+) -> dict:
     """`simulate_auction` on a synthetic world: its ads table `ads` (the catalogue of `feats`)
     indexed by the retrieval `model` with the market's bids (`Market.of`, every pacing 1), the
     ranker `rank_fn` (candidate rows -> scores, `ScoreFunction.rank`) calibrated on the logged
@@ -404,12 +427,14 @@ def run_auction(ads, feats, model, rank_fn, truth, cfg: AuctionConfig = AuctionC
     req = requests_from_split(feats, "test", max_users=cfg.minutes * cfg.per_minute, seed=cfg.seed)
     req = req.take(np.argsort(req.ts, kind="stable"))  # in arrival order
     vocab = feats.meta["vocab"]
+    user_ids = feats.users["user_id"]
     requests = [
-        AdRequest(user_id=int(feats.users["user_id"][u]), ts=int(t), surface=vocab["surface"][s],
-                  platform=vocab["platform"][p])
-        for u, t, s, p in zip(req.user, req.ts, req.surface, req.platform, strict=True)
-    ]  # fmt: skip
-    result = simulate_auction(engine, market, truth, requests, req, predictor(rank_fn, a, c),
-                              cfg, arms, log)  # fmt: skip
+        AdRequest(
+            int(user_ids[u]), int(t), surface=vocab["surface"][s], platform=vocab["platform"][p]
+        )
+        for u, t, s, p in zip(req.user.tolist(), req.ts, req.surface, req.platform, strict=True)
+    ]
+    predict = predictor(rank_fn, a, c)
+    result = simulate_auction(engine, market, truth, requests, req, predict, cfg, arms, log)
     result["calibration"] = {"a": a, "c": c}
     return result

@@ -147,4 +147,6 @@ def _check_value_fields(table: pa.Table, ids: np.ndarray) -> None:
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
             want = "a positive finite number" if name == "bid" else "a number in (0, 1]"
-            raise AdIndexError(f"attributes: ad {int(ids[i])}: {name} {values[i]!r} is not {want}")
+            raise AdIndexError(
+                f"attributes: ad {int(ids[i])}: {name} {float(values[i])} is not {want}"
+            )
