@@ -326,12 +326,8 @@ def test_three_shards_merge_to_the_one_index(tmp_path):
 # ---- HTTP ---------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def world(served_world) -> World:
-    return served_world
-
-
-def test_bids_are_patched_and_ranked_over_http(world):
+def test_bids_are_patched_and_ranked_over_http(served_world: World):
+    world = served_world
     config = ServeConfig(
         index=fresh_state(world, "value"), model=world.model, admin_token=ADMIN, timeout_ms=60_000
     )
