@@ -202,10 +202,12 @@ def test_eval_models_side_by_side(trained, tmp_path):
     code, out = run(
         "eval", "--data", str(trained.data), *_models(trained), "--ks", "10,50",
         "--max-users", "60", "--plot", str(tmp_path / "recall.png"),
+        "--pareto", str(tmp_path / "pareto.png"), "--pareto-metric", "truth_recall@50",
         "--json", str(tmp_path / "m.json"),
     )  # fmt: skip
     assert code == 0, out
     assert "60 test requests, 2,000 ads each" in out
+    assert (tmp_path / "pareto.png").read_bytes()[:4] == b"\x89PNG"
     doc = json.loads((tmp_path / "m.json").read_text())
     metrics = doc["means"]
     assert set(metrics) == {"moe", "two-tower", "ranking"}
@@ -222,6 +224,15 @@ def test_eval_models_side_by_side(trained, tmp_path):
     assert truth_pair["diff_lo"] <= truth_pair["diff"] <= truth_pair["diff_hi"]
     assert "| truth_recall@10 |" in out
     assert (tmp_path / "recall.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_eval_refuses_a_pareto_metric_it_does_not_measure(trained, tmp_path):
+    code, out = run(
+        "eval", "--data", str(trained.data), f"--model=moe={trained['moe.pt']}", "--ks", "10",
+        "--max-users", "20", "--pareto", str(tmp_path / "p.png"), "--pareto-metric", "hr@50",
+    )  # fmt: skip
+    assert code != 0 and "--pareto-metric" in out and "hr@10" in out
+    assert not (tmp_path / "p.png").exists()
 
 
 def test_eval_seeds_baselines_and_chosen_pairs(trained, tmp_path):

@@ -66,9 +66,13 @@ ProtocolOption = Annotated[
 ParetoOption = Annotated[
     Path | None,
     typer.Option(
-        help="Write a PNG of each model's HR@10 (mean ± std over its checkpoints) against its "
-        "FLOPs per (request, ad) pair, log scale, the Pareto front joined."
+        help="Write a PNG of each model's HR@10 (or --pareto-metric; mean ± std over its "
+        "checkpoints) against its FLOPs per (request, ad) pair, log scale, the front joined."
     ),
+]
+ParetoMetricOption = Annotated[
+    str | None,
+    typer.Option(help="The metric of --pareto, e.g. truth_recall@50 (default: hr@10)."),
 ]
 ReferenceOption = Annotated[
     str | None, typer.Option(help="Model whose top-K the others are compared with.")
@@ -91,6 +95,7 @@ def eval_cmd(
     exclude_seen: ExcludeSeenOption = None,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of recall@K against K.")] = None,
     pareto: ParetoOption = None,
+    pareto_metric: ParetoMetricOption = None,
     json_out: JsonOption = None,
     device: DeviceOption = "cpu",
 ) -> None:
@@ -125,7 +130,10 @@ def eval_cmd(
         plot_recall_at_k(report.means(), plot, "truth_recall" if report.truth else "hr")
         typer.echo(f"wrote {plot}")
     if pareto:
-        metric = f"hr@{10 if 10 in cutoffs else cutoffs[0]}"
+        metric = pareto_metric or f"hr@{10 if 10 in cutoffs else cutoffs[0]}"
+        known = sorted({m for s in report.summaries.values() for m in s})
+        if metric not in known:
+            fail(f"--pareto-metric: {metric!r} is not one of {', '.join(known)}")
         plot_pareto(report.pareto(metric), metric, pareto, title=Path(data).name)
         typer.echo(f"wrote {pareto}")
 
