@@ -48,9 +48,8 @@ def index_of(
 ) -> AdIndex:
     """The index of the ads of `ads` (a table of the ads schema, with the `extra` attribute
     columns: name -> kind, and `bid`, `pacing` where it has them), encoded by `model`'s ad
-    tower: an ad of its catalogue (`feats`)
-    from its features, another from the table's columns as the server encodes an upserted ad
-    (`m31.engine.ad_encoder`: no co-engagement history)."""
+    tower: an ad of its catalogue (`feats`) from its features, another from the table's columns
+    as the server encodes an upserted ad (`m31.engine.ad_encoder`: no co-engagement history)."""
     given, ads = ads, dataset.conform("ads", ads, extra or {})
     for name in ("bid", "pacing"):  # the value fields (DESIGN §2), which no dataset column feeds
         if name in given.column_names:

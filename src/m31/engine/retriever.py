@@ -133,9 +133,7 @@ def search(
             break
         pick = torch.as_tensor(todo, device=view.row_ids.device)
         sub = tuple(t[pick] for t in query) if len(todo) < len(ks) else query
-        sub_mask = mask
-        if mask is not None and len(todo) < len(ks):
-            sub_mask = mask.select(pick) if isinstance(mask, PackedMask) else mask[pick]
+        sub_mask = _mask_of(mask, pick) if len(todo) < len(ks) else mask
         scores, rows = score_topk(sub, view.ad_table, sub_mask, want, kernel, value)  # [b, K']
         ids = torch.where(rows == NO_ROW, NO_ROW, view.row_ids[rows.clamp_min(0)])
         scores, ids, rows = scores.cpu().numpy(), ids.cpu().numpy(), rows.cpu().numpy()
@@ -161,17 +159,21 @@ def search(
     return out  # type: ignore[return-value]
 
 
+def _mask_of(mask, pick: torch.Tensor):
+    """The masks of the requests `pick` of a batch's `PackedMask` or bool [B, N] (or None)."""
+    if mask is None:
+        return None
+    return mask.select(pick) if isinstance(mask, PackedMask) else mask[pick]
+
+
 def _by_kind(query, view: IndexView, mask, ks, kernel: str, caps, valued) -> list[Retrieved]:
     """`search` of a batch that mixes value-ranked requests with others: one pass per kind."""
     out: list[Retrieved | None] = [None] * len(ks)
     for kind in (False, True):
         idx = [r for r, v in enumerate(valued) if v == kind]
         pick = torch.as_tensor(idx, device=view.row_ids.device)
-        sub_mask = mask
-        if mask is not None:
-            sub_mask = mask.select(pick) if isinstance(mask, PackedMask) else mask[pick]
         found = search(
-            tuple(t[pick] for t in query), view, sub_mask, [ks[r] for r in idx], kernel,
+            tuple(t[pick] for t in query), view, _mask_of(mask, pick), [ks[r] for r in idx], kernel,
             None if caps is None else [caps[r] for r in idx], [kind] * len(idx),
         )  # fmt: skip
         for r, got in zip(idx, found, strict=True):

@@ -71,14 +71,16 @@ class ScoreFunction:
             self.model.cfg.max_len,
         ).to(self.device)
 
+    def _query(self, r: RequestInputs):
+        """A retrieval model's (q, v, p) of the requests, through `query_map` if given."""
+        q, v, p = self.model.encode_requests(r, self.catalog)
+        return (q, v, p) if self.query_map is None else self.query_map(q, v, p)
+
     @torch.no_grad()
     def __call__(self, req) -> np.ndarray:
         r = self._inputs(req)
         if self._ads is not None:
-            q, v, p = self.model.encode_requests(r, self.catalog)
-            if self.query_map is not None:
-                q, v, p = self.query_map(q, v, p)
-            return score(q, v, p, *self._ads).cpu().numpy()
+            return score(*self._query(r), *self._ads).cpu().numpy()
         out = np.empty((len(r), len(self.catalog)), dtype=np.float32)
         for lo in range(0, len(self.catalog), self.ad_chunk):
             rows = torch.arange(lo, min(lo + self.ad_chunk, len(self.catalog)), device=self.device)
@@ -92,9 +94,6 @@ class ScoreFunction:
         the full corpus gets it, up to fp32 rounding)."""
         rows = torch.from_numpy(np.ascontiguousarray(cand_rows, dtype=np.int64)).to(self.device)
         if self._ads is not None:
-            q, v, p = self.model.encode_requests(self._inputs(req), self.catalog)
-            if self.query_map is not None:
-                q, v, p = self.query_map(q, v, p)
             g, x, b = (t[rows] for t in self._ads)  # [n, k, G], [n, k, D], [n, k]
-            return score(q, v, p, g, x, b).cpu().numpy()
+            return score(*self._query(self._inputs(req)), g, x, b).cpu().numpy()
         return self.model(self._inputs(req), self.catalog, rows).cpu().numpy()
