@@ -1,11 +1,12 @@
 """Multi-seed aggregation and the paired comparison of `m31.eval.stats` on hand-made cases."""
 
+import json
 import math
 
 import numpy as np
 import pytest
 
-from m31.eval.stats import aggregate_seeds, paired_comparison, seed_summary
+from m31.eval.stats import aggregate_seeds, format_paired, paired_comparison, seed_summary
 
 
 def test_seed_summary_is_the_textbook_mean_and_sample_std():
@@ -54,6 +55,35 @@ def test_seeds_are_averaged_per_request_before_the_difference():
     c = paired_comparison(a, b, resamples=200)
     assert c.mean_a == 0.625 and c.mean_b == 0.25 and c.diff == pytest.approx(0.375)
     assert c.requests == 4 and c.resamples == 200
+
+
+def test_a_ratio_whose_denominator_resamples_to_zero_has_an_unbounded_upper_end():
+    # b hits twice in 60 requests: about one resample in 8 holds neither hit, and a's ratio to
+    # nothing is unbounded; the interval says so (inf), not NaN, and its lower end stays finite.
+    a = np.zeros(60)
+    a[:6] = 1.0
+    b = np.zeros(60)
+    b[[10, 20]] = 1.0
+    c = paired_comparison(a, b)
+    assert c.ratio == 3.0 and 0.0 < c.ratio_lo < 3.0 and c.ratio_hi == math.inf
+    d = c.as_dict()
+    assert d["ratio_hi"] is None and d["ratio_lo"] == c.ratio_lo
+    json.dumps(d, allow_nan=False)  # strict JSON
+    assert "inf]" in format_paired("a", "b", {"hr@10": c})
+    # Neither model ever scores: no ratio at all.
+    z = paired_comparison(np.zeros(5), np.zeros(5), resamples=100)
+    assert math.isnan(z.ratio) and math.isnan(z.ratio_lo) and math.isnan(z.ratio_hi)
+    assert z.as_dict()["ratio"] is None
+
+
+def test_the_ratio_interval_is_numpys_linear_percentile_where_every_ratio_is_finite():
+    rng = np.random.default_rng(3)
+    a, b = rng.random((2, 400)) < 0.3
+    c = paired_comparison(a, b, resamples=2000, seed=5)
+    rng = np.random.default_rng(5)
+    idx = rng.integers(0, 400, size=(2000, 400))
+    ratio = a[idx].sum(1) / b[idx].sum(1)
+    assert [c.ratio_lo, c.ratio_hi] == pytest.approx(np.percentile(ratio, [2.5, 97.5]), rel=1e-12)
 
 
 def test_paired_comparison_rejects_mismatched_inputs():
