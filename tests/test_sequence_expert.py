@@ -16,6 +16,7 @@ from m31.model.checkpoint import build_model, load_checkpoint, save_checkpoint, 
 from m31.model.config import ModelConfig
 from m31.model.inputs import Catalog
 from m31.model.sequence import CausalSequenceEncoder, causal_mask
+from m31.model.towers import AttentionPool
 from m31.training import train
 from m31.training.train import _anchors, requests_for
 from m31.world.config import preset
@@ -137,6 +138,41 @@ def test_a_config_from_before_the_transformer_is_the_pool():
         ModelConfig(sequence_encoder="rnn")
     with pytest.raises(ValueError, match="sequence_heads"):
         ModelConfig(hidden=64, sequence_heads=3)
+
+
+def test_without_the_sink_the_pools_null_key_is_only_an_empty_historys():
+    torch.manual_seed(0)
+    seq, ctx = torch.randn(3, 5, 12), torch.randn(3, 12)
+    valid = torch.ones(3, 5, dtype=torch.bool)
+    valid[1, :3] = False
+    valid[2] = False  # an empty history
+    pool = AttentionPool(12, 2, sink=False)
+    with torch.no_grad():  # both queries u for every user, keys the states themselves
+        pool.queries.copy_(torch.ones(2, 12))
+        pool.ctx.weight.zero_(), pool.ctx.bias.zero_()
+        pool.key.weight.copy_(torch.eye(12)), pool.key.bias.zero_()
+    before = pool(seq, valid, ctx)
+    with torch.no_grad():  # a null key far along u: it takes the attention wherever it may
+        pool.null.fill_(100.0)
+    after = pool(seq, valid, ctx)
+    assert torch.equal(before[:2], after[:2]), "a history's pool never reads the null key"
+    null_value = pool.value(pool.null)[0, 0]
+    assert torch.allclose(after[2], null_value.expand(2, -1)), "an empty history pools to it"
+    sink = AttentionPool(12, 2, sink=True)
+    sink.load_state_dict(pool.state_dict())
+    collapsed = sink(seq, valid, ctx)
+    # with the sink (the old pools), every user's state becomes the null's value: the collapse
+    assert torch.allclose(collapsed, null_value.expand(3, 2, -1), atol=1e-4)
+
+
+def test_a_config_from_before_the_pools_null_key_change_keeps_the_sink(feats):
+    d = ModelConfig().to_dict()
+    del d["pool_sink"]
+    old = ModelConfig.from_dict(d)
+    assert old.pool_sink
+    model = build_model(old, vocab_sizes(feats), feats.text_emb.shape[1], feats.cooc_emb.shape[1])
+    assert set(model.user.pools) == {"sequence", "semantic"}
+    assert all(pool.sink for pool in model.user.pools.values())
 
 
 def test_a_two_tower_over_the_sequence_alone_has_a_query_at_every_position(feats):

@@ -36,6 +36,10 @@ class ModelConfig:
     sequence_blocks: int = 2  # causal self-attention blocks of the transformer
     sequence_heads: int = 2
     sequence_time: bool = True  # embed each engagement's time-since-request bucket
+    # the attention pools' learned null key: attended beside the history (True, the checkpoints
+    # before 2026-12-03) or only where the history is empty, so that a pool cannot collapse onto
+    # it and give every user the same vector (`m31.model.towers.AttentionPool`, DESIGN §3)
+    pool_sink: bool = True
     dropout: float = 0.2  # of the transformer's attention, residual branches and input
     # train the sequence expert with a target at every history position (the next engagement),
     # not only at the request (transformer only; `m31.training.train`)
@@ -172,6 +176,8 @@ class ModelConfig:
         d.setdefault("sequence_encoder", "pool")
         # a config written before the ad tower read item attributes
         d.setdefault("attribute_buckets", 0)
+        # a config written before the pools' null key was only an empty history's
+        d.setdefault("pool_sink", True)
         return cls(**d)
 
     def with_overrides(self, **kw) -> ModelConfig:

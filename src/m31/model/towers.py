@@ -101,11 +101,15 @@ class ContextEncoder(nn.Module):
 class AttentionPool(nn.Module):
     """k learned queries, shifted by the context, attend over a sequence: [B, L, h] -> [B, k, h].
 
-    A learned null key/value is always present, so an empty history pools to it (no NaN).
+    A learned null key/value gives an empty history a state (no NaN). With `sink` it is attended
+    beside every history as well, and training can put all the attention on it: every user then
+    gets the same vector and the model ranks by popularity (one of three MovieLens trainings of
+    the one-expert moe did, docs/QUALITY.md). Without, it is an empty history's state only.
     """
 
-    def __init__(self, h: int, k: int) -> None:
+    def __init__(self, h: int, k: int, sink: bool = True) -> None:
         super().__init__()
+        self.sink = sink
         self.queries = nn.Parameter(torch.randn(k, h) * 0.1)
         self.ctx = nn.Linear(h, h)
         self.key = nn.Linear(h, h)
@@ -116,7 +120,8 @@ class AttentionPool(nn.Module):
     def forward(self, seq: torch.Tensor, valid: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
         b = seq.shape[0]
         seq = torch.cat([self.null.expand(b, 1, -1), seq], dim=1)  # [B, 1+L, h]
-        valid = torch.cat([valid.new_ones(b, 1), valid], dim=1)  # [B, 1+L]
+        null = valid.new_ones(b, 1) if self.sink else ~valid.any(1, keepdim=True)  # [B, 1]
+        valid = torch.cat([null, valid], dim=1)  # [B, 1+L]
         q = self.queries[None] + self.ctx(ctx)[:, None, :]  # [B, k, h]
         att = torch.einsum("bkh,blh->bkl", q, self.key(seq)) * self.scale
         att = att.masked_fill(~valid[:, None, :], float("-inf")).softmax(-1)  # [B, k, 1+L]
@@ -159,7 +164,7 @@ class UserFeatures(nn.Module):
         pools, trunks, offsets = {}, {}, {}
         for name, k in self.slots.items():
             if name == "semantic" or (name == "sequence" and not self.causal):
-                pools[name] = AttentionPool(h, k)
+                pools[name] = AttentionPool(h, k, sink=cfg.pool_sink)
             else:
                 offsets[name] = nn.Parameter(torch.randn(k, h) * 0.1)
             trunks[name] = nn.Sequential(
