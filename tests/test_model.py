@@ -360,7 +360,9 @@ def test_demo_ranking_model_costs_over_100x_the_moe_per_pair():
 def test_gradients_reach_every_tower(feats, kind):
     model = make(kind, feats)
     catalog = Catalog.from_features(feats)
-    r = some_requests(feats, 16)
+    test = {k: v.copy() for k, v in feats.splits["test"].items()}
+    test["ts"][0] = -1  # before every engagement: an empty history, the pools' null key's reader
+    r = requests_for(feats, test, np.arange(16), 8)
     if kind in ("ranking", "dense"):
         out = model(r, catalog, torch.randint(0, feats.n_ads, (16, 5)))
     else:

@@ -36,10 +36,10 @@ class ModelConfig:
     sequence_blocks: int = 2  # causal self-attention blocks of the transformer
     sequence_heads: int = 2
     sequence_time: bool = True  # embed each engagement's time-since-request bucket
-    # the attention pools' learned null key: attended beside the history (True, the checkpoints
-    # before 2026-12-03) or only where the history is empty, so that a pool cannot collapse onto
-    # it and give every user the same vector (`m31.model.towers.AttentionPool`, DESIGN §3)
-    pool_sink: bool = True
+    # the attention pools' learned null key: attended only where the history is empty (False), so
+    # that a pool cannot collapse onto it and give every user the same vector, or beside the
+    # history too (True, the checkpoints before 2026-12-03; `m31.model.towers.AttentionPool`)
+    pool_sink: bool = False
     dropout: float = 0.2  # of the transformer's attention, residual branches and input
     # train the sequence expert with a target at every history position (the next engagement),
     # not only at the request (transformer only; `m31.training.train`)

@@ -107,7 +107,7 @@ class AttentionPool(nn.Module):
     the one-expert moe did, docs/QUALITY.md). Without, it is an empty history's state only.
     """
 
-    def __init__(self, h: int, k: int, sink: bool = True) -> None:
+    def __init__(self, h: int, k: int, sink: bool = False) -> None:
         super().__init__()
         self.sink = sink
         self.queries = nn.Parameter(torch.randn(k, h) * 0.1)
