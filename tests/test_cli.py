@@ -400,8 +400,10 @@ def test_train_options_reach_the_checkpoint(trained, tmp_path):
     )  # fmt: skip
     assert config["experts"] == {"sequence": 2, "cohort": 0, "semantic": 0, "coengagement": 0}
     assert (config["max_len"], config["lr"]) == (13, 0.004)
-    # A stronger specialisation term on the gate.
-    assert train_moe("bal.pt", "--balance-weight", "0.25")["balance_weight"] == 0.25
+    assert config["pool_sink"] is False
+    # A stronger specialisation term on the gate; the pools' null key as before 2026-12-03.
+    config = train_moe("bal.pt", "--balance-weight", "0.25", "--pool-sink")
+    assert config["balance_weight"] == 0.25 and config["pool_sink"] is True
     # No per-ad routing (G = 0); such a moe indexes like any other.
     assert train_moe("g0.pt", "--gate-dim", "0")["gate_dim"] == 0
     code, out = run(

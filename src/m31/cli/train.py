@@ -48,6 +48,15 @@ SequenceEncoderOption = Annotated[
         "position) or pool (the attention pool, for ablations)."
     ),
 ]
+PoolSinkOption = Annotated[
+    bool,
+    typer.Option(
+        "--pool-sink",
+        help="Let the attention pools attend their learned null key beside every history, as "
+        "the models trained before 2026-12-03 did (an ablation: a pool can then put all its "
+        "attention there and give every user one vector).",
+    ),
+]
 MaxLenOption = Annotated[
     int | None,
     typer.Option(help="Override the preset's engagement-sequence length (the last events)."),
@@ -110,6 +119,7 @@ def train_cmd(
     sequence_encoder: SequenceEncoderOption = None,
     loss: LossOption = None,
     attribute_buckets: AttributeBucketsOption = None,
+    pool_sink: PoolSinkOption = False,
     seed: Annotated[int | None, typer.Option(help="Random seed.")] = None,
     max_len: MaxLenOption = None,
     lr: Annotated[float | None, typer.Option(help="Override the preset's learning rate.")] = None,
@@ -135,6 +145,7 @@ def train_cmd(
         base=base is not None,
         epochs=epochs, seed=seed, max_len=max_len, lr=lr, patience=patience,
         sequence_encoder=sequence_encoder, loss=loss, attribute_buckets=attribute_buckets,
+        pool_sink=pool_sink or None,
     )  # fmt: skip
     trained = train_checkpoint(
         cfg, data, out, split, preset=preset, device=device, hard_negatives=hard_negatives,

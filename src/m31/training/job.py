@@ -35,7 +35,7 @@ def configure(
     **overrides,
 ) -> tuple[ModelConfig, str]:
     """(config, split) of a model `kind` from `preset`: `overrides` (epochs, seed, max_len, lr,
-    patience, sequence_encoder, loss, attribute_buckets; None keeps the preset's) and the
+    patience, sequence_encoder, loss, attribute_buckets, pool_sink; None keeps the preset's) and the
     checked options; a `protocol` (`m31.eval.protocol`) sets the split and how the epoch is
     selected. `experts`: slots per
     family, the families not named keeping the preset's. `hard_negatives`, `base`: whether a
