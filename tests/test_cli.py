@@ -445,6 +445,7 @@ def test_train_a_ranking_model_on_a_retrievers_output(trained, tmp_path):
 def test_train_refuses_bad_options(trained, tmp_path):
     data, bad_pt = str(trained.data), str(tmp_path / "bad.pt")
     moe, ranking, nope = trained["moe.pt"], trained["ranking.pt"], trained["nope.pt"]
+    poolless = ["--experts", "semantic=0", "--sequence-encoder", "transformer"]
     for args, message in (
         (["--model", "moe", "--base", moe], "takes a base"),
         (["--model", "two-tower", "--gate-dim", "0"], "the moe has a gate"),
@@ -453,6 +454,7 @@ def test_train_refuses_bad_options(trained, tmp_path):
         (["--model", "ranking", "--base", nope], "no such"),
         (["--model", "moe", "--hard-negatives", moe], "trains the ranking"),
         (["--model", "ranking", "--hard", "4"], "go with --hard-negatives"),
+        (["--model", "moe", *poolless, "--pool-sink"], "no attention pool"),
         (["--model", "ranking", "--hard-negatives", ranking], "is a ranking"),
         (["--model", "ranking", "--hard-negatives", nope], "no such"),
         (["--model", "ranking", "--hard-negatives", moe, "--hard", "0"], "must be >= 1"),

@@ -158,6 +158,17 @@ class ModelConfig:
         )
 
     @property
+    def pooled_families(self) -> tuple[str, ...]:
+        """The families whose history an attention pool reads (its null key: `pool_sink`):
+        semantic, and sequence unless the transformer reads it."""
+        return tuple(
+            name
+            for name, k in self.experts.items()
+            if k > 0
+            and (name == "semantic" or (name == "sequence" and self.sequence_encoder == "pool"))
+        )
+
+    @property
     def effective_gate_dim(self) -> int:
         return 0 if self.kind in ("two-tower", "dense") else self.gate_dim
 

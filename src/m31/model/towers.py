@@ -163,7 +163,7 @@ class UserFeatures(nn.Module):
         self.causal = cfg.sequence_encoder == "transformer"
         pools, trunks, offsets = {}, {}, {}
         for name, k in self.slots.items():
-            if name == "semantic" or (name == "sequence" and not self.causal):
+            if name in cfg.pooled_families:
                 pools[name] = AttentionPool(h, k, sink=cfg.pool_sink)
             else:
                 offsets[name] = nn.Parameter(torch.randn(k, h) * 0.1)

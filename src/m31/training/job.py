@@ -35,11 +35,11 @@ def configure(
     **overrides,
 ) -> tuple[ModelConfig, str]:
     """(config, split) of a model `kind` from `preset`: `overrides` (epochs, seed, max_len, lr,
-    patience, sequence_encoder, loss, attribute_buckets, pool_sink; None keeps the preset's) and the
-    checked options; a `protocol` (`m31.eval.protocol`) sets the split and how the epoch is
-    selected. `experts`: slots per
-    family, the families not named keeping the preset's. `hard_negatives`, `base`: whether a
-    retrieval model is given for them (`train_checkpoint`)."""
+    patience, sequence_encoder, loss, attribute_buckets, pool_sink; None keeps the preset's) and
+    the checked options; a `protocol` (`m31.eval.protocol`) sets the split and how the epoch is
+    selected. `experts`: slots per family, the families not named keeping the preset's.
+    `hard_negatives`, `base`: whether a retrieval model is given for them
+    (`train_checkpoint`)."""
     from m31.eval.protocol import protocol as named_protocol
     from m31.model import model_preset
 
@@ -66,6 +66,11 @@ def configure(
         if kind != "moe":
             raise ValueError(f"--balance-weight: the moe's gate has the term, not {kind!r}")
         cfg = cfg.with_overrides(balance_weight=balance_weight)
+    if overrides.get("pool_sink") and not cfg.pooled_families:
+        raise ValueError(
+            "--pool-sink: this model has no attention pool (the transformer reads the sequence "
+            "and it has no semantic slot)"
+        )
     if base and kind != "ranking":
         raise ValueError(f"--base: the ranking model takes a base, not {kind!r}")
     if protocol is not None:
