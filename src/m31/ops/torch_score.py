@@ -24,13 +24,29 @@ import torch
 
 
 def gate_weights(q: torch.Tensor, p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """w: q [B, E, G], p [B, E], g [N, G] (or [B, N, G], each request's own ads) -> [B, N, E]."""
+    """w: q [B, E, G], p [B, E], g [N, G] (or [B, N, G], each request's own ads) -> [B, N, E]
+    (a view of `_gate`'s experts-first tensor)."""
+    return _gate(q, p, g).transpose(1, 2)
+
+
+def _gate(q: torch.Tensor, p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """The gate with the experts along dim 1: [B, E, N], so that the softmax over E and the sum
+    over E in `_score` run along the ads' contiguous rows (on a CPU core about 3x faster than
+    experts last at B = 256, N = 18,357, E = 8)."""
     if q.shape[-1] == 0:
-        logit = p[:, None, :].expand(-1, g.shape[-2], -1)  # no gate key: priors alone route
+        logit = p[:, :, None].expand(-1, -1, g.shape[-2])  # no gate key: priors alone route
     else:
-        rows = "ng" if g.dim() == 2 else "bng"
-        logit = torch.einsum(f"beg,{rows}->bne", q, g) / math.sqrt(q.shape[-1]) + p[:, None, :]
-    return torch.softmax(logit, dim=-1)  # [B, N, E]
+        rows = "n" if g.dim() == 2 else "bn"
+        logit = torch.einsum(f"bec,{rows}c->ben", q, g) / math.sqrt(q.shape[-1]) + p[:, :, None]
+    return torch.softmax(logit, dim=1)
+
+
+def _score(q, v, p, g, x, b) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s [B, N], w [B, E, N]) in the inputs' dtype."""
+    w = _gate(q, p, g)
+    rows = "n" if x.dim() == 2 else "bn"
+    affinity = torch.einsum(f"bec,{rows}c->ben", v, x)  # [B, E, N]
+    return (w * affinity).sum(1) + b, w
 
 
 def score(
@@ -48,12 +64,8 @@ def score(
     shared by the requests, or g [B, N, G], x [B, N, D], b [B, N] to score each request against
     its own N ads (a ranking stage's candidates).
     """
-    q, v, p, g, x, b = (t.float() for t in (q, v, p, g, x, b))
-    w = gate_weights(q, p, g)  # [B, N, E]
-    rows = "nd" if x.dim() == 2 else "bnd"
-    affinity = torch.einsum(f"bed,{rows}->bne", v, x)  # [B, N, E]
-    s = (w * affinity).sum(-1) + b  # [B, N]
-    return (s, w) if return_gate else s
+    s, w = _score(*(t.float() for t in (q, v, p, g, x, b)))
+    return (s, w.transpose(1, 2)) if return_gate else s
 
 
 def value_bias(b: torch.Tensor, value: torch.Tensor | None) -> torch.Tensor:
@@ -66,15 +78,6 @@ def rounded_score(q, v, p, g, x, b) -> torch.Tensor:
     """s [B, N] fp32: the §2 score evaluated in fp64, rounded to fp32 once (module docstring).
 
     q [B, E, G], v [B, E, D], p [B, E]; the ads g [N, G], x [N, D], b [N] shared by the requests,
-    or g [B, N, G], x [B, N, D], b [B, N] to score each request against its own N ads. Experts
-    go along dim 1 ([B, E, N]), so that the softmax and the sum over E run across ads.
+    or g [B, N, G], x [B, N, D], b [B, N] to score each request against its own N ads.
     """
-    q, v, p, g, x, b = (t.double() for t in (q, v, p, g, x, b))
-    rows = "n" if x.dim() == 2 else "bn"
-    if q.shape[-1] == 0:
-        logit = p[:, :, None].expand(-1, -1, x.shape[-2])  # no gate key: priors alone route
-    else:
-        logit = torch.einsum(f"bec,{rows}c->ben", q, g) / math.sqrt(q.shape[-1]) + p[:, :, None]
-    w = torch.softmax(logit, dim=1)  # [B, E, N]
-    affinity = torch.einsum(f"bec,{rows}c->ben", v, x)  # [B, E, N]
-    return ((w * affinity).sum(1) + b).float()  # [B, N]
+    return _score(*(t.double() for t in (q, v, p, g, x, b)))[0].float()
