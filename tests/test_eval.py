@@ -201,7 +201,9 @@ def test_oracle_recalls_the_truth_and_random_recalls_k_over_a(world):
         progress=lambda *a: calls.append(a),
     )
     n = len(feats.splits["test"]["user"])
-    assert calls[-1] == ("evaluate", n, n) and len(calls) == math.ceil(n / 64)
+    # the total first, then one call per batch
+    assert calls[0] == ("evaluate", 0, n) and calls[-1] == ("evaluate", n, n)
+    assert len(calls) == 1 + math.ceil(n / 64)
     for k in (100, 500, 5000):
         assert res["oracle"][f"truth_recall@{k}"] == 1.0
         assert res["oracle"][f"ref_overlap@{k}"] == 1.0

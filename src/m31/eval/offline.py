@@ -177,6 +177,8 @@ def evaluate(
     n, n_ads = len(req), feats.n_ads
     if n == 0:
         raise ValueError(f"split {split!r} has no examples")
+    if progress is not None:  # the total before the first batch, which can take a while
+        progress("evaluate", 0, n)
     k_top = min(max(ks), n_ads)
     all_ads = np.arange(n_ads)[None, :]  # [1, A] one candidate list shared by the whole batch
     sums = {name: defaultdict(float) for name in names}

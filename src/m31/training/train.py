@@ -8,9 +8,10 @@ plus the gate's load-balancing term; or, with `loss="bce"`, SASRec's binary cros
 each target against one uniformly drawn negative (`bce_loss`). The ranking model trains the
 same way, but scores each request against its own small candidate set (its positive, other
 requests' positives, uniform negatives), since every (request, ad) pair costs it a full
-forward pass; so does the dense interaction model. Such negatives are easy; where the ranking model re-ranks a retrieval model's top candidates it meets hard ones, so
-it can also draw `ranking_hard` negatives per request from that model's top
-`ranking_hard_pool` ads for the request (`hard_negative_pool`, computed once before training).
+forward pass; so does the dense interaction model. Such negatives are easy; where the ranking
+model re-ranks a retrieval model's top candidates it meets hard ones, so it can also draw
+`ranking_hard` negatives per request from that model's top `ranking_hard_pool` ads for the
+request (`hard_negative_pool`, computed once before training).
 A ranking model with a base (`ModelConfig.ranking_base`) takes the base's weights from the
 trained retrieval model given, validates by re-ranking the base's top `ranking_hard_pool` ads,
 and its validation before the first epoch (the base's order) is the one to beat.
@@ -76,12 +77,12 @@ def requests_for(
 
 
 def _validate(
-    model, feats: Features, catalog: Catalog, cfg: ModelConfig, exclude_seen: bool
+    model, feats: Features, catalog: Catalog, cfg: ModelConfig, exclude_seen: bool, progress=None
 ) -> dict:
     """HR@10, HR@50 and `cfg.val_metric` on `cfg.val_requests` validation requests (0: all),
     the user's engaged ads excluded if `exclude_seen`: over the whole corpus, or for a ranking
     model with a base, over the base's top `cfg.ranking_hard_pool` ads it re-ranks (where it is
-    used; also a small fraction of the pairs of the whole corpus)."""
+    used; also a small fraction of the pairs of the whole corpus). `progress`: as `evaluate`'s."""
     fn = ScoreFunction(model, feats, catalog)
     base = getattr(model, "base", None)
     if base is None:
@@ -97,6 +98,7 @@ def _validate(
         max_users=cfg.val_requests or None,
         exclude_seen=exclude_seen,
         rerank=rerank,
+        progress=progress,
     )
     return res["model"]
 
@@ -161,6 +163,7 @@ def train(
     """
     from rich.progress import (
         BarColumn,
+        MofNCompleteColumn,
         Progress,
         TextColumn,
         TimeElapsedColumn,
@@ -208,24 +211,34 @@ def train(
     bar = Progress(
         TextColumn("{task.description}"),
         BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TextColumn("loss {task.fields[loss]:.3f}"),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[note]}"),
         TimeElapsedColumn(),
         TimeRemainingColumn(),
         disable=not progress,
         transient=True,
     )
-    if base is not None:  # epoch 0: the base's own order, the one to beat
-        model.eval()
-        val = _validate(model, feats, catalog, cfg, exclude_seen)
-        history.append({"epoch": 0, "loss": None, **{f"val_{k}": v for k, v in val.items()}})
-        log(f"epoch 0 (the base alone): val HR@10 {val['hr@10']:.4f}, HR@50 {val['hr@50']:.4f}")
-        best, best_state = val[metric], copy.deepcopy(model.state_dict())
+
+    def validate(title: str) -> dict:
+        """`_validate` with its own line on the progress bar: on the Amazon files every
+        validation user's full ranking is the longest part of an epoch."""
+        task = bar.add_task(f"{cfg.kind} {title}: validation", total=None, note="")
+        val = _validate(
+            model, feats, catalog, cfg, exclude_seen,
+            progress=lambda _, done, total: bar.update(task, completed=done, total=total),
+        )  # fmt: skip
+        bar.remove_task(task)
+        return val
+
     with bar:
+        if base is not None:  # epoch 0: the base's own order, the one to beat
+            model.eval()
+            val = validate("epoch 0")
+            history.append({"epoch": 0, "loss": None, **{f"val_{k}": v for k, v in val.items()}})
+            log(f"epoch 0 (the base alone): val HR@10 {val['hr@10']:.4f}, HR@50 {val['hr@50']:.4f}")
+            best, best_state = val[metric], copy.deepcopy(model.state_dict())
         for epoch in range(cfg.epochs):
-            task = bar.add_task(
-                f"{cfg.kind} epoch {epoch + 1}/{cfg.epochs}", total=steps, loss=float("nan")
-            )
+            task = bar.add_task(f"{cfg.kind} epoch {epoch + 1}/{cfg.epochs}", total=steps, note="")
             model.train()
             start, losses, gates = time.perf_counter(), [], []
             perm = rng.permutation(examples)
@@ -256,9 +269,9 @@ def train(
                 torch.nn.utils.clip_grad_norm_(trainable, 5.0)
                 opt.step()
                 losses.append(float(loss.detach()))
-                bar.update(task, advance=1, loss=float(np.mean(losses[-50:])))
+                bar.update(task, advance=1, note=f"loss {np.mean(losses[-50:]):.3f}")
             bar.remove_task(task)
-            val = _validate(model, feats, catalog, cfg, exclude_seen)
+            val = validate(f"epoch {epoch + 1}")
             entry = {
                 "epoch": epoch + 1,
                 "loss": float(np.mean(losses)),
