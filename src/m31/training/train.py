@@ -220,8 +220,8 @@ def train(
     )
 
     def validate(title: str) -> dict:
-        """`_validate` with its own line on the progress bar: on the Amazon files every
-        validation user's full ranking is the longest part of an epoch."""
+        """`_validate` with its own line on the progress bar: over a large catalogue, every
+        validation request's full ranking can take longer than the epoch's training."""
         task = bar.add_task(f"{cfg.kind} {title}: validation", total=None, note="")
         val = _validate(
             model, feats, catalog, cfg, exclude_seen,
