@@ -9,7 +9,7 @@ from m31.ops.score_topk import (
     available_kernels,
     score_topk,
 )
-from m31.ops.torch_score import gate_weights, rounded_score, score
+from m31.ops.torch_score import rounded_score, score
 
 __all__ = [
     "KERNELS",
@@ -18,7 +18,6 @@ __all__ = [
     "NonFiniteQueryError",
     "PackedMask",
     "available_kernels",
-    "gate_weights",
     "quantize_ad_table",
     "rounded_score",
     "score",

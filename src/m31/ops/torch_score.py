@@ -23,16 +23,10 @@ import math
 import torch
 
 
-def gate_weights(q: torch.Tensor, p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """w: q [B, E, G], p [B, E], g [N, G] (or [B, N, G], each request's own ads) -> [B, N, E]
-    (a view of `_gate`'s experts-first tensor)."""
-    return _gate(q, p, g).transpose(1, 2)
-
-
 def _gate(q: torch.Tensor, p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """The gate with the experts along dim 1: [B, E, N], so that the softmax over E and the sum
-    over E in `_score` run along the ads' contiguous rows (on a CPU core 2.4x faster than
-    experts last at B = 256, N = 18,357, E = 8)."""
+    """w [B, E, N] of q [B, E, G], p [B, E], g [N, G] (or [B, N, G], each request's own ads):
+    the experts along dim 1, so that the softmax over E and the sum over E in `_score` run
+    along the ads' contiguous rows (much faster on a CPU than with the experts last)."""
     if q.shape[-1] == 0:
         logit = p[:, :, None].expand(-1, -1, g.shape[-2])  # no gate key: priors alone route
     else:
