@@ -6,9 +6,10 @@
 # beauty and sports, read from AMAZON, default ../shared/data/amazon-sr); VARIANTS names the rows
 # to train (default all). Trainings run JOBS at a time (default 2) on DEVICE (default cpu: one
 # thread each, under nice); TRAIN_ARGS is added to every training (e.g. "--epochs 1" for a quick
-# look). A finished training (its .done file) is kept, so a stopped run goes on where it
-# stopped. Then one `m31 eval` per dataset over every finished training: the table, the paired
-# moe comparisons, a JSON and the plot (docs/img/pareto-<dataset>.png).
+# look). A finished training (its .done file) is kept and a stopped one goes on from its last
+# epoch (`m31 train --resume`), so a stopped run goes on where it stopped. Then one `m31 eval`
+# per dataset over every finished training: the table, the paired moe comparisons, a JSON and
+# the plot (docs/img/pareto-<dataset>.png).
 #   scripts/pareto.sh [OUT] [MOVIELENS_DIR]      (hours on 2 cores; Amazon: days)
 set -euo pipefail
 OUT=${1:-runs/pareto}
@@ -75,18 +76,17 @@ for data in $DATASETS; do
       ckpt=$OUT/$data/runs/$name-s$seed.pt
       [ -f "$ckpt.done" ] && continue  # written once the training has finished
       mkdir -p "$(dirname "$ckpt")"
-      # checked again when the job starts, and claimed (mkdir is atomic): another run on the
-      # same OUT may have finished or started it meanwhile. A killed training leaves its
-      # .lock folder behind; remove it to train that run again.
+      # checked again when the job starts, under a lock (flock's: it goes with the process
+      # that holds it): another run on the same OUT may have finished or started it meanwhile.
       opts=${VARIANT[$name]}
       case $data in
         beauty | sports)
           opts="--preset sasrec --epochs 40 --patience 3 ${AMAZON_VARIANT[$name]}"
           case $name in dense | ranking) ;; *) opts+=" --protocol loo-position" ;; esac ;;
       esac
-      echo "[ -f $ckpt.done ] || ! mkdir $ckpt.lock 2>/dev/null || { $M31 train $opts \
---data $OUT/$data --seed $seed --device $DEVICE --out $ckpt $TRAIN_ARGS \
->$OUT/logs/$data-$name-s$seed.log 2>&1 && touch $ckpt.done; rmdir $ckpt.lock; }" >>"$jobs_file"
+      echo "[ -f $ckpt.done ] || flock -n $ckpt.lock bash -c '[ -f $ckpt.done ] || { $M31 \
+train $opts --data $OUT/$data --seed $seed --device $DEVICE --out $ckpt --resume $TRAIN_ARGS \
+>>$OUT/logs/$data-$name-s$seed.log 2>&1 && touch $ckpt.done; }'" >>"$jobs_file"
     done
   done
 done

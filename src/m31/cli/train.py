@@ -101,6 +101,15 @@ HardPoolOption = Annotated[
     int | None,
     typer.Option(help="The retriever's top ads per request they come from (default 500)."),
 ]
+ResumeOption = Annotated[
+    bool,
+    typer.Option(
+        "--resume",
+        help="Go on from the state a stopped training of the same options left beside --out "
+        "(OUT.resume, written after every epoch), if there is one: the result is that of a "
+        "training never stopped. --epochs and --patience may differ from the stopped run's.",
+    ),
+]
 TrainDeviceOption = Annotated[
     str | None, typer.Option(help="cpu or cuda (default: cuda when present).")
 ]
@@ -133,6 +142,7 @@ def train_cmd(
     base: BaseOption = None,
     hard_pool: HardPoolOption = None,
     device: TrainDeviceOption = None,
+    resume: ResumeOption = False,
 ) -> None:
     """Train a model and write a checkpoint (weights, config, vocabularies, history)."""
     from m31.training.job import configure, train_checkpoint
@@ -149,7 +159,7 @@ def train_cmd(
     )  # fmt: skip
     trained = train_checkpoint(
         cfg, data, out, split, preset=preset, device=device, hard_negatives=hard_negatives,
-        base=base, log=typer.echo, progress=sys.stderr.isatty(),
+        base=base, resume=resume, log=typer.echo, progress=sys.stderr.isatty(),
     )  # fmt: skip
     best, metric = trained.best, trained.cfg.val_metric
     typer.echo(

@@ -97,8 +97,6 @@ def check_trained_on(blob: dict, feats: Features, path: Path) -> None:
 
 def save_checkpoint(path: Path, model, feats: Features, history: list[dict]) -> Path:
     """Weights, config, vocabularies and training history in one file, written atomically."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     blob = {
         "format": FORMAT,
         "config": model.cfg.to_dict(),
@@ -110,6 +108,14 @@ def save_checkpoint(path: Path, model, feats: Features, history: list[dict]) -> 
         "history": history,
         "state_dict": model.state_dict(),
     }
+    return save_atomic(blob, path)
+
+
+def save_atomic(blob: dict, path: Path) -> Path:
+    """`torch.save(blob)` to `path` through a temporary file renamed over it: a reader sees the
+    old file or the new one, never a part of one, whenever the writer stops."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:

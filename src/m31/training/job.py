@@ -1,7 +1,8 @@
 """A training job (`m31 train`): a preset's config with the overrides checked against the model
 kind, the dataset's features (built once into its folder), the trained retrieval model a ranking
 model draws hard negatives from or corrects, and the checkpoint, written at every new best epoch
-so that a long run can be stopped.
+so that a long run can be stopped. After every epoch the job also writes all a stopped run needs
+to go on (`resume_path`, removed when the training ends): `resume=True` goes on from it.
 
 Messages name the command line's options (`--gate-dim`, `--base`, ...), whose values these
 functions take.
@@ -17,6 +18,12 @@ from m31.model.config import ModelConfig
 
 HARD = 32  # hard negatives per request, by default
 HARD_POOL = 500  # the retriever's top ads per request they are drawn from, by default
+RESUME_FORMAT = "m31-resume-1"
+
+
+def resume_path(out: Path) -> Path:
+    """Where the training that writes the checkpoint `out` keeps its state between epochs."""
+    return Path(out).with_name(Path(out).name + ".resume")
 
 
 def configure(
@@ -102,6 +109,7 @@ def train_checkpoint(
     device: str | None = None,
     hard_negatives: Path | None = None,
     base: Path | None = None,
+    resume: bool = False,
     log=print,
     progress: bool = False,
 ) -> Trained:
@@ -111,9 +119,12 @@ def train_checkpoint(
     `hard_negatives`, `base` (ranking model only): a trained moe or two-tower checkpoint of the
     same data and split, whose top ads give each request hard negatives, or whose score the
     ranking model adds to its own; with a base, it validates on as many requests as `preset`
-    gives the base's kind. `device` None: cuda when present."""
+    gives the base's kind. `device` None: cuda when present. `resume`: go on from the state a
+    stopped training of the same job left (`resume_path(out)`), if there is one; the result is
+    the one an unstopped training gives."""
     from m31.eval.runs import load_scorer
     from m31.model import model_preset, save_checkpoint
+    from m31.model.checkpoint import features_fingerprint, save_atomic, split_fingerprint
     from m31.pipeline import features_for
     from m31.progress import progress_bar
     from m31.training.train import default_device, train
@@ -136,11 +147,49 @@ def train_checkpoint(
         # it validates on the base's top ads only, so on as many requests as a retrieval model
         val = model_preset(preset, base_model.cfg.kind).val_requests
         cfg = cfg.with_overrides(ranking_base=base_model.cfg.to_dict(), val_requests=val)
+    state_file = resume_path(out)
+    trained_on = (features_fingerprint(feats), split_fingerprint(feats))
+    state = _stopped_state(state_file, trained_on, at) if resume else None
+    if state is not None:
+        log(f"resuming {state_file} after epoch {state['epoch']} ({state['seconds']:.0f} s)")
+    elif resume:
+        log(f"no stopped training at {state_file}: training from the start")
+    elif state_file.is_file():
+        log(f"{state_file}: a stopped training's state, replaced (--resume goes on from it)")
+    earlier = 0.0 if state is None else state["seconds"]
     start = time.perf_counter()
+
+    def on_epoch(s: dict) -> None:
+        seconds = earlier + time.perf_counter() - start
+        save_atomic(
+            {**s, "format": RESUME_FORMAT, "trained_on": trained_on, "seconds": seconds},
+            state_file,
+        )
+
     model, history = train(
         cfg, feats, device=device, log=log, progress=progress,
         retriever=retrievers.get("--hard-negatives"), base=base_model,
-        on_best=lambda m, h: save_checkpoint(out, m, feats, h),
+        on_best=lambda m, h: save_checkpoint(out, m, feats, h), on_epoch=on_epoch, resume=state,
     )  # fmt: skip
     save_checkpoint(out, model, feats, history)
-    return Trained(model, history, cfg, time.perf_counter() - start)
+    state_file.unlink(missing_ok=True)
+    return Trained(model, history, cfg, earlier + time.perf_counter() - start)
+
+
+def _stopped_state(path: Path, trained_on: tuple, device) -> dict | None:
+    """The state at `path` (None if there is none), checked to be of these features."""
+    import torch
+
+    if not path.is_file():
+        return None
+    try:
+        state = torch.load(path, map_location=device, weights_only=False)
+    except Exception as e:
+        raise ValueError(f"{path}: not a readable training state ({e}); remove it") from e
+    if not isinstance(state, dict) or state.get("format") != RESUME_FORMAT:
+        raise ValueError(f"{path}: not an m31 training state ({RESUME_FORMAT}); remove it")
+    if tuple(state["trained_on"]) != trained_on:
+        raise ValueError(
+            f"{path}: a training on other features or another split; remove it to train afresh"
+        )
+    return state

@@ -147,6 +147,8 @@ def train(
     retriever: ScoreFunction | None = None,
     base: RetrievalModel | None = None,
     on_best: Callable[[torch.nn.Module, list[dict]], None] | None = None,
+    on_epoch: Callable[[dict], None] | None = None,
+    resume: dict | None = None,
 ):
     """Train a model on `feats` (train split; early stopping on the val split's
     `cfg.val_metric`).
@@ -157,6 +159,11 @@ def train(
     config) whose score it corrects.
     `on_best(model, history)`: called after every epoch that improves on the best so far, with
     the model in that state (e.g. to write a checkpoint a long run can be stopped at).
+    `on_epoch(state)`: called after every epoch with all a stopped training needs to go on: the
+    weights, the optimizer's and the random generators' states, the best epoch's weights, the
+    history. `resume`: such a state, of a training of this config (its epochs and patience may
+    differ: a run can be given more) on these features; training goes on after its epoch and
+    ends as it would have had it never stopped.
     Returns (model, history) where history holds per-epoch loss, validation metrics, time, and
     for the MoE the experts' usage; for a ranking model with a base it starts with epoch 0, the
     base alone (loss None).
@@ -207,7 +214,9 @@ def train(
     steps = math.ceil(len(examples) / cfg.batch_size)
     metric = cfg.val_metric
     history: list[dict] = []
-    best, best_state, bad_epochs = -1.0, None, 0
+    best, best_state, bad_epochs, first = -1.0, None, 0, 0
+    if resume is not None:
+        first, best, best_state, bad_epochs, history = _restore(resume, cfg, model, opt, rng)
     bar = Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -231,13 +240,15 @@ def train(
         return val
 
     with bar:
-        if base is not None:  # epoch 0: the base's own order, the one to beat
+        if base is not None and resume is None:  # epoch 0: the base's order, the one to beat
             model.eval()
             val = validate("epoch 0")
             history.append({"epoch": 0, "loss": None, **{f"val_{k}": v for k, v in val.items()}})
             log(f"epoch 0 (the base alone): val HR@10 {val['hr@10']:.4f}, HR@50 {val['hr@50']:.4f}")
             best, best_state = val[metric], copy.deepcopy(model.state_dict())
-        for epoch in range(cfg.epochs):
+        for epoch in range(first, cfg.epochs):
+            if bad_epochs >= cfg.patience:  # a resumed training that had stopped early
+                break
             task = bar.add_task(f"{cfg.kind} epoch {epoch + 1}/{cfg.epochs}", total=steps, note="")
             model.train()
             start, losses, gates = time.perf_counter(), [], []
@@ -294,12 +305,41 @@ def train(
                     on_best(model, history)
             else:
                 bad_epochs += 1
-                if bad_epochs >= cfg.patience:
-                    log(f"early stop: no validation gain for {cfg.patience} epochs")
-                    break
+            if on_epoch is not None:
+                on_epoch({
+                    "config": cfg.to_dict(), "epoch": epoch + 1, "history": history,
+                    "model": model.state_dict(), "optimizer": opt.state_dict(),
+                    "best": best, "best_state": best_state, "bad_epochs": bad_epochs,
+                    "numpy_rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state(),
+                    "cuda_rng": torch.cuda.get_rng_state_all() if device.type == "cuda" else None,
+                })  # fmt: skip
+            if bad_epochs >= cfg.patience:
+                log(f"early stop: no validation gain for {cfg.patience} epochs")
+                break
     model.load_state_dict(best_state)
     model.eval()
     return model, history
+
+
+def _restore(state: dict, cfg: ModelConfig, model, opt, rng: np.random.Generator):
+    """Load an `on_epoch` state into the model, the optimizer and the random generators; (the
+    next epoch's index, best metric, best weights, epochs without gain, history). Raises
+    ValueError if it is of another config (epochs and patience aside)."""
+    mine, theirs = cfg.to_dict(), dict(state["config"])
+    for key in ("epochs", "patience"):
+        mine.pop(key, None)
+        theirs.pop(key, None)
+    if mine != theirs:
+        differ = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+        raise ValueError(f"the stopped training had another config ({', '.join(differ)})")
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    rng.bit_generator.state = state["numpy_rng"]
+    torch.set_rng_state(state["torch_rng"].cpu())
+    if state["cuda_rng"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda_rng"]])
+    history = list(state["history"])
+    return state["epoch"], state["best"], state["best_state"], state["bad_epochs"], history
 
 
 def bce_loss(pos: torch.Tensor, neg: torch.Tensor) -> torch.Tensor:
