@@ -70,8 +70,8 @@ done
 
 jobs_file=$(mktemp "$OUT/jobs.XXXXXX")  # one per run: several runs may share OUT
 trap 'rm -f "$jobs_file"' EXIT
-for data in $DATASETS; do
-  for seed in $(seq 0 $((SEEDS - 1))); do
+for seed in $(seq 0 $((SEEDS - 1))); do  # a stopped run has one seed of every row first
+  for data in $DATASETS; do
     for name in "${NAMES[@]}"; do
       ckpt=$OUT/$data/runs/$name-s$seed.pt
       [ -f "$ckpt.done" ] && continue  # written once the training has finished
