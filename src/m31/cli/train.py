@@ -162,10 +162,11 @@ def train_cmd(
         base=base, resume=resume, log=typer.echo, progress=sys.stderr.isatty(),
     )  # fmt: skip
     best, metric = trained.best, trained.cfg.val_metric
+    selected = "" if metric in ("hr@10", "hr@50") else f", {metric} {best[f'val_{metric}']:.4f}"
     typer.echo(
         f"wrote {out} after {trained.seconds:.0f} s; best epoch {best['epoch']} of "
         f"{trained.history[-1]['epoch']}: val HR@10 {best['val_hr@10']:.4f}, HR@50 "
-        f"{best['val_hr@50']:.4f}, {metric} {best[f'val_{metric}']:.4f}; "
+        f"{best['val_hr@50']:.4f}{selected}; "
         f"{trained.model.flops_per_pair():,} FLOPs per (request, ad) pair"
     )
     if "experts" in best:
