@@ -402,10 +402,11 @@ def test_train_options_reach_the_checkpoint(trained, tmp_path):
     assert (config["max_len"], config["lr"]) == (13, 0.004)
     assert config["pool_sink"] is False
     # A stronger specialisation term on the gate; the pools' null key as before 2026-12-03.
-    # (--resume: nothing to go on from, so it trains from the start; its state is removed)
+    # (--resume: nothing to go on from, so it trains from the start; its one epoch used while
+    # still gaining, its state stays for more)
     config = train_moe("bal.pt", "--balance-weight", "0.25", "--pool-sink", "--resume")
     assert config["balance_weight"] == 0.25 and config["pool_sink"] is True
-    assert not (tmp_path / "bal.pt.resume").exists()
+    assert (tmp_path / "bal.pt.resume").is_file()
     # No per-ad routing (G = 0); such a moe indexes like any other.
     assert train_moe("g0.pt", "--gate-dim", "0")["gate_dim"] == 0
     code, out = run(

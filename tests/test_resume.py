@@ -1,7 +1,8 @@
 """A stopped training goes on where it stopped (`m31 train --resume`): the state written after
 every epoch restores the weights, the optimizer and the random generators, so that the resumed
-run ends with the weights and history of a run never stopped; a state of another config or other
-features, or a damaged one, is refused."""
+run ends with the weights and history of a run never stopped; a run that used its epochs while
+still gaining keeps its state for more, one that patience ended does not; a state of another
+config or other features, or a damaged one, is refused."""
 
 from __future__ import annotations
 
@@ -101,7 +102,6 @@ def test_the_job_resumes_from_its_state_file(feats, tmp_path):
     cfg = config("moe-transformer", epochs=3)
     whole = train_checkpoint(cfg, data, tmp_path / "whole.pt", log=lambda _: None)
     out = tmp_path / "stopped.pt"
-    assert not resume_path(tmp_path / "whole.pt").exists()  # removed when the training ends
 
     def stop_in_epoch_two(line: str) -> None:
         if line.startswith("epoch 2:"):  # the log line before epoch 2's state is written
@@ -114,12 +114,26 @@ def test_the_job_resumes_from_its_state_file(feats, tmp_path):
     lines = []
     resumed = train_checkpoint(cfg, data, out, resume=True, log=lines.append)
     assert any(line.startswith(f"resuming {resume_path(out)} after epoch 1") for line in lines)
-    assert not resume_path(out).exists()
     assert_same_weights(resumed.model, whole.model)
     blobs = [torch.load(p, weights_only=False) for p in (tmp_path / "whole.pt", out)]
     assert [h["epoch"] for h in blobs[1]["history"]] == [1, 2, 3]
     for key, value in blobs[0]["state_dict"].items():
         assert torch.equal(value, blobs[1]["state_dict"][key]), key
+
+    # both used their 3 epochs within their patience of 5: the state stays, for more epochs
+    assert not whole.stopped_early and resume_path(tmp_path / "whole.pt").is_file()
+    assert f"{resume_path(out)} kept" in lines[-1]
+    more = train_checkpoint(config("moe-transformer", epochs=4), data, out, resume=True,
+                            log=lambda _: None)  # fmt: skip
+    assert [h["epoch"] for h in more.history] == [1, 2, 3, 4]
+    assert more.history[:3] == resumed.history
+
+    # patience ends a training that cannot gain (an lr of 1e-30 moves no weight by a float32
+    # step, so every epoch validates the same), and takes its state with it
+    frozen = config("moe", epochs=9, patience=2, lr=1e-30)
+    still = train_checkpoint(frozen, data, tmp_path / "still.pt", log=lambda _: None)
+    assert still.stopped_early and [h["epoch"] for h in still.history] == [1, 2, 3]
+    assert not resume_path(tmp_path / "still.pt").exists()
 
     # nothing to resume: trains from the start, and says so
     lines = []
@@ -144,8 +158,8 @@ def test_the_job_refuses_a_damaged_state_or_one_of_other_features(feats, tmp_pat
     )
     with pytest.raises(ValueError, match="other features or another split"):
         train_checkpoint(cfg, data, out, resume=True, log=lambda _: None)
-    # without --resume the stale state is replaced, and removed at the end
+    # without --resume the stale state is replaced
     lines = []
     train_checkpoint(cfg, data, out, log=lines.append)
     assert any("a stopped training's state, replaced" in line for line in lines)
-    assert not resume_path(out).exists()
+    assert torch.load(resume_path(out), weights_only=False)["trained_on"] != ("other", {})

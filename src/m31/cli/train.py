@@ -106,8 +106,9 @@ ResumeOption = Annotated[
     typer.Option(
         "--resume",
         help="Go on from the state a stopped training of the same options left beside --out "
-        "(OUT.resume, written after every epoch), if there is one: the result is that of a "
-        "training never stopped. --epochs and --patience may differ from the stopped run's.",
+        "(OUT.resume, written after every epoch; kept at the end if the run used its epochs "
+        "while still gaining), if there is one: the result is that of a training never "
+        "stopped. --epochs and --patience may differ from the stopped run's.",
     ),
 ]
 TrainDeviceOption = Annotated[

@@ -2,7 +2,8 @@
 kind, the dataset's features (built once into its folder), the trained retrieval model a ranking
 model draws hard negatives from or corrects, and the checkpoint, written at every new best epoch
 so that a long run can be stopped. After every epoch the job also writes all a stopped run needs
-to go on (`resume_path`, removed when the training ends): `resume=True` goes on from it.
+to go on (`resume_path`): `resume=True` goes on from it. Patience ending the training removes it;
+a training that ran out of epochs while still gaining keeps it, so that it can be given more.
 
 Messages name the command line's options (`--gate-dim`, `--base`, ...), whose values these
 functions take.
@@ -98,6 +99,12 @@ class Trained:
         """The history of the epoch kept: the best on the validation metric."""
         return max(self.history, key=lambda h: h[f"val_{self.cfg.val_metric}"])
 
+    @property
+    def stopped_early(self) -> bool:
+        """Whether patience ended the training (its last `cfg.patience` epochs brought no
+        validation gain), not its epoch count."""
+        return self.history[-1]["epoch"] - self.best["epoch"] >= self.cfg.patience
+
 
 def train_checkpoint(
     cfg: ModelConfig,
@@ -172,8 +179,15 @@ def train_checkpoint(
         on_best=lambda m, h: save_checkpoint(out, m, feats, h), on_epoch=on_epoch, resume=state,
     )  # fmt: skip
     save_checkpoint(out, model, feats, history)
-    state_file.unlink(missing_ok=True)
-    return Trained(model, history, cfg, earlier + time.perf_counter() - start)
+    trained = Trained(model, history, cfg, earlier + time.perf_counter() - start)
+    if trained.stopped_early:
+        state_file.unlink(missing_ok=True)
+    else:
+        log(
+            f"{state_file} kept: the training used its {cfg.epochs} epochs with a validation gain "
+            f"in the last {cfg.patience}; --resume with more --epochs goes on from it"
+        )
+    return trained
 
 
 def _stopped_state(path: Path, trained_on: tuple, device) -> dict | None:
