@@ -7,9 +7,8 @@
 # to train (default all). Trainings run JOBS at a time (default 2) on DEVICE (default cpu: one
 # thread each, under nice); TRAIN_ARGS is added to every training (e.g. "--epochs 1" for a quick
 # look). A finished training (its .done file) is kept and a stopped one goes on from its last
-# epoch (`m31 train --resume`), so a stopped run goes on where it stopped. Then one `m31 eval`
-# per dataset over every finished training: the table, the paired moe comparisons, a JSON and
-# the plot (docs/img/pareto-<dataset>.png).
+# epoch (`m31 train --resume`). Then one `m31 eval` per dataset over every finished training:
+# the table, the paired moe comparisons, a JSON and the plot (docs/img/pareto-<dataset>.png).
 #   scripts/pareto.sh [OUT] [MOVIELENS_DIR]      (hours on 2 cores; Amazon: days)
 set -euo pipefail
 OUT=${1:-runs/pareto}
@@ -50,10 +49,10 @@ declare -A VARIANT=(
 # expert, 50 items; docs/QUALITY.md), its item attributes read, trained until 5 epochs bring no
 # validation gain (60 at most: the Beauty two-tower still gained at epoch 34; with a patience of
 # 3, validation's epoch-to-epoch noise stopped the Beauty moe at epochs 10 and 12 while the
-# two-tower went on rising to epoch 22 and beyond). The retrieval
-# rows choose their epoch under the standard protocol (every validation user, NDCG@10); the
-# dense and ranking models on 2,000 validation users (HR@50): every item for every validation
-# user is 270 million pairs an epoch on Beauty, 650 million on Sports, each a pass of their MLP.
+# two-tower went on rising to epoch 22 and beyond). The retrieval rows choose their epoch under
+# the standard protocol (every validation user, NDCG@10); the dense and ranking models on 2,000
+# validation users (HR@50): every item for every validation user is 270 million pairs an epoch
+# on Beauty, 650 million on Sports, each a pass of their MLP.
 declare -A AMAZON_VARIANT=(
   [two-tower]="--model two-tower"
   [moe-e1]="--model moe --experts sequence=1,cohort=0,semantic=0,coengagement=0 --gate-dim 64"
