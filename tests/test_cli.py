@@ -265,6 +265,72 @@ def test_eval_seeds_baselines_and_chosen_pairs(trained, tmp_path):
     assert code == 2 and "--compare: need two evaluated models A,B, got 'moe,nope'" in out
 
 
+def test_eval_records_join_later_evaluations(trained, tmp_path):
+    # What one call scores, recorded, joins a later call as if scored there: the same table,
+    # seeds and paired comparisons as one call over every checkpoint.
+    common = ["--data", str(trained.data), "--ks", "10,50", "--max-users", "60"]
+    tt0, tt1 = (f"--model=two-tower={trained[f]}" for f in ("two-tower.pt", "two-tower-s1.pt"))
+    moe = f"--model=moe={trained['moe.pt']}"
+    code, out = run(
+        "eval", *common, moe, tt0, tt1, "--baselines", "popularity",
+        "--json", str(tmp_path / "live.json"),
+    )  # fmt: skip
+    assert code == 0, out
+    rec = tmp_path / "records"
+    code, out = run("eval", *common, tt0, "--record", str(rec / "a.npz"))
+    assert code == 0, out
+    code, out = run(
+        "eval", *common, tt1, "--baselines", "popularity", "--record", str(rec / "b.npz")
+    )
+    assert code == 0, out
+    code, out = run(
+        "eval", *common, moe, "--from-record", str(rec / "*.npz"), "--compare", "moe,two-tower",
+        "--json", str(tmp_path / "joined.json"), "--pareto", str(tmp_path / "p.png"),
+    )  # fmt: skip
+    assert code == 0, out
+    live, joined = (json.loads((tmp_path / f).read_text()) for f in ("live.json", "joined.json"))
+    assert set(joined["means"]) == {"moe", "two-tower", "popularity"}
+    assert len(joined["runs"]["two-tower"]) == 2
+    for name in joined["means"]:
+        assert joined["means"][name] == pytest.approx(live["means"][name], abs=1e-12), name
+        assert joined["std"][name] == pytest.approx(live["std"][name], abs=1e-12), name
+    assert joined["paired"] == live["paired"]  # the same per-request values, the same bootstrap
+    assert joined["flops_per_pair"] == live["flops_per_pair"]
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+    from m31.eval.records import load_record
+    from m31.model import load_checkpoint
+
+    record = load_record(rec / "a.npz")
+    assert [(r.model, r.source) for r in record.runs] == [("two-tower", "two-tower.pt")]
+    assert record.runs[0].history == load_checkpoint(Path(trained["two-tower.pt"]))[1]["history"]
+    assert record.runs[0].truth_recall is not None  # a synthetic world: compared on truth too
+    assert [(r.model, r.source) for r in load_record(rec / "b.npz").runs] == [
+        ("popularity", "baseline"),
+        ("two-tower", "two-tower-s1.pt"),
+    ]
+
+    # records alone, no checkpoint at hand
+    code, out = run("eval", *common, "--from-record", str(rec / "a.npz"))
+    assert code == 0 and "| two-tower | 1 |" in out, out
+    refusals = {
+        "measured on other requests": ["--max-users", "50"],  # the last wins: other requests
+        "not at every K of --ks": ["--ks", "10,20"],
+        "two models under one name": [f"--model=two-tower={trained['moe.pt']}"],
+    }
+    for message, args in refusals.items():
+        code, out = run("eval", *common, *args, "--from-record", str(rec / "a.npz"))
+        assert code == 2 and message in out, (message, out)
+    (tmp_path / "junk.npz").write_bytes(b"not a record")
+    for path, message in (
+        (tmp_path / "junk.npz", "not a readable m31 evaluation record"),
+        (tmp_path / "none-*.npz", "no evaluation record matches"),
+        (tmp_path / "missing.npz", "no such evaluation record"),
+    ):
+        code, out = run("eval", *common, "--from-record", str(path))
+        assert code == 2 and message in out, (message, out)
+
+
 def test_eval_two_stage(trained, tmp_path):
     models = _models(trained)
     # Two-stage, with a reference (the ranking model, one seed) beside two seeds of another.

@@ -74,6 +74,22 @@ ParetoMetricOption = Annotated[
     str | None,
     typer.Option(help="The metric of --pareto, e.g. truth_recall@50 (default: hr@10)."),
 ]
+RecordOption = Annotated[
+    Path | None,
+    typer.Option(
+        help="Write what this call scores (each model's and baseline's rank of every target, "
+        "FLOPs per pair, the checkpoints' training histories) to this .npz file, for a later "
+        "--from-record."
+    ),
+]
+FromRecordOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        help="An earlier call's --record (repeatable, or a glob): its models join this table, "
+        "its comparisons and plots, as if scored here; it must be of the same requests (--data, "
+        "--split or --protocol, --max-users). A name in several records: seeds of one model."
+    ),
+]
 ReferenceOption = Annotated[
     str | None, typer.Option(help="Model whose top-K the others are compared with.")
 ]
@@ -97,6 +113,8 @@ def eval_cmd(
     pareto: ParetoOption = None,
     pareto_metric: ParetoMetricOption = None,
     json_out: JsonOption = None,
+    record: RecordOption = None,
+    from_record: FromRecordOption = None,
     device: DeviceOption = "cpu",
 ) -> None:
     """Full-corpus offline metrics (every ad scored) of models and baselines on the same requests.
@@ -120,7 +138,7 @@ def eval_cmd(
             data, runs, [b for b in (baselines or "").split(",") if b],
             split=split, ks=cutoffs, protocol=protocol, max_users=max_users,
             exclude_seen=exclude_seen, reference=reference, rerank=two_stage,
-            compare=_pairs(compare),
+            compare=_pairs(compare), records=_records(from_record), record=record,
             device=device, progress=callback,
         )  # fmt: skip
     typer.echo(report.format())
@@ -136,6 +154,19 @@ def eval_cmd(
             fail(f"--pareto-metric: {metric!r} is not one of {', '.join(known)}")
         plot_pareto(report.pareto(metric), metric, pareto, title=Path(data).name)
         typer.echo(f"wrote {pareto}")
+
+
+def _records(values: list[str] | None) -> list[Path]:
+    """--from-record values, each glob expanded to its matches in order."""
+    import glob
+
+    paths: list[Path] = []
+    for v in values or []:
+        matches = sorted(glob.glob(v)) if glob.has_magic(v) else [v]
+        if not matches:
+            fail(f"--from-record: no evaluation record matches {v!r}")
+        paths += [Path(m) for m in matches]
+    return paths
 
 
 def _pairs(specs: list[str] | None) -> list[tuple[str, str]]:

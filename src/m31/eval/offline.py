@@ -61,7 +61,7 @@ ScoreFn = Callable[[Requests], np.ndarray]  # Requests [n] -> scores [n, A], hig
 RankFn = Callable[[Requests, np.ndarray], np.ndarray]  # candidate rows [n, k] -> scores [n, k]
 
 
-def _examples(
+def examples(
     feats: Features, split: str, max_users: int | None, seed: int
 ) -> tuple[Requests, np.ndarray]:
     """Requests of a split's example rows and their target ad rows [n]."""
@@ -83,7 +83,7 @@ def requests_from_split(
     feats: Features, split: str = "test", max_users: int | None = None, seed: int = 0
 ) -> Requests:
     """One request per example row of `split`; with max_users, a seeded random subset of rows."""
-    return _examples(feats, split, max_users, seed)[0]
+    return examples(feats, split, max_users, seed)[0]
 
 
 def seen_mask(
@@ -173,7 +173,7 @@ def evaluate(
         raise ValueError(f"batch must be positive, got {batch}")
     if return_truth_recall and (truth is None or not return_ranks):
         raise ValueError("return_truth_recall needs a truth and return_ranks")
-    req, target = _examples(feats, split, max_users, seed=0)
+    req, target = examples(feats, split, max_users, seed=0)
     n, n_ads = len(req), feats.n_ads
     if n == 0:
         raise ValueError(f"split {split!r} has no examples")

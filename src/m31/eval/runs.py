@@ -20,7 +20,14 @@ from pathlib import Path
 
 import numpy as np
 
-from m31.eval.offline import Progress, evaluate, requests_from_split
+from m31.eval.offline import Progress, evaluate, examples, requests_from_split
+from m31.eval.records import (
+    Record,
+    RecordedRun,
+    load_record,
+    requests_fingerprint,
+    save_record,
+)
 from m31.eval.stats import (
     PairedComparison,
     SeedSummary,
@@ -39,11 +46,11 @@ def load_scorer(
 ) -> ScoreFunction:
     """The checkpoint `path` as `m31.eval` scores with it, over `feats` (checked: the features
     and split it was trained on); its ads read from `catalog` (default: the features' catalogue
-    on `device`). The model and its config: `.model`, `.model.cfg`."""
-    model, _ = load_checkpoint(Path(path), feats, device=device)
+    on `device`). The model and its config: `.model`, `.model.cfg`; its training: `.history`."""
+    model, blob = load_checkpoint(Path(path), feats, device=device)
     if catalog is None:
         catalog = Catalog.from_features(feats).to(device)
-    return ScoreFunction(model, feats, catalog)
+    return ScoreFunction(model, feats, catalog, history=blob["history"])
 
 
 @dataclass
@@ -66,7 +73,13 @@ class SeedRuns:
         return len(next(iter(self.ranks.values()))[0])
 
     def summaries(self) -> dict[str, dict[str, SeedSummary]]:
-        return {name: aggregate_seeds(runs) for name, runs in self.metrics.items()}
+        """Each model's metrics over its seeds: those every seed has (a recorded seed has no
+        ref_overlap, which depends on the other models of its call)."""
+        out = {}
+        for name, runs in self.metrics.items():
+            common = [k for k in runs[0] if all(k in r for r in runs)]
+            out[name] = aggregate_seeds([{k: r[k] for k in common} for r in runs])
+        return out
 
     def paired(self, a: str, b: str, metric: str) -> PairedComparison:
         """`a` against `b` on `metric` (hr@K, ndcg@K or truth_recall@K), request by request."""
@@ -165,6 +178,8 @@ def evaluate_runs(
     reference: str | None = None,
     rerank: Rerank | None = None,
     compare: Sequence[tuple[str, str]] = (),
+    records: Sequence[Path] = (),
+    record: Path | None = None,
     device: str = "cpu",
     progress: Progress | None = None,
 ) -> EvalReport:
@@ -175,7 +190,10 @@ def evaluate_runs(
     and exclusions. `exclude_seen` None: as the dataset's meta says (`repeat_engagement`).
     `reference`: the model whose top K the others are compared with (default: a ranking model
     evaluated beside others). `compare`: the pairs compared request by request (default:
-    moe against two-tower when both are evaluated).
+    moe against two-tower when both are evaluated). `records`: evaluation records
+    (`m31.eval.records`) of earlier calls on the same requests, whose models join the report
+    as if scored here (a name also given here or in another record: more seeds of it).
+    `record`: write what this call scores to that file.
     """
     from m31.data import dataset
     from m31.eval.baselines import make_baselines
@@ -191,8 +209,8 @@ def evaluate_runs(
                 f"--protocol {protocol}: every user is evaluated, the history excluded"
             )
         split, ks, exclude_seen = proto.split, proto.ks, proto.exclude_history
-    if not runs and not baselines:
-        raise ValueError("nothing to evaluate: give --model and/or --baselines")
+    if not runs and not baselines and not records:
+        raise ValueError("nothing to evaluate: give --model, --baselines or --from-record")
     feats = features_for(data, split)
     truth = None
     if (Path(data) / "truth.npz").is_file():
@@ -211,8 +229,10 @@ def evaluate_runs(
     seeds = SeedRuns()
     latest: dict[str, ScoreFunction] = {}  # each model's last loaded checkpoint
     flops: dict[str, int] = {}
-    for s in range(max((len(p) for p in groups.values()), default=1)):
+    scored: list[RecordedRun] = []  # what this call scores, for `record`
+    for s in range(max((len(p) for p in groups.values()), default=1 if base_fns else 0)):
         fns = dict(base_fns) if s == 0 else {}
+        sources = dict.fromkeys(fns, ("baseline", None))
         for key, paths in groups.items():
             if s < len(paths):
                 fn = load_scorer(paths[s], feats, device, catalog)
@@ -223,6 +243,7 @@ def evaluate_runs(
                     raise ValueError(f"two models are named {name!r}; name them NAME=PATH")
                 fns[name] = latest[name] = fn
                 flops[name] = fn.model.flops_per_pair()
+                sources[name] = (paths[s].name, fn.history)
         stages = {}
         if rerank is not None:
             if s == 0 and (rerank.first not in fns or rerank.second not in fns):
@@ -258,8 +279,18 @@ def evaluate_runs(
         )
         for name in [*fns, *stages]:
             if name != reused:
-                seeds.add(name, metrics[name], ranks[name], rows[0][name] if rows else None)
+                truth_rows = rows[0][name] if rows else None
+                seeds.add(name, metrics[name], ranks[name], truth_rows)
+                source, history = sources.get(name, (name, None))  # a stage: FIRST>SECOND
+                scored.append(RecordedRun(name, ranks[name], truth_rows, source, history))
         del fns
+
+    if records or record is not None:
+        req, target = examples(feats, "test", max_users, seed=0)
+        fingerprint = requests_fingerprint(req, target, feats.n_ads, exclude_seen)
+        if record is not None:
+            save_record(Record(fingerprint, Path(data).name, tuple(ks), scored, flops), record)
+        _add_records(seeds, flops, records, fingerprint, tuple(ks), truth is not None)
 
     if not compare and {"moe", "two-tower"} <= set(seeds.ranks):
         compare = [("moe", "two-tower")]
@@ -280,6 +311,46 @@ def evaluate_runs(
         paired=paired,
         flops=flops,
     )
+
+
+def _add_records(
+    seeds: SeedRuns,
+    flops: dict[str, int],
+    paths: Sequence[Path],
+    fingerprint: str,
+    ks: tuple[int, ...],
+    truth: bool,
+) -> None:
+    """The runs of the records at `paths` added to `seeds` (and their FLOPs to `flops`), each
+    checked to be of the requests `fingerprint` names; their metrics at the cut-offs `ks`."""
+    for path in paths:
+        rec = load_record(path)
+        if rec.fingerprint != fingerprint:
+            raise ValueError(
+                f"--from-record: {path} was measured on other requests ({rec.requests:,} of "
+                f"{rec.data!r}); give the --data, --split (or --protocol), --max-users and "
+                "--exclude-seen it was recorded with"
+            )
+        if truth and not set(ks) <= set(rec.ks):
+            raise ValueError(
+                f"--from-record: {path} has the truth recall at K = "
+                f"{', '.join(map(str, rec.ks))}, not at every K of --ks"
+            )
+        for name, n in rec.flops.items():
+            if flops.setdefault(name, n) != n:
+                raise ValueError(
+                    f"--from-record: {path}'s {name!r} costs {n:,} FLOPs per pair, another "
+                    f"{name!r} here {flops[name]:,}: two models under one name"
+                )
+        for run in rec.runs:
+            metrics = {f"hr@{k}": float(per_request(run.ranks, f"hr@{k}").mean()) for k in ks}
+            for k in ks:
+                metrics[f"ndcg@{k}"] = float(per_request(run.ranks, f"ndcg@{k}").mean())
+            rows = None
+            if truth:
+                rows = {f"truth_recall@{k}": run.truth_recall[f"truth_recall@{k}"] for k in ks}
+                metrics.update({key: float(v.mean()) for key, v in rows.items()})
+            seeds.add(run.model, metrics, run.ranks, rows)
 
 
 def simulate_funnel(

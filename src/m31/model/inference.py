@@ -50,9 +50,16 @@ class ScoreFunction:
     """
 
     def __init__(
-        self, model, feats: Features, catalog: Catalog, ad_chunk: int = 4096, query_map=None
+        self,
+        model,
+        feats: Features,
+        catalog: Catalog,
+        ad_chunk: int = 4096,
+        query_map=None,
+        history: list[dict] | None = None,
     ):
         self.model, self.feats, self.catalog = model.eval(), feats, catalog
+        self.history = history  # the checkpoint's training history, per epoch, where known
         self.ad_chunk = ad_chunk
         if query_map is not None and not isinstance(model, RetrievalModel):
             raise ValueError("query_map changes a retrieval model's query; this is a ranking model")

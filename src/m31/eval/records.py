@@ -1,0 +1,145 @@
+"""Evaluation records: what one `m31 eval` scored, kept so that a later evaluation can compare
+with it without the checkpoints (`m31 eval --record`, `--from-record`; DESIGN §8).
+
+Shapes: n test requests.
+
+A training that takes hours is evaluated once; its record then joins every later table, plot
+and paired comparison on the same requests, on any machine. A record holds, for each model (or
+baseline) and training seed it scored, the 0-based rank of every request's target after the
+exclusions, from which HR@K and NDCG@K at any K follow (`m31.eval.stats.per_request`); on a
+synthetic world, each request's truth recall at the record's cut-offs; each model's FLOPs per
+pair; each checkpoint's file name and training history. It carries a fingerprint of the
+requests it was measured on (users, times, contexts, targets, the corpus size, whether the seen
+ads were excluded), and is only ever read beside an evaluation of the same requests.
+
+The file is a NumPy `.npz` (no pickles): the arrays, and the rest as one JSON document.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from m31.eval.offline import Requests
+
+FORMAT = "m31-eval-record-1"
+
+
+def requests_fingerprint(req: Requests, target: np.ndarray, n_ads: int, exclude_seen: bool) -> str:
+    """Identifies an evaluation's requests: two evaluations with the same fingerprint rank the
+    same targets among the same ads for the same users, times and contexts."""
+    h = hashlib.sha256(f"{len(req)} {n_ads} {bool(exclude_seen)}".encode())
+    for name in ("user", "ts", "surface", "hour", "platform"):
+        h.update(np.ascontiguousarray(getattr(req, name), dtype="<i8").tobytes())
+    h.update(np.ascontiguousarray(target, dtype="<i8").tobytes())
+    return h.hexdigest()[:32]
+
+
+@dataclass
+class RecordedRun:
+    """One training seed of a model (or a baseline) as scored."""
+
+    model: str
+    ranks: np.ndarray  # [n] 0-based rank of each request's target
+    truth_recall: dict[str, np.ndarray] | None = None  # truth_recall@K -> [n], synthetic worlds
+    source: str = ""  # the checkpoint's file name; "baseline", or "FIRST>SECOND" for a rerank
+    history: list[dict] | None = None  # the checkpoint's training history, per epoch
+
+
+@dataclass
+class Record:
+    fingerprint: str  # `requests_fingerprint`
+    data: str  # the dataset folder's name, to say where a mismatched record came from
+    ks: tuple[int, ...]  # the cut-offs of the truth recall, where measured
+    runs: list[RecordedRun]
+    flops: dict[str, int] = field(default_factory=dict)  # model -> FLOPs per pair
+
+    @property
+    def requests(self) -> int:
+        return len(self.runs[0].ranks) if self.runs else 0
+
+
+def save_record(record: Record, path: Path | str) -> Path:
+    """Write `record` to `path` atomically (a reader sees the old file or the new, whole)."""
+    if not record.runs:
+        raise ValueError("an evaluation record needs at least one scored model")
+    arrays: dict[str, np.ndarray] = {}
+    runs = []
+    for i, run in enumerate(record.runs):
+        arrays[f"ranks_{i}"] = np.asarray(run.ranks, dtype=np.int64)
+        for key, values in (run.truth_recall or {}).items():
+            arrays[f"truth_{i}_{key.removeprefix('truth_recall@')}"] = np.asarray(values)
+        runs.append(
+            {
+                "model": run.model,
+                "source": run.source,
+                "history": run.history,
+                "truth": run.truth_recall is not None,
+            }
+        )
+    doc = {
+        "format": FORMAT,
+        "fingerprint": record.fingerprint,
+        "data": record.data,
+        "ks": list(record.ks),
+        "flops": record.flops,
+        "runs": runs,
+    }
+    arrays["meta"] = np.frombuffer(json.dumps(doc).encode(), dtype=np.uint8)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".npz", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez_compressed(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load_record(path: Path | str) -> Record:
+    """The record at `path`, checked to be whole and of this format."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such evaluation record")
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+        doc = json.loads(arrays.pop("meta").tobytes().decode())
+    except Exception as e:
+        raise ValueError(f"{path}: not a readable m31 evaluation record ({e})") from e
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise ValueError(f"{path}: not an m31 evaluation record ({FORMAT})")
+    try:
+        ks = tuple(int(k) for k in doc["ks"])
+        runs = []
+        for i, run in enumerate(doc["runs"]):
+            truth = None
+            if run["truth"]:
+                truth = {f"truth_recall@{k}": arrays[f"truth_{i}_{k}"] for k in ks}
+            runs.append(
+                RecordedRun(
+                    run["model"], arrays[f"ranks_{i}"], truth, run["source"], run["history"]
+                )
+            )
+        record = Record(doc["fingerprint"], doc["data"], ks, runs, dict(doc["flops"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{path}: a damaged m31 evaluation record ({e!r} missing or wrong)") from e
+    n = record.requests
+    if (
+        not runs
+        or any(r.ranks.shape != (n,) for r in runs)
+        or any(v.shape != (n,) for r in runs for v in (r.truth_recall or {}).values())
+    ):
+        raise ValueError(f"{path}: a damaged m31 evaluation record (its arrays differ in length)")
+    return record
