@@ -8,16 +8,19 @@
 # thread each, under nice); TRAIN_ARGS is added to every training (e.g. "--epochs 1" for a quick
 # look). Each finished training is evaluated once on its dataset's test requests into an
 # evaluation record, RECORDS/<dataset>/<row>-s<seed>.npz (default docs/records/pareto: kept in
-# the repository, so a row is trained once, whatever machine runs the rest); a row with a record
-# is not trained again, and a stopped training goes on from its last epoch (`m31 train
-# --resume`). Then one `m31 eval --from-record` per dataset over its records: the table, the
-# paired moe comparisons, a JSON and the plot (docs/img/pareto-<dataset>.png).
+# the repository, so a row is trained once, whatever machine runs the rest); on the Amazon files
+# each retrieval row also under the standard protocol (every test user) into PROTOCOL_RECORDS
+# (default docs/records/loo-position). A row with its records is not trained again, and a
+# stopped training goes on from its last epoch (`m31 train --resume`). Then one `m31 eval
+# --from-record` per dataset over its records: the table, the paired moe comparisons, a JSON and
+# the plot (docs/img/pareto-<dataset>.png); on the Amazon files the protocol's table too.
 #   scripts/pareto.sh [OUT] [MOVIELENS_DIR]      (hours on 2 cores; Amazon: days)
 set -euo pipefail
 OUT=${1:-runs/pareto}
 ML=${2:-../shared/data/movielens-100k}
 M31=${M31:-.venv/bin/m31}
 RECORDS=${RECORDS:-docs/records/pareto}
+PROTOCOL_RECORDS=${PROTOCOL_RECORDS:-docs/records/loo-position}
 SEEDS=${SEEDS:-3}
 JOBS=${JOBS:-2}
 DATASETS=${DATASETS:-ml100k demo}
@@ -92,13 +95,25 @@ for data in $DATASETS; do  # the baseline beside every row: minutes, before the 
   rec=$RECORDS/$data/recency-knn.npz
   [ -f "$rec" ] || "$M31" eval --data "$OUT/$data" --baselines recency-knn $(eval_args "$data") \
     --record "$rec" >/dev/null
+  rec=$PROTOCOL_RECORDS/$data/recency-knn.npz
+  case $data in beauty | sports) [ -f "$rec" ] || "$M31" eval --data "$OUT/$data" \
+    --baselines recency-knn --protocol loo-position --record "$rec" >/dev/null ;; esac
 done
 for seed in $(seq 0 $((SEEDS - 1))); do  # a stopped run has one seed of every row first
   for data in $DATASETS; do
     for name in "${NAMES[@]}"; do
       ckpt=$OUT/$data/runs/$name-s$seed.pt rec=$RECORDS/$data/$name-s$seed.npz
-      [ -f "$rec" ] && continue  # trained and evaluated, on this machine or another
-      mkdir -p "$(dirname "$ckpt")" "$(dirname "$rec")"
+      done="[ -f $rec ]" evals="{ [ -f $rec ] || $M31 eval --data $OUT/$data \
+--model=$name=$ckpt $(eval_args "$data") --record $rec; }"
+      case $data-$name in
+        beauty-dense | beauty-ranking | sports-dense | sports-ranking | ml100k-* | demo-*) ;;
+        *)  # a retrieval row on an Amazon file: under the standard protocol too
+          prec=$PROTOCOL_RECORDS/$data/$name-s$seed.npz
+          done+=" && [ -f $prec ]" evals+=" && { [ -f $prec ] || $M31 eval --data $OUT/$data \
+--model=$name=$ckpt --protocol loo-position --record $prec; }" ;;
+      esac
+      eval "$done" && continue  # trained and evaluated, on this machine or another
+      mkdir -p "$(dirname "$ckpt")" "$RECORDS/$data" "$PROTOCOL_RECORDS/$data"
       # checked again when the job starts, under a lock (flock's: it goes with the process
       # that holds it): another run on the same OUT may have finished or started it meanwhile.
       opts=${VARIANT[$name]}
@@ -108,10 +123,9 @@ for seed in $(seq 0 $((SEEDS - 1))); do  # a stopped run has one seed of every r
           case $name in dense | ranking) ;; *) opts+=" --protocol loo-position" ;; esac ;;
       esac
       log=$OUT/logs/$data-$name-s$seed.log
-      echo "[ -f $rec ] || flock -n $ckpt.lock bash -c '[ -f $rec ] || { { [ -f $ckpt.done ] \
-|| { $M31 train $opts --data $OUT/$data --seed $seed --device $DEVICE --out $ckpt --resume \
-$TRAIN_ARGS && touch $ckpt.done; }; } && $M31 eval --data $OUT/$data --model=$name=$ckpt \
-$(eval_args "$data") --record $rec; } >>$log 2>&1'" >>"$jobs_file"
+      echo "$done || flock -n $ckpt.lock bash -c '$done || { { [ -f $ckpt.done ] || { $M31 \
+train $opts --data $OUT/$data --seed $seed --device $DEVICE --out $ckpt --resume $TRAIN_ARGS \
+&& touch $ckpt.done; }; } && $evals; } >>$log 2>&1'" >>"$jobs_file"
     done
   done
 done
@@ -120,16 +134,23 @@ OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 nice -n 10 xargs -P "$JOBS" -I{} -d '\n' bas
   <"$jobs_file"
 
 for data in $DATASETS; do
-  compare=()  # the moe against every other row with a record of seed 0
-  for name in "${ALL[@]}"; do
-    if [ "$name" != moe ] && [ -f "$RECORDS/$data/$name-s0.npz" ]; then
-      compare+=(--compare "moe,$name")
-    fi
+  compare=() protocol_compare=()  # the moe against the baseline and each other row recorded
+  for rec in "${ALL[@]/%/-s0}" recency-knn; do
+    name=${rec%-s0}
+    if [ "$name" != moe ] && [ -f "$RECORDS/$data/moe-s0.npz" ] && [ -f "$RECORDS/$data/$rec.npz" ]
+    then compare+=(--compare "moe,$name"); fi
+    if [ "$name" != moe ] && [ -f "$PROTOCOL_RECORDS/$data/moe-s0.npz" ] \
+      && [ -f "$PROTOCOL_RECORDS/$data/$rec.npz" ]
+    then protocol_compare+=(--compare "moe,$name"); fi
   done
-  [ -f "$RECORDS/$data/moe-s0.npz" ] || compare=()
   metric=()
   [ "$data" = demo ] && metric=(--pareto-metric truth_recall@50)
   "$M31" eval --data "$OUT/$data" --from-record "$RECORDS/$data/*.npz" $(eval_args "$data") \
     "${metric[@]}" "${compare[@]}" --json "$OUT/$data/pareto.json" \
     --pareto "docs/img/pareto-$data.png" | tee "$OUT/$data/pareto.txt"
+  case $data in beauty | sports)
+    "$M31" eval --data "$OUT/$data" --from-record "$PROTOCOL_RECORDS/$data/*.npz" \
+      --protocol loo-position "${protocol_compare[@]}" --json "$OUT/$data/protocol.json" \
+      | tee "$OUT/$data/protocol.txt" ;;
+  esac
 done

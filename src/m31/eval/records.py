@@ -72,7 +72,10 @@ def save_record(record: Record, path: Path | str) -> Path:
     arrays: dict[str, np.ndarray] = {}
     runs = []
     for i, run in enumerate(record.runs):
-        arrays[f"ranks_{i}"] = np.asarray(run.ranks, dtype=np.int64)
+        ranks = np.asarray(run.ranks, dtype=np.int64)
+        # the smallest type that holds them (under 65,536 ads: 2 bytes a request, before zip)
+        small = np.uint16 if ranks.size == 0 or ranks.max() < 2**16 else np.int64
+        arrays[f"ranks_{i}"] = ranks.astype(small)
         for key, values in (run.truth_recall or {}).items():
             arrays[f"truth_{i}_{key.removeprefix('truth_recall@')}"] = np.asarray(values)
         runs.append(
@@ -87,6 +90,7 @@ def save_record(record: Record, path: Path | str) -> Path:
         "format": FORMAT,
         "fingerprint": record.fingerprint,
         "data": record.data,
+        "requests": record.requests,
         "ks": list(record.ks),
         "flops": record.flops,
         "runs": runs,
@@ -97,6 +101,7 @@ def save_record(record: Record, path: Path | str) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".npz", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o644)  # a result to share, not mkstemp's private 0600
             np.savez_compressed(f, **arrays)
             f.flush()
             os.fsync(f.fileno())
@@ -127,19 +132,18 @@ def load_record(path: Path | str) -> Record:
             truth = None
             if run["truth"]:
                 truth = {f"truth_recall@{k}": arrays[f"truth_{i}_{k}"] for k in ks}
-            runs.append(
-                RecordedRun(
-                    run["model"], arrays[f"ranks_{i}"], truth, run["source"], run["history"]
-                )
-            )
+            ranks = arrays[f"ranks_{i}"].astype(np.int64)
+            runs.append(RecordedRun(run["model"], ranks, truth, run["source"], run["history"]))
         record = Record(doc["fingerprint"], doc["data"], ks, runs, dict(doc["flops"]))
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{path}: a damaged m31 evaluation record ({e!r} missing or wrong)") from e
-    n = record.requests
+    n = doc.get("requests")
     if (
         not runs
         or any(r.ranks.shape != (n,) for r in runs)
         or any(v.shape != (n,) for r in runs for v in (r.truth_recall or {}).values())
     ):
-        raise ValueError(f"{path}: a damaged m31 evaluation record (its arrays differ in length)")
+        raise ValueError(
+            f"{path}: a damaged m31 evaluation record (not {n} requests in each array)"
+        )
     return record
