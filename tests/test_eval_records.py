@@ -27,13 +27,18 @@ def test_a_record_reads_back_as_written(tmp_path):
     small = np.array([0, 3, 65_535, 9, 1, 2, 4])  # fits 16 bits
     large = np.array([0, 70_000, 5, 1, 2, 3, 4_000_000_000])  # does not
     truth = {"truth_recall@10": np.linspace(0, 1, n), "truth_recall@50": np.ones(n)}
-    history = [{"epoch": 1, "loss": 2.5, "val_hr@10": 0.1}]
+    history = [  # epoch 0: a ranking model's base, before training
+        {"epoch": 0, "loss": None, "val_hr@10": 0.3},
+        {"epoch": 1, "loss": 2.5, "val_hr@10": 0.1, "seconds": 100.0},
+        {"epoch": 2, "loss": 2.4, "val_hr@10": 0.2, "seconds": 80.0},
+        {"epoch": 3, "loss": 2.3, "val_hr@10": 0.15, "seconds": 60.0},
+    ]
     record = Record(
         "f" * 32,
         "w",
         (10, 50),
         [
-            RecordedRun("moe", small, truth, "moe-s0.pt", history),
+            RecordedRun("moe", small, truth, "moe-s0.pt", history, "hr@10"),
             RecordedRun("popularity", large, truth, "baseline"),
         ],
         {"moe": 2049},
@@ -48,11 +53,18 @@ def test_a_record_reads_back_as_written(tmp_path):
     )
     assert back.requests == n
     for got, want in zip(back.runs, record.runs, strict=True):
-        assert (got.model, got.source, got.history) == (want.model, want.source, want.history)
+        assert (got.model, got.source, got.history, got.val_metric) == (
+            want.model,
+            want.source,
+            want.history,
+            want.val_metric,
+        )
         assert got.ranks.dtype == np.int64 and np.array_equal(got.ranks, want.ranks)
         assert got.truth_recall.keys() == truth.keys()
         for k, v in truth.items():
             assert np.array_equal(got.truth_recall[k], v)
+    assert back.runs[0].training() == "best epoch 2 of 3 (validation hr@10 0.2000), 4 min"
+    assert back.runs[1].training() is None  # a baseline
     assert not list(tmp_path.glob("sub/.*")), "no temporary file left behind"
     with pytest.raises(ValueError, match="at least one"):
         save_record(Record("f" * 32, "w", (10,), []), tmp_path / "empty.npz")

@@ -50,6 +50,22 @@ class RecordedRun:
     truth_recall: dict[str, np.ndarray] | None = None  # truth_recall@K -> [n], synthetic worlds
     source: str = ""  # the checkpoint's file name; "baseline", or "FIRST>SECOND" for a rerank
     history: list[dict] | None = None  # the checkpoint's training history, per epoch
+    val_metric: str | None = None  # the one its best epoch was chosen on
+
+    def training(self) -> str | None:
+        """How it was trained, in words: the epoch kept, of how many, and the minutes."""
+        if not self.history or self.val_metric is None:
+            return None
+        key = f"val_{self.val_metric}"
+        epochs = [h for h in self.history if h.get("epoch", 0) > 0 and key in h]
+        if not epochs:
+            return None
+        best = max(epochs, key=lambda h: h[key])
+        minutes = sum(h.get("seconds", 0.0) for h in epochs) / 60
+        return (
+            f"best epoch {best['epoch']} of {epochs[-1]['epoch']} (validation {self.val_metric} "
+            f"{best[key]:.4f}), {minutes:.0f} min"
+        )
 
 
 @dataclass
@@ -83,6 +99,7 @@ def save_record(record: Record, path: Path | str) -> Path:
                 "model": run.model,
                 "source": run.source,
                 "history": run.history,
+                "val_metric": run.val_metric,
                 "truth": run.truth_recall is not None,
             }
         )
@@ -133,7 +150,11 @@ def load_record(path: Path | str) -> Record:
             if run["truth"]:
                 truth = {f"truth_recall@{k}": arrays[f"truth_{i}_{k}"] for k in ks}
             ranks = arrays[f"ranks_{i}"].astype(np.int64)
-            runs.append(RecordedRun(run["model"], ranks, truth, run["source"], run["history"]))
+            runs.append(
+                RecordedRun(
+                    run["model"], ranks, truth, run["source"], run["history"], run["val_metric"]
+                )
+            )
         record = Record(doc["fingerprint"], doc["data"], ks, runs, dict(doc["flops"]))
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{path}: a damaged m31 evaluation record ({e!r} missing or wrong)") from e

@@ -117,6 +117,7 @@ class EvalReport:
     summaries: dict[str, dict[str, SeedSummary]]  # model -> metric -> over seeds
     paired: list[tuple[str, str, dict[str, PairedComparison]]]  # (a, b, metric -> a vs b)
     flops: dict[str, int] = field(default_factory=dict)  # model -> FLOPs per (request, ad) pair
+    trainings: list[tuple[str, str, str]] = field(default_factory=list)  # (model, file, in words)
 
     def means(self) -> dict[str, dict[str, float]]:
         return {name: {k: v.mean for k, v in m.items()} for name, m in self.summaries.items()}
@@ -132,6 +133,8 @@ class EvalReport:
                 "FLOPs per (request, ad) pair: "
                 + ", ".join(f"{name} {n:,}" for name, n in self.flops.items())
             )
+        if self.trainings:
+            lines.append("Trained: " + "; ".join(f"{n} {f}: {t}" for n, f, t in self.trainings))
         for a, b, paired in self.paired:
             lines.append(
                 f"\n{a} vs {b}, paired on the same {self.requests:,} requests (per-request "
@@ -150,6 +153,7 @@ class EvalReport:
             },
             "runs": self.runs,
             "flops_per_pair": self.flops,
+            "trainings": [{"model": n, "file": f, "training": t} for n, f, t in self.trainings],
             "paired": [  # one entry per comparison
                 {"a": a, "b": b, **{k: c.as_dict() for k, c in paired.items()}}
                 for a, b, paired in self.paired
@@ -229,10 +233,10 @@ def evaluate_runs(
     seeds = SeedRuns()
     latest: dict[str, ScoreFunction] = {}  # each model's last loaded checkpoint
     flops: dict[str, int] = {}
-    scored: list[RecordedRun] = []  # what this call scores, for `record`
+    scored: list[RecordedRun] = []  # what this call scores, for `record`; then the records' too
     for s in range(max((len(p) for p in groups.values()), default=1 if base_fns else 0)):
         fns = dict(base_fns) if s == 0 else {}
-        sources = dict.fromkeys(fns, ("baseline", None))
+        sources = dict.fromkeys(fns, ("baseline", None, None))
         for key, paths in groups.items():
             if s < len(paths):
                 fn = load_scorer(paths[s], feats, device, catalog)
@@ -243,7 +247,7 @@ def evaluate_runs(
                     raise ValueError(f"two models are named {name!r}; name them NAME=PATH")
                 fns[name] = latest[name] = fn
                 flops[name] = fn.model.flops_per_pair()
-                sources[name] = (paths[s].name, fn.history)
+                sources[name] = (paths[s].name, fn.history, fn.model.cfg.val_metric)
         stages = {}
         if rerank is not None:
             if s == 0 and (rerank.first not in fns or rerank.second not in fns):
@@ -281,8 +285,8 @@ def evaluate_runs(
             if name != reused:
                 truth_rows = rows[0][name] if rows else None
                 seeds.add(name, metrics[name], ranks[name], truth_rows)
-                source, history = sources.get(name, (name, None))  # a stage: FIRST>SECOND
-                scored.append(RecordedRun(name, ranks[name], truth_rows, source, history))
+                source, *training = sources.get(name, (name, None, None))  # a stage: FIRST>SECOND
+                scored.append(RecordedRun(name, ranks[name], truth_rows, source, *training))
         del fns
 
     if records or record is not None:
@@ -290,7 +294,7 @@ def evaluate_runs(
         fingerprint = requests_fingerprint(req, target, feats.n_ads, exclude_seen)
         if record is not None:
             save_record(Record(fingerprint, Path(data).name, tuple(ks), scored, flops), record)
-        _add_records(seeds, flops, records, fingerprint, tuple(ks), truth is not None)
+        scored += _add_records(seeds, flops, records, fingerprint, tuple(ks), truth is not None)
 
     if not compare and {"moe", "two-tower"} <= set(seeds.ranks):
         compare = [("moe", "two-tower")]
@@ -310,6 +314,7 @@ def evaluate_runs(
         summaries=seeds.summaries(),
         paired=paired,
         flops=flops,
+        trainings=[(run.model, run.source, t) for run in scored if (t := run.training())],
     )
 
 
@@ -320,9 +325,11 @@ def _add_records(
     fingerprint: str,
     ks: tuple[int, ...],
     truth: bool,
-) -> None:
+) -> list[RecordedRun]:
     """The runs of the records at `paths` added to `seeds` (and their FLOPs to `flops`), each
-    checked to be of the requests `fingerprint` names; their metrics at the cut-offs `ks`."""
+    checked to be of the requests `fingerprint` names; their metrics at the cut-offs `ks`.
+    Returns the runs."""
+    added = []
     for path in paths:
         rec = load_record(path)
         if rec.fingerprint != fingerprint:
@@ -351,6 +358,8 @@ def _add_records(
                 rows = {f"truth_recall@{k}": run.truth_recall[f"truth_recall@{k}"] for k in ks}
                 metrics.update({key: float(v.mean()) for key, v in rows.items()})
             seeds.add(run.model, metrics, run.ranks, rows)
+            added.append(run)
+    return added
 
 
 def simulate_funnel(
