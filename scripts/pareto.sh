@@ -129,7 +129,7 @@ train $opts --data $OUT/$data --seed $seed --device $DEVICE --out $ckpt --resume
     done
   done
 done
-echo "$(wc -l <"$jobs_file") trainings to run, $JOBS at a time (logs in $OUT/logs)"
+echo "$(wc -l <"$jobs_file") rows to train or evaluate, $JOBS at a time (logs in $OUT/logs)"
 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 nice -n 10 xargs -P "$JOBS" -I{} -d '\n' bash -c {} \
   <"$jobs_file"
 
