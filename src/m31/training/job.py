@@ -184,8 +184,8 @@ def train_checkpoint(
         state_file.unlink(missing_ok=True)
     else:
         log(
-            f"{state_file} kept: the training used its {cfg.epochs} epochs with a validation gain "
-            f"in the last {cfg.patience}; --resume with more --epochs goes on from it"
+            f"{state_file} kept: the training ran its {cfg.epochs} epochs before {cfg.patience} "
+            "without a validation gain could end it; --resume with more --epochs goes on from it"
         )
     return trained
 
