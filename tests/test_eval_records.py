@@ -66,6 +66,7 @@ def test_a_record_reads_back_as_written(tmp_path):
     assert back.runs[0].training() == "best epoch 2 of 3 (validation hr@10 0.2000), 4 min"
     assert back.runs[1].training() is None  # a baseline
     assert not list(tmp_path.glob("sub/.*")), "no temporary file left behind"
+    assert path.stat().st_mode & 0o777 == 0o644, "a result to share"
     with pytest.raises(ValueError, match="at least one"):
         save_record(Record("f" * 32, "w", (10,), []), tmp_path / "empty.npz")
 

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from m31.eval.offline import Requests
+from m31.files import write_atomic
 
 FORMAT = "m31-eval-record-1"
 
@@ -82,7 +81,7 @@ class Record:
 
 
 def save_record(record: Record, path: Path | str) -> Path:
-    """Write `record` to `path` atomically (a reader sees the old file or the new, whole)."""
+    """Write `record` to `path`, whole or not at all (`m31.files.write_atomic`)."""
     if not record.runs:
         raise ValueError("an evaluation record needs at least one scored model")
     arrays: dict[str, np.ndarray] = {}
@@ -113,20 +112,7 @@ def save_record(record: Record, path: Path | str) -> Path:
         "runs": runs,
     }
     arrays["meta"] = np.frombuffer(json.dumps(doc).encode(), dtype=np.uint8)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".npz", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), 0o644)  # a result to share, not mkstemp's private 0600
-            np.savez_compressed(f, **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return write_atomic(path, lambda f: np.savez_compressed(f, **arrays))
 
 
 def load_record(path: Path | str) -> Record:

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +18,7 @@ import torch
 from m31.data.dataset import VOCABULARIES
 from m31.data.schema import N_AGE_BUCKETS
 from m31.features import Features
+from m31.files import write_atomic
 from m31.model.config import ModelConfig
 from m31.model.dense import DenseModel
 from m31.model.ranking import RankingModel
@@ -112,21 +111,8 @@ def save_checkpoint(path: Path, model, feats: Features, history: list[dict]) -> 
 
 
 def save_atomic(blob: dict, path: Path) -> Path:
-    """`torch.save(blob)` to `path` through a temporary file renamed over it: a reader sees the
-    old file or the new one, never a part of one, whenever the writer stops."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(blob, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    """`torch.save(blob)` to `path`, whole or not at all (`m31.files.write_atomic`)."""
+    return write_atomic(path, lambda f: torch.save(blob, f))
 
 
 def load_checkpoint(path: Path, feats: Features | None = None, device: str | torch.device = "cpu"):
