@@ -299,7 +299,7 @@ def test_eval_records_join_later_evaluations(trained, tmp_path):
     assert joined["trainings"] == live["trainings"]  # each checkpoint's epochs, kept
     assert [t["file"] for t in live["trainings"]] == ["moe.pt", "two-tower.pt", "two-tower-s1.pt"]
     assert "best epoch 1 of 1 (validation hr@50 " in live["trainings"][0]["training"]
-    assert "Trained: moe moe.pt: best epoch 1 of 1" in out
+    assert "Trained:\n  moe (moe.pt): best epoch 1 of 1" in out
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
 
     from m31.eval.records import load_record

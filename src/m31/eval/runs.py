@@ -134,7 +134,8 @@ class EvalReport:
                 + ", ".join(f"{name} {n:,}" for name, n in self.flops.items())
             )
         if self.trainings:
-            lines.append("Trained: " + "; ".join(f"{n} {f}: {t}" for n, f, t in self.trainings))
+            lines.append("Trained:")
+            lines += [f"  {name} ({file}): {text}" for name, file, text in self.trainings]
         for a, b, paired in self.paired:
             lines.append(
                 f"\n{a} vs {b}, paired on the same {self.requests:,} requests (per-request "
