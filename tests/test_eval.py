@@ -263,6 +263,8 @@ def test_plot_pareto(tmp_path):
     points = {"moe": (2049, 0.2, 0.01), "dense": (99137, 0.21, math.nan), "tt": (129, 0.15, 0.0)}
     path = plot_pareto(points, "hr@10", tmp_path / "p.png", title="ml100k")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with_line = plot_pareto(points, "hr@10", tmp_path / "b.png", "ml100k", {"recency-knn": 0.18})
+    assert with_line.read_bytes() != path.read_bytes()  # the baseline's line drawn
     with pytest.raises(ValueError, match="baselines have none"):
         plot_pareto({}, "hr@10", tmp_path / "x.png")
 

@@ -152,7 +152,12 @@ def eval_cmd(
         known = sorted({m for s in report.summaries.values() for m in s})
         if metric not in known:
             fail(f"--pareto-metric: {metric!r} is not one of {', '.join(known)}")
-        plot_pareto(report.pareto(metric), metric, pareto, title=Path(data).name)
+        baselines = {  # no FLOPs counted: lines across
+            name: m[metric].mean
+            for name, m in report.summaries.items()
+            if name not in report.flops and metric in m
+        }
+        plot_pareto(report.pareto(metric), metric, pareto, Path(data).name, baselines)
         typer.echo(f"wrote {pareto}")
 
 

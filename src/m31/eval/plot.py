@@ -102,11 +102,16 @@ def pareto_front(points: dict[str, tuple[float, float, float]]) -> list[str]:
 
 
 def plot_pareto(
-    points: dict[str, tuple[float, float, float]], metric: str, path: Path | str, title: str = ""
+    points: dict[str, tuple[float, float, float]],
+    metric: str,
+    path: Path | str,
+    title: str = "",
+    baselines: dict[str, float] | None = None,
 ) -> Path:
     """PNG of each model's `metric` (mean ± std over training seeds; std NaN: no error bar)
     against its FLOPs per (request, ad) pair on a log scale, the Pareto front joined; `points`:
-    name -> (FLOPs, mean, std). Returns the path."""
+    name -> (FLOPs, mean, std). `baselines` (name -> metric), which count no FLOPs, are drawn
+    as horizontal lines. Returns the path."""
     import math
 
     from matplotlib.figure import Figure
@@ -128,6 +133,10 @@ def plot_pareto(
         linewidth=1,
         label="Pareto front",
     )
+    for name, value in (baselines or {}).items():
+        ax.axhline(value, color="black", linestyle=":", linewidth=1)
+        ax.annotate(name, (0.01, value), xycoords=("axes fraction", "data"), xytext=(0, 3),
+                    textcoords="offset points", fontsize=8)  # fmt: skip
     ax.set_xscale("log")
     ax.margins(x=0.12, y=0.12)  # room for the labels of the points at the edges
     ax.set_xlabel("FLOPs per (request, ad) pair")
