@@ -103,25 +103,24 @@ for seed in $(seq 0 $((SEEDS - 1))); do  # a stopped run has one seed of every r
   for data in $DATASETS; do
     for name in "${NAMES[@]}"; do
       ckpt=$OUT/$data/runs/$name-s$seed.pt rec=$RECORDS/$data/$name-s$seed.npz
-      done="[ -f $rec ]" evals="{ [ -f $rec ] || $M31 eval --data $OUT/$data \
---model=$name=$ckpt $(eval_args "$data") --record $rec; }"
-      case $data-$name in
-        beauty-dense | beauty-ranking | sports-dense | sports-ranking | ml100k-* | demo-*) ;;
-        *)  # a retrieval row on an Amazon file: under the standard protocol too
-          prec=$PROTOCOL_RECORDS/$data/$name-s$seed.npz
-          done+=" && [ -f $prec ]" evals+=" && { [ -f $prec ] || $M31 eval --data $OUT/$data \
---model=$name=$ckpt --protocol loo-position --record $prec; }" ;;
+      opts=${VARIANT[$name]} done="[ -f $rec ]" evals="{ [ -f $rec ] || $M31 eval --data \
+$OUT/$data --model=$name=$ckpt $(eval_args "$data") --record $rec; }"
+      case $data in
+        beauty | sports)
+          opts="--preset sasrec --epochs 60 --patience 5 ${AMAZON_VARIANT[$name]}"
+          case $name in
+            dense | ranking) ;;
+            *)  # a retrieval row: its epoch chosen, and it is recorded, under the protocol too
+              prec=$PROTOCOL_RECORDS/$data/$name-s$seed.npz
+              opts+=" --protocol loo-position" done+=" && [ -f $prec ]"
+              evals+=" && { [ -f $prec ] || $M31 eval --data $OUT/$data --model=$name=$ckpt \
+--protocol loo-position --record $prec; }" ;;
+          esac ;;
       esac
       eval "$done" && continue  # trained and evaluated, on this machine or another
       mkdir -p "$(dirname "$ckpt")" "$RECORDS/$data" "$PROTOCOL_RECORDS/$data"
       # checked again when the job starts, under a lock (flock's: it goes with the process
       # that holds it): another run on the same OUT may have finished or started it meanwhile.
-      opts=${VARIANT[$name]}
-      case $data in
-        beauty | sports)
-          opts="--preset sasrec --epochs 60 --patience 5 ${AMAZON_VARIANT[$name]}"
-          case $name in dense | ranking) ;; *) opts+=" --protocol loo-position" ;; esac ;;
-      esac
       log=$OUT/logs/$data-$name-s$seed.log
       echo "$done || flock -n $ckpt.lock bash -c '$done || { { [ -f $ckpt.done ] || { $M31 \
 train $opts --data $OUT/$data --seed $seed --device $DEVICE --out $ckpt --resume $TRAIN_ARGS \

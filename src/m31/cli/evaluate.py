@@ -152,12 +152,9 @@ def eval_cmd(
         known = sorted({m for s in report.summaries.values() for m in s})
         if metric not in known:
             fail(f"--pareto-metric: {metric!r} is not one of {', '.join(known)}")
-        baselines = {  # no FLOPs counted: lines across
-            name: m[metric].mean
-            for name, m in report.summaries.items()
-            if name not in report.flops and metric in m
-        }
-        plot_pareto(report.pareto(metric), metric, pareto, Path(data).name, baselines)
+        plot_pareto(
+            report.pareto(metric), metric, pareto, Path(data).name, report.baselines(metric)
+        )
         typer.echo(f"wrote {pareto}")
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from m31.eval.metrics import hit_rate_at_k, ndcg_at_k
 from m31.eval.offline import Progress, evaluate, examples, requests_from_split
 from m31.eval.records import (
     Record,
@@ -159,6 +160,14 @@ class EvalReport:
                 {"a": a, "b": b, **{k: c.as_dict() for k, c in paired.items()}}
                 for a, b, paired in self.paired
             ],
+        }
+
+    def baselines(self, metric: str) -> dict[str, float]:
+        """Each model without FLOPs counted (a baseline): its mean `metric`."""
+        return {
+            name: m[metric].mean
+            for name, m in self.summaries.items()
+            if name not in self.flops and metric in m
         }
 
     def pareto(self, metric: str) -> dict[str, tuple[int, float, float]]:
@@ -351,9 +360,9 @@ def _add_records(
                     f"{name!r} here {flops[name]:,}: two models under one name"
                 )
         for run in rec.runs:
-            metrics = {f"hr@{k}": float(per_request(run.ranks, f"hr@{k}").mean()) for k in ks}
-            for k in ks:
-                metrics[f"ndcg@{k}"] = float(per_request(run.ranks, f"ndcg@{k}").mean())
+            # as `evaluate` computes them from the ranks
+            metrics = {f"hr@{k}": hit_rate_at_k(run.ranks, k) for k in ks}
+            metrics.update({f"ndcg@{k}": ndcg_at_k(run.ranks, k) for k in ks})
             rows = None
             if truth:
                 rows = {f"truth_recall@{k}": run.truth_recall[f"truth_recall@{k}"] for k in ks}
