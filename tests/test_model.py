@@ -546,6 +546,24 @@ def test_score_function_full_corpus_and_ranking_agree(feats, kind):
     )
 
 
+@pytest.mark.parametrize("kind", ["moe", "two-tower"])
+def test_retrieval_scores_in_ad_chunks_equal_the_whole_corpus_at_once(feats, kind):
+    """The chunks only bound the gate's intermediates: each ad's score is the §2 formula over
+    the same inputs, whatever chunk (here 7, 100 and the default) it falls in."""
+    from m31.eval import requests_from_split
+    from m31.model.inference import ScoreFunction
+
+    model, catalog = make(kind, feats).eval(), Catalog.from_features(feats)
+    req = requests_from_split(feats, "test", max_users=9)
+    whole = ScoreFunction(model, feats, catalog, ad_chunk=feats.n_ads)(req)
+    for chunk in (7, 100, None):
+        np.testing.assert_allclose(
+            ScoreFunction(model, feats, catalog, ad_chunk=chunk)(req), whole, rtol=1e-6, atol=1e-7
+        )
+    with pytest.raises(ValueError, match="ad_chunk must be positive"):
+        ScoreFunction(model, feats, catalog, ad_chunk=0)
+
+
 def test_hard_negative_pool_is_the_retrievers_top_ads_less_the_users_own(feats):
     """Each training example's pool: the retriever's `pool` best ads for its request, written
     here as a plain loop over the examples; none of the user's own training ads."""

@@ -45,21 +45,29 @@ class ScoreFunction:
 
     Calling it scores requests (anything with user, ts, surface, hour, platform arrays) against
     the full corpus: [n, A]. `rank` scores given candidates only: [n, k]. Retrieval models encode
-    the catalogue once; the ranking model scores ads in chunks of `ad_chunk`. `query_map`, for a
-    retrieval model, rewrites each batch's query (q, v, p) before scoring (an ablation).
+    the catalogue once. Ads are scored `ad_chunk` at a time; by default the ranking model's 4,096
+    (its activations' memory), and a retrieval model's as many as keep the gate's [B, E, chunk]
+    intermediates at `GATE_ELEMENTS` on a CPU (in cache: ~3x faster than the whole corpus of
+    Beauty or Sports at once, the same scores) and at 2⁸ times that elsewhere (memory only).
+    `query_map`, for a retrieval model, rewrites each batch's query (q, v, p) before scoring
+    (an ablation).
     """
+
+    GATE_ELEMENTS = 1 << 20
 
     def __init__(
         self,
         model,
         feats: Features,
         catalog: Catalog,
-        ad_chunk: int = 4096,
+        ad_chunk: int | None = None,
         query_map=None,
         history: list[dict] | None = None,
     ):
         self.model, self.feats, self.catalog = model.eval(), feats, catalog
         self.history = history  # the checkpoint's training history, per epoch, where known
+        if ad_chunk is not None and ad_chunk < 1:
+            raise ValueError(f"ad_chunk must be positive, got {ad_chunk}")
         self.ad_chunk = ad_chunk
         if query_map is not None and not isinstance(model, RetrievalModel):
             raise ValueError("query_map changes a retrieval model's query; this is a ranking model")
@@ -86,13 +94,24 @@ class ScoreFunction:
     @torch.no_grad()
     def __call__(self, req) -> np.ndarray:
         r = self._inputs(req)
+        n_ads = len(self.catalog)
+        out = np.empty((len(r), n_ads), dtype=np.float32)
         if self._ads is not None:
-            return score(*self._query(r), *self._ads).cpu().numpy()
-        out = np.empty((len(r), len(self.catalog)), dtype=np.float32)
-        for lo in range(0, len(self.catalog), self.ad_chunk):
-            rows = torch.arange(lo, min(lo + self.ad_chunk, len(self.catalog)), device=self.device)
+            q, v, p = self._query(r)
+            chunk = self.ad_chunk or self._gate_chunk(*q.shape[:2])
+            for lo in range(0, n_ads, chunk):
+                ads = (t[lo : lo + chunk] for t in self._ads)
+                out[:, lo : lo + chunk] = score(q, v, p, *ads).cpu().numpy()
+            return out
+        chunk = self.ad_chunk or 4096
+        for lo in range(0, n_ads, chunk):
+            rows = torch.arange(lo, min(lo + chunk, n_ads), device=self.device)
             out[:, lo : lo + len(rows)] = self.model(r, self.catalog, rows).cpu().numpy()
         return out
+
+    def _gate_chunk(self, n_requests: int, n_experts: int) -> int:
+        budget = self.GATE_ELEMENTS << (0 if self.device.type == "cpu" else 8)
+        return max(256, budget // max(1, n_requests * n_experts))
 
     @torch.no_grad()
     def rank(self, req, cand_rows: np.ndarray) -> np.ndarray:
