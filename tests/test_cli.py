@@ -321,9 +321,10 @@ def test_eval_records_join_later_evaluations(trained, tmp_path):
         "measured on other requests": ["--max-users", "50"],  # the last wins: other requests
         "not at every K of --ks": ["--ks", "10,20"],
         "two models under one name": [f"--model=two-tower={trained['moe.pt']}"],
+        "a baseline is deterministic": ["--baselines", "popularity"],  # live and in b.npz
     }
     for message, args in refusals.items():
-        code, out = run("eval", *common, *args, "--from-record", str(rec / "a.npz"))
+        code, out = run("eval", *common, *args, "--from-record", str(rec / "[ab].npz"))
         assert code == 2 and message in out, (message, out)
     (tmp_path / "junk.npz").write_bytes(b"not a record")
     for path, message in (

@@ -360,6 +360,12 @@ def _add_records(
                     f"{name!r} here {flops[name]:,}: two models under one name"
                 )
         for run in rec.runs:
+            if run.source == "baseline" and run.model in seeds.ranks:
+                raise ValueError(
+                    f"--from-record: {path} holds the baseline {run.model!r}, which is scored "
+                    "here already (live, or in another record): a baseline is deterministic, "
+                    "and twice it would count as two training seeds; give it once"
+                )
             # as `evaluate` computes them from the ranks
             metrics = {f"hr@{k}": hit_rate_at_k(run.ranks, k) for k in ks}
             metrics.update({f"ndcg@{k}": ndcg_at_k(run.ranks, k) for k in ks})
