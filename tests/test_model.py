@@ -549,17 +549,19 @@ def test_score_function_full_corpus_and_ranking_agree(feats, kind):
 @pytest.mark.parametrize("kind", ["moe", "two-tower"])
 def test_retrieval_scores_in_ad_chunks_equal_the_whole_corpus_at_once(feats, kind):
     """The chunks only bound the gate's intermediates: each ad's score is the §2 formula over
-    the same inputs, whatever chunk (here 7, 100 and the default) it falls in."""
+    the same inputs, whatever chunk (here 7, 100 and the default's smallest, 256: none divides
+    the 2,000 ads) it falls in."""
     from m31.eval import requests_from_split
     from m31.model.inference import ScoreFunction
 
     model, catalog = make(kind, feats).eval(), Catalog.from_features(feats)
     req = requests_from_split(feats, "test", max_users=9)
     whole = ScoreFunction(model, feats, catalog, ad_chunk=feats.n_ads)(req)
-    for chunk in (7, 100, None):
-        np.testing.assert_allclose(
-            ScoreFunction(model, feats, catalog, ad_chunk=chunk)(req), whole, rtol=1e-6, atol=1e-7
-        )
+    small_budget = ScoreFunction(model, feats, catalog)
+    small_budget.GATE_ELEMENTS = 1000  # the default rule's floor of 256 ads a chunk
+    assert small_budget._gate_chunk(9, 4) == 256 and 256 < feats.n_ads
+    for fn in (*(ScoreFunction(model, feats, catalog, ad_chunk=c) for c in (7, 100)), small_budget):
+        np.testing.assert_allclose(fn(req), whole, rtol=1e-6, atol=1e-7)
     with pytest.raises(ValueError, match="ad_chunk must be positive"):
         ScoreFunction(model, feats, catalog, ad_chunk=0)
 
