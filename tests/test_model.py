@@ -17,6 +17,7 @@ from m31.model import (
 from m31.model.checkpoint import build_model, load_checkpoint, save_checkpoint, vocab_sizes
 from m31.model.inference import encode_ads, encode_requests
 from m31.model.retrieval import balance_loss, sampled_softmax_loss
+from m31.model.towers import ItemEncoder, hash_ids
 from m31.ops import score
 from m31.training.train import _retrieval_step, requests_for
 from m31.world.config import preset
@@ -373,6 +374,28 @@ def test_gradients_reach_every_tower(feats, kind):
     ]
     # hashed-id rows never looked up have zero gradient; every module must still get one
     assert not [n for n in missing if not n.endswith(("id.weight", "advertiser.weight"))], missing
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7), (2, 5, 16)])
+def test_attribute_mean_is_the_plain_mean_of_the_tokens_rows(feats, shape):
+    """The ad tower's one-pass attribute mean (`embedding_bag`) against the plain gather and
+    mean it replaces, values and gradients, on odd shapes; a row of padding only adds zeros."""
+    torch.manual_seed(0)
+    cfg = model_preset("tiny", "moe").with_overrides(attribute_buckets=97)
+    item = ItemEncoder(cfg, {**vocab_sizes(feats), "attributes": shape[-1]}, 4, 3)
+    tokens = torch.randint(-1, 1000, shape)
+    tokens.view(-1, shape[-1])[0] = -1  # no token at all
+    got = item.attribute_mean(tokens)
+    weight = item.attributes.weight
+    (g_got,) = torch.autograd.grad(got.square().sum(), weight)
+    valid = (tokens >= 0).float()[..., None]
+    rows = weight[hash_ids(tokens.clamp_min(0), 97, 2)]
+    want = (rows * valid).sum(-2) / valid.sum(-2).clamp_min(1.0)
+    (g_want,) = torch.autograd.grad(want.square().sum(), weight)
+    assert got.shape == (*shape[:-1], cfg.hidden)
+    assert not got.view(-1, cfg.hidden)[0].any()
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(g_got, g_want)
 
 
 def test_balance_loss_extremes():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from m31.model.inputs import N_TIME_BUCKETS, Catalog, RequestInputs
@@ -77,12 +78,20 @@ class ItemEncoder(nn.Module):
             + self.text(ads.text_emb)
             + self.cooc(ads.cooc_emb)
         )
-        if self.attributes is not None:
-            tokens = ads.attributes  # [.., T]
-            valid = (tokens >= 0).to(e.dtype)[..., None]  # [.., T, 1]
-            rows = self.attributes(hash_ids(tokens.clamp_min(0), self.attribute_buckets, 2))
-            e = e + (rows * valid).sum(-2) / valid.sum(-2).clamp_min(1.0)  # no tokens: nothing
+        if self.attributes is not None and ads.attributes.shape[-1]:
+            e = e + self.attribute_mean(ads.attributes)
         return self.norm(e)
+
+    def attribute_mean(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[.., T] attribute tokens (-1 padding) -> [.., h], the mean of their hashed rows (no
+        token: zeros). One `embedding_bag` pass: the [.., T, h] gather a plain mean would build,
+        and its backward, were a fifth of a training step on Sports (T = 16)."""
+        flat = tokens.reshape(-1, tokens.shape[-1])
+        valid = (flat >= 0).to(self.attributes.weight.dtype)
+        weights = valid / valid.sum(-1, keepdim=True).clamp_min(1.0)
+        rows = hash_ids(flat.clamp_min(0), self.attribute_buckets, 2)
+        mean = F.embedding_bag(rows, self.attributes.weight, per_sample_weights=weights, mode="sum")
+        return mean.reshape(*tokens.shape[:-1], -1)
 
 
 class ContextEncoder(nn.Module):
