@@ -1,6 +1,7 @@
 """The command line as a user runs it: real commands, real files, exit codes and messages."""
 
 import json
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -322,10 +323,14 @@ def test_eval_records_join_later_evaluations(trained, tmp_path):
         "not at every K of --ks": ["--ks", "10,20"],
         "two models under one name": [f"--model=two-tower={trained['moe.pt']}"],
         "a baseline is deterministic": ["--baselines", "popularity"],  # live and in b.npz
+        "'two-tower' training of two-tower.pt, which is scored here already": [tt0],  # a.npz
     }
     for message, args in refusals.items():
         code, out = run("eval", *common, *args, "--from-record", str(rec / "[ab].npz"))
         assert code == 2 and message in out, (message, out)
+    shutil.copy(rec / "a.npz", rec / "c.npz")  # one training's record twice
+    code, out = run("eval", *common, "--from-record", str(rec / "*.npz"))
+    assert code == 2 and "c.npz holds the 'two-tower' training of two-tower.pt" in out, out
     (tmp_path / "junk.npz").write_bytes(b"not a record")
     for path, message in (
         (tmp_path / "junk.npz", "not a readable m31 evaluation record"),

@@ -304,7 +304,9 @@ def evaluate_runs(
         fingerprint = requests_fingerprint(req, target, feats.n_ads, exclude_seen)
         if record is not None:
             save_record(Record(fingerprint, Path(data).name, tuple(ks), scored, flops), record)
-        scored += _add_records(seeds, flops, records, fingerprint, tuple(ks), truth is not None)
+        scored += _add_records(
+            seeds, flops, records, fingerprint, tuple(ks), truth is not None, scored
+        )
 
     if not compare and {"moe", "two-tower"} <= set(seeds.ranks):
         compare = [("moe", "two-tower")]
@@ -335,11 +337,13 @@ def _add_records(
     fingerprint: str,
     ks: tuple[int, ...],
     truth: bool,
+    earlier: Sequence[RecordedRun] = (),
 ) -> list[RecordedRun]:
     """The runs of the records at `paths` added to `seeds` (and their FLOPs to `flops`), each
-    checked to be of the requests `fingerprint` names; their metrics at the cut-offs `ks`.
-    Returns the runs."""
-    added = []
+    checked to be of the requests `fingerprint` names and not to be a run of `earlier` (those
+    scored live) or of another record again; their metrics at the cut-offs `ks`. Returns the
+    runs."""
+    added: list[RecordedRun] = []
     for path in paths:
         rec = load_record(path)
         if rec.fingerprint != fingerprint:
@@ -366,6 +370,12 @@ def _add_records(
                     "here already (live, or in another record): a baseline is deterministic, "
                     "and twice it would count as two training seeds; give it once"
                 )
+            if run.history and any(_same_training(run, e) for e in (*earlier, *added)):
+                raise ValueError(
+                    f"--from-record: {path} holds the {run.model!r} training of {run.source}, "
+                    "which is scored here already (live, or in another record): twice it "
+                    "would count as two training seeds; give it once"
+                )
             # as `evaluate` computes them from the ranks
             metrics = {f"hr@{k}": hit_rate_at_k(run.ranks, k) for k in ks}
             metrics.update({f"ndcg@{k}": ndcg_at_k(run.ranks, k) for k in ks})
@@ -376,6 +386,12 @@ def _add_records(
             seeds.add(run.model, metrics, run.ranks, rows)
             added.append(run)
     return added
+
+
+def _same_training(a: RecordedRun, b: RecordedRun) -> bool:
+    """One training scored twice: the same model and checkpoint file, and the same history,
+    epoch by epoch (its losses and seconds tell two trainings apart, even of one seed)."""
+    return (a.model, a.source, a.history) == (b.model, b.source, b.history)
 
 
 def simulate_funnel(
