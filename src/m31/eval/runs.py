@@ -337,7 +337,7 @@ def _add_records(
     fingerprint: str,
     ks: tuple[int, ...],
     truth: bool,
-    earlier: Sequence[RecordedRun] = (),
+    earlier: Sequence[RecordedRun],
 ) -> list[RecordedRun]:
     """The runs of the records at `paths` added to `seeds` (and their FLOPs to `flops`), each
     checked to be of the requests `fingerprint` names and not to be a run of `earlier` (those
