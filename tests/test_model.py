@@ -17,7 +17,7 @@ from m31.model import (
 from m31.model.checkpoint import build_model, load_checkpoint, save_checkpoint, vocab_sizes
 from m31.model.inference import encode_ads, encode_requests
 from m31.model.retrieval import balance_loss, sampled_softmax_loss
-from m31.model.towers import ItemEncoder, hash_ids
+from m31.model.towers import ItemEncoder, hash_ids, idle_inputs
 from m31.ops import score
 from m31.training.train import _retrieval_step, requests_for
 from m31.world.config import preset
@@ -632,3 +632,19 @@ def test_hard_negatives_train_the_ranking_model_only(feats):
     cfg = model_preset("tiny", "ranking").with_overrides(ranking_hard=4, epochs=1)
     with pytest.raises(ValueError, match="need both"):
         train(cfg, feats, device="cpu", log=lambda _: None, progress=False)
+
+
+def test_idle_inputs_names_only_the_families_whose_inputs_are_missing(feats):
+    experts = {"sequence": 1, "semantic": 2, "cohort": 1, "coengagement": 2}
+    assert idle_inputs(experts, feats) == {}  # the world has every input
+    text, cooc, organic = feats.text_emb, feats.cooc_emb, feats.organic
+    try:
+        feats.text_emb, feats.cooc_emb = np.zeros_like(text), np.zeros_like(cooc)
+        assert sorted(idle_inputs(experts, feats)) == ["coengagement", "semantic"]
+        assert "only the organic events" in idle_inputs(experts, feats)["coengagement"]
+        # a family without slots is never named, whatever its inputs
+        assert idle_inputs({"sequence": 1, "cohort": 1}, feats) == {}
+        feats.organic = organic.last(0)
+        assert "one learned vector each" in idle_inputs(experts, feats)["coengagement"]
+    finally:
+        feats.text_emb, feats.cooc_emb, feats.organic = text, cooc, organic

@@ -116,3 +116,19 @@ def test_training_selects_its_epoch_under_the_protocol(feats):
     catalog = Catalog.from_features(feats)
     again = _validate(model, feats, catalog, under, exclude_seen=True)
     assert again["ndcg@10"] == pytest.approx(best["val_ndcg@10"])
+
+
+def test_training_says_which_families_have_no_input(folder, tmp_path):
+    """A sequence file has no text, no user attributes and no organic events: the semantic,
+    cohort and co-engagement families train on what is left, and `m31 train` says so."""
+    out = tmp_path / "m.pt"
+    res = CliRunner().invoke(app, ["train", "--model", "moe", "--preset", "tiny", "--epochs", "1",
+                                   "--data", str(folder), "--out", str(out)])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    notes = [line for line in res.output.splitlines() if line.startswith("note: the ")]
+    families = model_preset("tiny", "moe").experts
+    assert [n.split()[2] for n in notes] == ["semantic", "cohort", "coengagement"]
+    assert f"semantic family ({families['semantic']} slots): no item has text" in notes[0]
+    assert "every user has the same cohort, age_bucket, gender, country" in notes[1]
+    assert "no organic events, so it reads only the history's co-engagement" in notes[2]
+    assert out.is_file()

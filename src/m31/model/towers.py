@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -251,6 +252,37 @@ class UserFeatures(nn.Module):
         """The family's trunk over its slots' states [B, .., k, h] with the context [B, h]."""
         c = ctx.view(ctx.shape[0], *([1] * (pooled.dim() - 2)), -1).expand_as(pooled)
         return self.trunks[name](torch.cat([pooled, c], dim=-1))
+
+
+USER_ATTRIBUTES = ("cohort", "age_bucket", "gender", "country")  # what the cohort family reads
+
+
+def idle_inputs(experts: dict[str, int], feats) -> dict[str, str]:
+    """Family -> what it reads instead, for each family given slots in `experts` whose own
+    inputs `feats` (`m31.features.Features`) lacks: item text (semantic), user attributes that
+    tell users apart (cohort), organic events and co-engagement (coengagement). Such a family
+    still trains, on what is left; said at training so that nobody reads its slots as more."""
+    idle = {}
+    if experts.get("semantic", 0) and not feats.text_emb.any():
+        idle["semantic"] = "no item has text, so it reads only the history's time buckets"
+    if experts.get("cohort", 0) and all(
+        len(np.unique(feats.users[c])) <= 1 for c in USER_ATTRIBUTES
+    ):
+        idle["cohort"] = (
+            f"every user has the same {', '.join(USER_ATTRIBUTES)}, so its slots are one "
+            "learned vector each, read with the request's context"
+        )
+    if experts.get("coengagement", 0):
+        organic, cooc = len(feats.organic.ts) > 0, bool(feats.cooc_emb.any())
+        if not (organic and cooc):
+            idle["coengagement"] = {
+                (False, True): "no organic events, so it reads only the history's co-engagement "
+                "embeddings",
+                (True, False): "no item has co-engagement, so it reads only the organic events",
+                (False, False): "no organic events and no co-engagement, so its slots are one "
+                "learned vector each, read with the request's context",
+            }[organic, cooc]
+    return idle
 
 
 class AdTower(nn.Module):

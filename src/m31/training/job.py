@@ -132,6 +132,7 @@ def train_checkpoint(
     from m31.eval.runs import load_scorer
     from m31.model import model_preset, save_checkpoint
     from m31.model.checkpoint import features_fingerprint, save_atomic, split_fingerprint
+    from m31.model.towers import idle_inputs
     from m31.pipeline import features_for
     from m31.progress import progress_bar
     from m31.training.train import default_device, train
@@ -140,6 +141,8 @@ def train_checkpoint(
     with bar:
         feats = features_for(data, split, progress=callback)
     log(f"features: {feats.describe()}")
+    for family, what in idle_inputs(cfg.experts, feats).items():
+        log(f"note: the {family} family ({cfg.experts[family]} slots): {what}")
     at = device if device is not None else default_device()
     retrievers = {}
     for option, path in (("--hard-negatives", hard_negatives), ("--base", base)):
