@@ -142,7 +142,8 @@ def train_checkpoint(
         feats = features_for(data, split, progress=callback)
     log(f"features: {feats.describe()}")
     for family, what in idle_inputs(cfg.experts, feats).items():
-        log(f"note: the {family} family ({cfg.experts[family]} slots): {what}")
+        k = cfg.experts[family]
+        log(f"note: the {family} family ({k} slot{'s' if k != 1 else ''}): {what}")
     at = device if device is not None else default_device()
     retrievers = {}
     for option, path in (("--hard-negatives", hard_negatives), ("--base", base)):
