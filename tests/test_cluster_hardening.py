@@ -57,6 +57,12 @@ from m31.serve.service import Ask  # noqa: E402
 
 S = 3
 BOUND_S = 300.0  # how long a condition may take to come true on a busy machine
+# The timeout of a read that runs to its deadline (a shard or the coordinator held down): the
+# service answers it (503 naming them, or the partial answer) a margin before the deadline, 10%
+# of it up to 0.5 s (`m31.cluster.service.ANSWER_MARGIN_S`), and the batcher answers a bare 504
+# at the deadline itself. At 1.5 s the margin was 150 ms, which a loaded 2-core machine's
+# scheduling stalls overran (504s, seen beside a training); from 5 s on it is the full 0.5 s.
+DEADLINE_MS = 6_000
 AUTH = {"Authorization": f"Bearer {ADMIN}"}
 
 
@@ -219,14 +225,14 @@ def test_coordinator_restarted_beside_a_dying_shard_recovers_by_itself(served):
         os.kill(stopped, signal.SIGSTOP)
         try:
             os.kill(pid(served.cluster.coordinator), signal.SIGKILL)
-            part = poll(lambda: retrieve(served, 2000, allow_partial=True),
+            part = poll(lambda: retrieve(served, DEADLINE_MS, allow_partial=True),
                         lambda r: r.status_code == 200, seen).json()  # fmt: skip
             assert part["partial"] is True and part["missing_shards"] == [1]
         except BaseException:
             os.kill(stopped, signal.SIGKILL)
             raise
         with restarting(served, 1, dead=stopped):
-            r = retrieve(served, 1500)
+            r = retrieve(served, DEADLINE_MS)
             seen.append(r.status_code)
             assert r.status_code == 503 and "shards [1]" in r.json()["detail"], r.text
             r = httpx.get(f"{served.url}/health/ready", timeout=BOUND_S)
@@ -267,9 +273,9 @@ def test_a_restarting_shard_answers_503_naming_it(served):
             assert "shard" in r.json()["detail"] and "2" in r.json()["detail"], (method, r.text)
             assert r.headers["Retry-After"] == "1"
         assert httpx.get(f"{served.url}/v1/ads/{other}", timeout=BOUND_S).status_code == 200
-        r = retrieve(served, 1500)
+        r = retrieve(served, DEADLINE_MS)
         assert r.status_code == 503 and "shards [2]" in r.json()["detail"], r.text
-        r = retrieve(served, 1500, allow_partial=True)
+        r = retrieve(served, DEADLINE_MS, allow_partial=True)
         assert r.status_code == 200 and r.json()["missing_shards"] == [2], r.text
         r = httpx.get(f"{served.url}/health/ready", timeout=BOUND_S)
         assert r.status_code == 503 and "shard 2" in r.json()["detail"], r.text
@@ -293,7 +299,7 @@ def test_a_stopped_then_restarting_coordinator_answers_503(served):
     os.kill(coordinator, signal.SIGSTOP)
     try:
         for partial in (False, True):
-            r = retrieve(served, 1500, allow_partial=partial)
+            r = retrieve(served, DEADLINE_MS, allow_partial=partial)
             assert r.status_code == 503 and "coordinator" in r.json()["detail"], r.text
         r = httpx.get(f"{served.url}/health/ready", timeout=BOUND_S)
         assert r.status_code == 503 and "coordinator" in r.json()["detail"], r.text
