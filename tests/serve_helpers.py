@@ -235,3 +235,111 @@ class RayServer:
 
         # Not waited for: the replica's graceful stop takes seconds, and nothing reuses its name.
         serve.delete(self.name, _blocking=False)
+
+
+def push_body(
+    url: str,
+    call: str,
+    headers: str,
+    size: int,
+    chunked: bool = False,
+    bound_s: float = 600.0,
+):
+    """Send `call` ("METHOD /path", under `url`'s own path) with `headers` (one a line, each
+    ending in `\\n`) and then up to `size` bytes of body (in chunks if `chunked`) for as long
+    as the server takes them and has not answered; (the answer, body bytes sent). A server
+    that reads the whole body before answering makes this send all `size` bytes; one that
+    answers first stops it early. `bound_s` bounds only a server that never answers."""
+    import select
+    from urllib.parse import urlsplit
+
+    where = urlsplit(url)
+    method, path = call.split(" ", 1)
+    head = f"{method} {where.path}{path} HTTP/1.1\nHost: test\n{headers}\n"
+    piece = b" " * (1 << 20)
+    sent, deadline = 0, time.monotonic() + bound_s
+    with socket.create_connection((where.hostname, where.port), timeout=bound_s) as sock:
+        sock.sendall(head.replace("\n", "\r\n").encode())
+        while sent < size and time.monotonic() < deadline:
+            readable, writable, _ = select.select([sock], [sock], [], 1.0)
+            if readable:
+                break  # answered (or closed) before the body was all sent
+            if not writable:
+                continue
+            data = piece[: size - sent]
+            framed = b"%x\r\n%s\r\n" % (len(data), data) if chunked else data
+            try:
+                sock.sendall(framed)
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            sent += len(data)
+        if chunked and sent == size:
+            sock.sendall(b"0\r\n\r\n")
+        return read_answer(sock), sent
+
+
+def read_answer(sock: socket.socket) -> bytes:
+    """One HTTP answer with a content-length, read whole from `sock`."""
+    import re
+
+    answer = b""
+    while b"\r\n\r\n" not in answer or len(answer.split(b"\r\n\r\n", 1)[1]) < int(
+        re.search(rb"content-length: (\d+)", answer.lower())[1]
+    ):
+        piece = sock.recv(65536)
+        assert piece, f"the server closed the connection after {answer!r}"
+        answer += piece
+    return answer
+
+
+def status_of(answer: bytes) -> int:
+    return int(answer.split(b" ", 2)[1])
+
+
+def rss_bytes(pid: int) -> int:
+    """A process's resident set size (Linux)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+def route_calls(app) -> list[tuple[str, str, bool]]:
+    """(method, path with its parameters filled, whether it declares a body) of every route of
+    `app` (HEAD left out: it answers as GET)."""
+    import re
+
+    calls = []
+    for route in app.routes:
+        path = re.sub(r"\{[^}]+\}", "1", route.path)
+        body = getattr(route, "body_field", None) is not None
+        calls += [
+            (m, path, body) for m in sorted(getattr(route, "methods", None) or ()) if m != "HEAD"
+        ]
+    return calls
+
+
+def check_every_route_is_guarded(url: str, app, token: str, body_timeout_s: float) -> None:
+    """Walk every route of `app` (served at `url`): without a token, a call declaring 300 MB is
+    answered after 16 KiB of it (401/403 where a token is required, 413 on an open route that
+    takes a body; an open route without a body answers as usual); with `token`, every route that
+    takes a body answers such a call 413, and 408 to a body that stalls."""
+    declared = 300 << 20
+    json = "Content-Type: application/json\n"
+    authorized = f"{json}Authorization: Bearer {token}\n"
+    for method, path, body in route_calls(app):
+        call = f"{method} {path}"
+        answer, _ = push_body(
+            url, call, f"{json}Content-Length: {declared}\n", 16 << 10, bound_s=120
+        )
+        status = status_of(answer)
+        assert status < 500 and status != 408, (call, answer[:300])
+        if body:
+            assert status in (401, 403, 413), (call, answer[:300])
+            answer, _ = push_body(url, call, f"{authorized}Content-Length: {declared}\n",
+                                  16 << 10, bound_s=120)  # fmt: skip
+            assert status_of(answer) == 413, (call, answer[:300])
+            # 15 of 999 bytes, then nothing: refused after the body timeout, not held.
+            answer, _ = push_body(url, call, f"{authorized}Content-Length: 999\n", 15, bound_s=120)
+            assert status_of(answer) == 408, (call, answer[:300])
+            assert f"{body_timeout_s:g} s".encode() in answer

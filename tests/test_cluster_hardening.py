@@ -40,6 +40,7 @@ from serve_helpers import (  # noqa: E402
     ADMIN,
     RayServer,
     World,
+    check_every_route_is_guarded,
     free_port,
     new_ad,
     start_cluster,
@@ -52,7 +53,7 @@ from m31.cluster.cluster import Cluster  # noqa: E402
 from m31.cluster.layout import shard_dir, shard_of  # noqa: E402
 from m31.cluster.service import ClusterService  # noqa: E402
 from m31.engine import AdRequest  # noqa: E402
-from m31.serve.app import ServeConfig  # noqa: E402
+from m31.serve.app import ServeConfig, create_app  # noqa: E402
 from m31.serve.service import Ask  # noqa: E402
 
 S = 3
@@ -85,7 +86,7 @@ def world(served_world) -> World:
 def served(world, ray_serve):
     """The API on the run's Ray Serve over a 3-shard cluster made from the world's snapshot."""
     state, cluster = start_cluster(world.snapshot, world.root, S)
-    config = ServeConfig(index=state, model=world.model, admin_token=ADMIN)
+    config = ServeConfig(index=state, model=world.model, admin_token=ADMIN, body_timeout_s=1.0)
     users = pq.read_table(world.data / "users.parquet").column("user_id").to_numpy()[:5]
     ads = pq.read_table(world.data / "ads.parquet").column("ad_id").to_numpy()
     with RayServer(ray_serve, config, cluster) as server:
@@ -211,6 +212,17 @@ def present(served: Served, ad_id: int) -> bool:
     r = httpx.get(f"{served.url}/v1/ads/{ad_id}", timeout=BOUND_S)
     assert r.status_code in (200, 404), r.text
     return r.status_code == 200
+
+
+def test_the_ingress_guards_every_route_and_keys_name_one_call(served):
+    """The cluster's ingress is the same app over a `ClusterService`: every route's body behind
+    its token and limits (`tests/test_body_guard.py` on one server), and an idempotency key
+    refused for another call by the coordinator, which remembers each key's digest."""
+    from test_body_guard import check_one_call_per_key
+
+    check_every_route_is_guarded(served.url, create_app(served.config), ADMIN,
+                                 served.config.body_timeout_s)  # fmt: skip
+    check_one_call_per_key(served.url)
 
 
 def test_coordinator_restarted_beside_a_dying_shard_recovers_by_itself(served):

@@ -236,7 +236,7 @@ def test_bce_loss_by_hand():
     pos, neg = torch.tensor([0.0, 2.0]), torch.tensor([0.0, -1.0])
     want = (2 * math.log(2) + math.log1p(math.exp(-2.0)) + math.log1p(math.exp(-1.0))) / 2
     assert float(bce_loss(pos, neg)) == pytest.approx(want, rel=1e-6)
-    with pytest.raises(ValueError, match="loss must be one of softmax, bce"):
+    with pytest.raises(ValueError, match="loss must be one of softmax, full, bce"):
         model_preset("tiny", "moe").with_overrides(loss="hinge")
     for kind in ("ranking", "dense"):
         with pytest.raises(ValueError, match=f"not a {kind} model"):

@@ -189,3 +189,65 @@ def test_a_two_tower_over_the_sequence_alone_has_a_query_at_every_position(feats
     assert not model_preset("tiny", "two-tower").trains_every_position  # it trains at the request
     with pytest.raises(ValueError, match="pool the whole history"):
         make(feats, kind="two-tower").encode_positions(r, Catalog.from_features(feats))
+
+
+@pytest.mark.parametrize("kind", ["moe", "two-tower"])
+def test_the_full_softmax_is_cross_entropy_over_every_item(feats, kind):
+    """`loss="full"` with a target at every position: the same value and gradient as a plain
+    reference that scores each query against each item alone (`model.score_one`'s formula,
+    DESIGN §2, one item at a time) and takes the softmax over all of them directly."""
+    from m31.training.train import _next_targets, _position_step
+
+    cfg = dataclasses.replace(
+        model_preset("tiny", kind),
+        sequence_encoder="transformer",
+        loss="full",
+        dropout=0.0,
+        experts={"sequence": 1, "cohort": 1, "semantic": 0, "coengagement": 0},
+    )
+    torch.manual_seed(0)
+    model = build_model(cfg, vocab_sizes(feats), feats.text_emb.shape[1], feats.cooc_emb.shape[1])
+    catalog = Catalog.from_features(feats)
+    train_split = feats.splits["train"]
+    anchors = _anchors(train_split, cfg.max_len)
+
+    def histories(rows):
+        r = requests_for(feats, train_split, rows, cfg.max_len)
+        _, _, ts, _ = feats.history(train_split["user"][rows], train_split["ts"][rows], 8)
+        return r, ts
+
+    # 5 requests, 4 of them with a target after some history position, 1 without any
+    with_targets = _next_targets(*histories(anchors), "cpu")[0].any(1).numpy()
+    rows = np.r_[anchors[with_targets][:4], anchors[~with_targets][:1]]
+    r, hist_ts = histories(rows)
+    pos = torch.from_numpy(train_split["item"][rows])
+    cfg = dataclasses.replace(cfg, balance_weight=0.0)  # the loss alone
+
+    loss, _ = _position_step(model, r, catalog, pos, hist_ts, None, feats.n_ads, cfg, None, "cpu")
+    fast = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
+
+    def one(q, v, p, g, x, b):  # [E, G], [E, D], [E], [G], [D], []: one pair's score
+        w = (
+            torch.softmax(q @ g / max(q.shape[-1], 1) ** 0.5 + p, 0)
+            if q.shape[-1]
+            else (torch.softmax(p, 0))
+        )
+        return (w * (v @ x)).sum() + b
+
+    (qf, vf, pf), (q, v, p) = model.encode_positions(r, catalog)
+    g, x, b = model.encode_ads(catalog)
+    has, target = _next_targets(r, hist_ts, "cpu")
+    queries = [(qf[i], vf[i], pf[i], int(pos[i])) for i in range(len(pos))]
+    at = has.nonzero().tolist()
+    queries += [(q[i, j], v[i, j], p[i, j], int(t)) for (i, j), t in zip(at, target, strict=True)]
+    terms = []
+    for qq, vv, pp, t in queries:
+        logits = torch.stack([one(qq, vv, pp, g[a], x[a], b[a]) for a in range(feats.n_ads)])
+        terms.append(torch.logsumexp(logits, 0) - logits[t])
+    want = torch.stack(terms).mean()
+    plain = torch.autograd.grad(want, list(model.parameters()), allow_unused=True)
+    assert len(target) > 0 and float(loss) == pytest.approx(float(want), rel=1e-5)
+    for a, b_ in zip(fast, plain, strict=True):
+        assert (a is None) == (b_ is None)
+        if a is not None:
+            torch.testing.assert_close(a, b_, rtol=1e-4, atol=1e-6)

@@ -133,7 +133,11 @@ def test_the_deadline_counts_from_arrival(server):
     assert b"deadline passed (50 ms from arrival)" in answer
 
 
-def test_small_calls_run_between_the_slices_of_a_large_call(world, server):
+def test_small_calls_are_answered_while_a_large_call_runs(world, server):
+    """Small calls sent while a 1,024-request call runs are answered before it is: the large
+    call is cut into slices and the small ones run between them. How many requests of the large
+    call share a batch with a small one depends on the machine's speed (the slice is device
+    time), so that is `tests/test_batcher.py`'s, on a clock of its own."""
     users = stored_users(world)
     n, during = MAX_REQUESTS, []
     for _ in range(10):  # a machine fast enough to finish the large call first gets retries
@@ -147,18 +151,13 @@ def test_small_calls_run_between_the_slices_of_a_large_call(world, server):
             n //= 2  # a busy machine: the server expects the call to outlast the longest deadline
             continue
         assert answer.status_code == 200, answer.text
+        assert len(ids(answer)) == n
         during += more
         if len(during) >= 5:
             break
     assert len(during) >= 5
     assert all(r.status_code == 200 for r in during), [r.text for r in during]
-    # Each small call shared a device call with at most a slice of the large one; before, it
-    # waited for a full batch of the large call and then ran with the next 63 of its requests.
-    # (A slice is at least twice one request's time: on a machine slow enough for that to be
-    # a full batch, a slice is a full batch.)
-    sizes = [r.json()["batch_requests"] for r in during]
-    slice_size = server.server.config.app.state.batcher.slice_size()
-    assert max(sizes) < 64 or slice_size >= 63, (sizes, slice_size)
+    assert all(len(ids(r)[0]) == OK["k"] for r in during)
 
 
 def test_a_large_call_is_admitted_after_steady_small_traffic(world, server):

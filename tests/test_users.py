@@ -23,6 +23,7 @@ from m31.engine.load import load_engine
 from m31.engine.requests import Engagement, FrequencyCap
 from m31.index import AdIndex
 from m31.index import RequestContext as AdRequestContext
+from m31.index.idempotency import KeyReused
 from m31.index.users import UserStore, Vocab
 from m31.serve.app import ServeConfig, create_app
 
@@ -186,8 +187,9 @@ def test_events_survive_reopen_and_snapshot_and_retries_apply_once(world):
     state = fresh_state(world, "replay")
     engine = opened(world, state)
     user = int(engine.retriever.users._ids[0])
-    v1 = engine.store.add_events([user, 10**9], [5, 6], [100, 101], ["feed", None], key="a")
-    assert engine.store.add_events([user, 10**9], [5, 6], [100, 101], ["feed", None], key="a") == v1
+    call = ([user, 10**9], [5, 6], [100, 101], ["feed", None])
+    v1 = engine.store.add_events(*call, key="a")
+    assert engine.store.add_events(*call, key="a") == v1
     v2 = engine.store.add_events([user], [7], [102], ["reels"])
     engine.store.set_users([(10**9, {"country": 0, "age": 40})])
     before = engine.retriever.users.history(
@@ -202,8 +204,13 @@ def test_events_survive_reopen_and_snapshot_and_retries_apply_once(world):
             np.testing.assert_array_equal(a, b)
         assert users.version_of("a") == v1 and engine.store.version >= v2
         assert users.targeting(users.rows_of([10**9])[0])["age"] == 40
-        # The retry after a restart is still applied once.
-        assert engine.store.add_events([user], [5], [100], ["feed"], key="a") == v1
+        # The retry after a restart is still applied once, and another call under its key is
+        # still refused, with nothing applied: the key's digest is logged and snapshotted.
+        assert engine.store.add_events(*call, key="a") == v1
+        version = engine.store.version
+        with pytest.raises(KeyReused, match=r"idempotency_key: 'a' was used at version \d+ for"):
+            engine.store.add_events([user], [5], [100], ["feed"], key="a")
+        assert engine.store.version == version
         if step == "replay":
             engine.store.snapshot()
         engine.close()

@@ -31,7 +31,8 @@ LossOption = Annotated[
     str | None,
     typer.Option(
         help="The retrieval models' loss: softmax (sampled, in-batch and uniform negatives, "
-        "logQ; the default) or bce (SASRec's: each target against one uniform negative)."
+        "logQ; the default), full (the softmax over every item, nothing sampled) or bce "
+        "(SASRec's: each target against one uniform negative)."
     ),
 ]
 AttributeBucketsOption = Annotated[

@@ -48,6 +48,7 @@ from m31.cluster.layout import coordinator_dir, read_layout, shard_dir, shard_of
 from m31.cluster.shard import Answer, Moved, Shard
 from m31.engine import Retrieved, merge
 from m31.engine.caps import group_cap
+from m31.index.idempotency import call_digest
 from m31.serve.service import Unavailable
 
 __all__ = ["Cancelled", "Cluster", "ClusterOptions", "Gathered", "Read", "Unavailable", "ready"]
@@ -584,13 +585,17 @@ class Cluster:
 
     # ---- mutations ----------------------------------------------------------------------
 
-    def _mutate(self, ops: dict[int, tuple[str, dict, Any]], key: str | None = None) -> int:
+    def _mutate(
+        self, ops: dict[int, tuple[str, dict, Any]], key: str | None = None, digest=None
+    ) -> int:
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError
 
         self.last_point = None  # the next read asks the coordinator (reads its own writes)
         try:
-            out = ray.get(self.coordinator.mutate.remote(ops, key), timeout=MUTATION_TIMEOUT_S)
+            out = ray.get(
+                self.coordinator.mutate.remote(ops, key, digest), timeout=MUTATION_TIMEOUT_S
+            )
         except (RayActorError, GetTimeoutError) as e:
             raise Unavailable(f"the coordinator did not answer ({e}); the mutation may or "
                               "may not have been applied", []) from e  # fmt: skip
@@ -641,7 +646,7 @@ class Cluster:
     def add_events(self, user_ids, ad_ids, ts, surfaces, key=None, types=None, weights=None) -> int:
         """Engagement events [n] each (`DurableIndex.add_events`'s arguments) on the shards
         owning their users, all or none; the new global version (a call whose idempotency `key`
-        was committed already: its version)."""
+        was committed already: its version; AdIndexError if that was another call)."""
         owner = shard_of(np.asarray(user_ids, dtype=np.int64), len(self.shards))
         columns = {"user_id": user_ids, "ad_id": ad_ids, "ts": ts, "surface": surfaces,
                    "type": types, "weight": weights}  # fmt: skip
@@ -650,7 +655,10 @@ class Cluster:
             rows = np.flatnonzero(owner == s).tolist()
             args = {k: None if v is None else [v[i] for i in rows] for k, v in columns.items()}
             ops[s] = ("events", args, None)
-        return self._mutate(ops, key)
+        digest = (
+            None if key is None else call_digest(user_ids, ad_ids, ts, surfaces, types, weights)
+        )
+        return self._mutate(ops, key, digest)
 
     def set_users(self, users: Sequence[tuple[int, Mapping[str, int]]]) -> int:
         """Set attribute codes of users, (user id, codes) each, on their owning shards."""

@@ -22,10 +22,10 @@ Two-phase commit of one mutation (one at a time, under a mutex):
    (the shard, recovered from its logs, holds the transaction in doubt until then);
 4. advance `version` and answer it.
 
-Idempotency keys: a mutation may carry one (an events call's); it is logged in its commit
-record (and carried into the base record a snapshot leaves), and a mutation whose key was
-committed already is answered with that commit's version without being applied again. The
-last `MAX_KEYS` keys are remembered.
+Idempotency keys: a mutation may carry one (an events call's) with the digest of its call; both
+are logged in its commit record (and carried into the base record a snapshot leaves). A
+mutation whose key was committed already is answered with that commit's version without being
+applied again, or refused as invalid if its digest differs (`m31.index.idempotency`).
 
 A coordinator that dies is restarted by Ray. Its constructor reads `decisions.log` only, so it
 cannot fail because shards are down (Ray does not restart an actor whose constructor failed);
@@ -41,13 +41,12 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from m31.cluster.records import RecordLog
-from m31.index.users import MAX_KEYS
+from m31.index.idempotency import IdempotencyKeys, KeyReused
 
 
 def ray_get(refs):
@@ -74,19 +73,19 @@ class Coordinator:
         self._state = threading.Condition()  # guards version, touched, ads, recovering
         self._failed: str | None = None
         self.version, self.touched = 0, [0] * len(self.shards)
-        self._keys: OrderedDict[str, int] = OrderedDict()  # idempotency key -> version
+        self._keys = IdempotencyKeys()  # of the mutations committed
         last: list[tuple[str, int] | None] = [None] * len(self.shards)
         for record in records:
             if record[0] == "base":
                 self.version, self.touched = record[1], list(record[2])
-                self._keys = OrderedDict(record[3] if len(record) > 3 else [])
+                self._keys = IdempotencyKeys(record[3] if len(record) > 3 else [])
             else:
                 txn, version, participants = record[1:4]
                 self.version = version
                 for s in participants:
                     self.touched[s], last[s] = version, (txn, version)
                 if len(record) > 4 and record[4] is not None:
-                    self._remember(record[4], version)
+                    self._keys.remember(record[4], version, record[5] if len(record) > 5 else None)
         self._last = last  # per shard: (txn, version) of the last commit that touched it
         self.ads = [0] * len(self.shards)
         self._recovering = set(range(len(self.shards)))
@@ -149,23 +148,27 @@ class Coordinator:
         with self._state:
             return {s: self._why.get(s, "not answered yet") for s in sorted(self._recovering)}
 
-    def _remember(self, key: str, version: int) -> None:
-        self._keys[key] = version
-        while len(self._keys) > MAX_KEYS:
-            self._keys.popitem(last=False)
-
     def mutate(
-        self, ops: Mapping[int, tuple[str, dict[str, Any], Any]], key: str | None = None
+        self,
+        ops: Mapping[int, tuple[str, dict[str, Any], Any]],
+        key: str | None = None,
+        digest: str | None = None,
     ) -> tuple:
         """Apply {shard: (op, args, check)} atomically. ("ok", version, live ads), ("invalid",
         message) when a shard refused it, or ("unavailable", message, shards). A mutation
-        whose idempotency `key` was committed already: ("ok", that version, live ads)."""
+        whose idempotency `key` was committed already: ("ok", that version, live ads), or
+        ("invalid", message) if that mutation's `digest` was another."""
         import ray
         from ray.exceptions import RayActorError, RayTaskError
 
         with self._mutex:
-            if key is not None and key in self._keys:
-                return ("ok", self._keys[key], sum(self.ads))
+            if key is not None:
+                try:
+                    done = self._keys.applied(key, digest)
+                except KeyReused as e:
+                    return ("invalid", str(e))
+                if done is not None:
+                    return ("ok", done, sum(self.ads))
             if self._failed is not None:
                 return ("unavailable", self._failed, [])
             participants = sorted(ops)
@@ -205,9 +208,9 @@ class Coordinator:
                 return ("unavailable", f"shards {down} unavailable (down or restarting); "
                         "nothing was changed", down)  # fmt: skip
             version = self.version + 1
-            self._log.append(("commit", txn, version, participants, key))
+            self._log.append(("commit", txn, version, participants, key, digest))
             if key is not None:
-                self._remember(key, version)
+                self._keys.remember(key, version, digest)
             ads = self._decide_all(
                 participants, lambda s: self.shards[s].commit.remote(txn, version)
             )
@@ -266,9 +269,7 @@ class Coordinator:
             if down:
                 return ("unavailable", f"shards {down} unavailable (down or restarting); the "
                         "others wrote their snapshots", down)  # fmt: skip
-            self._log.rewrite(
-                [("base", self.version, list(self.touched), list(self._keys.items()))]
-            )
+            self._log.rewrite([("base", self.version, list(self.touched), self._keys.items())])
             return ("ok", self.version)
 
     def pid(self) -> int:

@@ -76,6 +76,7 @@ import torch
 
 from m31.index.ad_index import AdIndex, AdIndexError
 from m31.index.framing import frame, next_intact, parse, sync_dir, sync_file, write_all
+from m31.index.idempotency import call_digest
 from m31.index.snapshot import read_manifest
 from m31.index.users import UserStore
 
@@ -159,7 +160,7 @@ def _apply(index: AdIndex, users: UserStore | None, record: _Record) -> int:
             raise ValueError(f"a {record.op} record, and no user store to apply it to")
         if record.op == "events":
             events = record.checked or users.check(a["user_id"], a["ad_id"], a["ts"], a["surface"])
-            users.add(events, record.version, a.get("key"))
+            users.add(events, record.version, a.get("key"), a.get("digest"))
         else:
             for user_id, codes in a["users"]:
                 users.set_attributes(user_id, codes)
@@ -526,12 +527,16 @@ class DurableIndex:
     ) -> int:
         """Engagement events [n] (`UserStore.check`), logged before they reach the user store;
         the version that holds them. A call whose idempotency `key` was applied already is not
-        applied again: its version is answered. Event `types` and `weights` (optional, [n],
+        applied again: its version is answered (KeyReused, a ValueError, if that was another
+        call). Event `types` and `weights` (optional, [n],
         None each where not given) are logged with them; the store keeps neither."""
         users = self._require_users()
         with self._mutex:
-            if key is not None and (done := users.version_of(key)) is not None:
-                return done
+            digest = None
+            if key is not None:
+                digest = call_digest(user_ids, ad_ids, ts, surfaces, types, weights)
+                if (done := users.version_of(key, digest)) is not None:
+                    return done
 
             def prepare(version: int) -> _Record:
                 checked = users.check(user_ids, ad_ids, ts, surfaces)  # ValueError: no log
@@ -543,6 +548,7 @@ class DurableIndex:
                     "type": list(types) if types is not None else None,
                     "weight": list(weights) if weights is not None else None,
                     "key": key,
+                    "digest": digest,
                 }
                 return _Record("events", version, args, checked)
 

@@ -30,17 +30,17 @@ from __future__ import annotations
 
 import json
 import threading
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from m31.index.idempotency import IdempotencyKeys
+
 # Demographic codes as the model reads them (`m31.features.build`): the vocabulary's length is
 # the unknown value; `age` is the raw age for targeting, -1 unknown.
 ATTRIBUTES = ("cohort", "age_bucket", "gender", "country", "age")
-MAX_KEYS = 100_000  # idempotency keys remembered (the most recent)
 FILES = ("users.npz", "keys.json")
 # A user's state as `dump` gives it, one array each: ids first.
 ARRAYS = ("ids", "ad", "ts", "surface", "held", *ATTRIBUTES)
@@ -85,7 +85,7 @@ class UserStore:
         self._lock = threading.Lock()
         self._n_users = 0
         self._row: dict[int, int] = {}  # user id -> row
-        self._keys: OrderedDict[str, int] = OrderedDict()  # idempotency key -> version
+        self._keys = IdempotencyKeys()  # of the events calls applied
         self._alloc(max(capacity, 1))
 
     def _alloc(self, capacity: int) -> None:
@@ -189,9 +189,10 @@ class UserStore:
             "gender": v.genders[gender] if gender < len(v.genders) else None,
         }
 
-    def version_of(self, key: str) -> int | None:
-        """The version an idempotency key's call was applied at, if it was (and is remembered)."""
-        return self._keys.get(key)
+    def version_of(self, key: str, digest: str | None = None) -> int | None:
+        """The version an idempotency key's call was applied at, if it was (and is remembered);
+        KeyReused (a ValueError) if that call's digest is not `digest` (`call_digest`)."""
+        return self._keys.applied(key, digest)
 
     def nbytes_per_user(self) -> float:
         """Bytes of the store per user it holds (its arrays' capacity and the id map)."""
@@ -228,14 +229,15 @@ class UserStore:
             np.asarray(ts, np.int64), surface,
         )  # fmt: skip
 
-    def add(self, events: Events, version: int, key: str | None = None) -> None:
-        """Append checked events (creating unknown users), remembering `key` -> `version`."""
+    def add(
+        self, events: Events, version: int, key: str | None = None, digest: str | None = None
+    ) -> None:
+        """Append checked events (creating unknown users), remembering that the call `digest`
+        under `key` was applied at `version`."""
         with self._lock:
             self._append(self._rows_or_new(events.user_id), events)
             if key is not None:
-                self._keys[key] = version
-                while len(self._keys) > MAX_KEYS:
-                    self._keys.popitem(last=False)
+                self._keys.remember(key, version, digest)
 
     def set_attributes(self, user_id: int, codes: Mapping[str, int]) -> None:
         """Set some attribute codes of a user (created if new, the others unknown)."""
@@ -323,7 +325,7 @@ class UserStore:
     def save(self, folder: Path) -> None:
         """Write the store into `folder` (which exists; a snapshot folder being written)."""
         with self._lock:
-            keys = list(self._keys.items())
+            keys = self._keys.items()
         write_state(folder, self.length, self.dump(), keys)
 
     def restore(self, folder: Path) -> None:
@@ -336,13 +338,13 @@ class UserStore:
         with self._lock:
             self._n_users, self._row = 0, {}
             self._alloc(max(len(state["ids"]), 1))
-            self._keys = OrderedDict(keys)
+            self._keys = IdempotencyKeys(keys)
         self.put(state)
 
 
 def write_state(folder: Path, length: int, state: Mapping[str, np.ndarray], keys=()) -> None:
     """Write users' state (`UserStore.dump`, kept with L = `length`) and idempotency keys
-    ((key, version) pairs) into `folder`, as a snapshot holds them."""
+    ((key, version, digest) each) into `folder`, as a snapshot holds them."""
     folder = Path(folder)
     folder.mkdir(exist_ok=True)
     np.savez(folder / FILES[0], length=np.int64(length), **{k: state[k] for k in ARRAYS})

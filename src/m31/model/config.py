@@ -11,9 +11,10 @@ MODEL_KINDS = ("moe", "two-tower", "ranking", "dense")
 # attention pool with one learned query per slot that preceded it (kept for ablations).
 SEQUENCE_ENCODERS = ("transformer", "pool")
 # The retrieval models' training loss (`m31.training.train`): a sampled softmax over in-batch and
-# uniform negatives with logQ correction, or SASRec's binary cross-entropy of each target
-# against one uniformly drawn negative.
-LOSSES = ("softmax", "bce")
+# uniform negatives with logQ correction; the full softmax, cross-entropy over every ad of the
+# catalogue (no sampling: exact, and cheap where the catalogue has tens of thousands of items);
+# or SASRec's binary cross-entropy of each target against one uniformly drawn negative.
+LOSSES = ("softmax", "full", "bce")
 
 
 @dataclass(frozen=True)
@@ -87,8 +88,10 @@ class ModelConfig:
             raise ValueError(f"experts needs at least one slot, got {self.experts}")
         if self.loss not in LOSSES:
             raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
-        if self.loss == "bce" and self.kind not in ("moe", "two-tower"):
-            raise ValueError(f"the bce loss trains retrieval models, not a {self.kind} model")
+        if self.loss != "softmax" and self.kind not in ("moe", "two-tower"):
+            raise ValueError(
+                f"the {self.loss} loss trains retrieval models, not a {self.kind} model"
+            )
         if self.attribute_buckets < 0:
             raise ValueError(f"attribute_buckets must be >= 0, got {self.attribute_buckets}")
         for name in ("hidden", "value_dim", "max_len", "batch_size", "epochs", "sequence_blocks"):

@@ -14,8 +14,9 @@ its reply (`m31.index.durable`), and returns the index version that holds it. A 
 reads one consistent version, at least the `min_version` it asks for.
 
 Every error answers `{"detail": message}`, a 422's naming the field; the codes each route can
-give are in the OpenAPI schema. A body is read only by the routes that take one, after the
-caller's token is checked, within a size limit (413) and a time limit (408).
+give are in the OpenAPI schema. Every call to a route passes `BodyGuard`: the token the route
+requires is checked before any byte of a body is read, and a body is read within a size limit
+(413) and a time limit (408).
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ def create_app(
 
     # Added first, so inside `Counted`: refused bodies show in the metrics too.
     app.add_middleware(HeadAsGet)
-    app.add_middleware(BodyGuard, config=config)
+    app.add_middleware(BodyGuard, config=config, routes=app.routes)
     app.add_middleware(Counted, metrics=metrics, routes=app.routes)
 
     @app.exception_handler(StarletteHTTPException)

@@ -56,3 +56,8 @@ async def require_read(
     refused = refusal(request.app.state.config, "read", _given(credentials))
     if refused is not None:
         raise refused
+
+
+# The token each auth dependency requires: `middleware.BodyGuard` checks it before a route's
+# body is read, so that a route's dependency is the one place its token is declared.
+TOKEN_KIND = {require_admin: "admin", require_read: "read"}

@@ -1,16 +1,18 @@
-"""ASGI middleware: `BodyGuard` (token before body, size and time limits), `HeadAsGet` (HEAD of
-every GET route) and `Counted` (calls and latency by route and status into the metrics)."""
+"""ASGI middleware: `BodyGuard` (every route: its token before the body, size and time limits),
+`HeadAsGet` (HEAD of every GET route) and `Counted` (calls and latency by route and status into
+the metrics)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi.security.utils import get_authorization_scheme_param
 
-from m31.serve.auth import refusal
+from m31.serve.auth import TOKEN_KIND, refusal
 from m31.serve.config import ServeConfig
 from m31.serve.errors import error
 from m31.serve.metrics import Metrics
@@ -30,44 +32,91 @@ def _route_path(scope) -> str:
     return path[len(root) :] if root and path.startswith(root) else path
 
 
-def _body_route(method: str, path: str) -> str | None:
-    """The token kind of the route `method path` if it reads a body, else None."""
-    if method == "POST" and path == "/v1/retrieve":
-        return "read"
-    if (method == "PUT" and path == "/v1/ads") or (
-        method == "PATCH" and path.startswith("/v1/ads/")
-    ):
-        return "admin"
-    return None
+def _declares_body(headers: dict[bytes, bytes]) -> bool:
+    """Whether a call's head announces a body (RFC 9112 §6.3: a length above 0, or chunks)."""
+    return headers.get(b"content-length", b"0") != b"0" or b"transfer-encoding" in headers
+
+
+@dataclass(frozen=True)
+class _Guarded:
+    route: Any
+    token: str | None  # "admin" or "read": the token it requires; None: open
+    body: bool  # it declares a body (a FastAPI route with a body parameter)
+
+
+def _no_body(receive):
+    """`receive` with an empty body first: what a route that declares none reads, whatever the
+    caller sent (later messages, such as a disconnect, come from `receive`)."""
+    pending = [{"type": "http.request", "body": b"", "more_body": False}]
+
+    async def empty():
+        return pending.pop() if pending else await receive()
+
+    return empty
 
 
 class BodyGuard:
-    """ASGI middleware in front of the routes that read a body.
+    """ASGI middleware in front of every route: a call's body reaches a route only through it.
 
-    The caller's token is checked before a byte of the body is read, so a caller without one
-    cannot make the server hold bodies. The body is then read whole (the app parses it at
-    once) within `max_body_bytes` (else 413, whether declared or streamed) and `body_timeout_s`
-    (else 408: a sender that stalls holds nothing for longer). Elsewhere no body is read.
+    The route is found in the app's route table (`routes`, read at the first call, so that a
+    route added later is guarded like the others); the token it requires is read off its auth
+    dependency (`auth.TOKEN_KIND`) and checked before a byte of the body is read, so a caller
+    without one cannot make the server hold bodies. A route that declares a body gets it read
+    whole (the app parses it at once) within `max_body_bytes` (else 413, whether declared or
+    streamed) and `body_timeout_s` (else 408: a sender that stalls holds nothing for longer);
+    any other route sees an empty body, whatever was sent. A call to no route passes on
+    untouched: the router answers 404 or 405 without reading its body.
     """
 
-    def __init__(self, app, config: ServeConfig) -> None:
-        self.app, self.config = app, config
+    def __init__(self, app, config: ServeConfig, routes: Sequence[Any]) -> None:
+        self.app, self.config, self.routes = app, config, routes
+        self._table: list[_Guarded] | None = None
+
+    def table(self) -> list[_Guarded]:
+        """How each route is guarded, in the router's order. A route whose token cannot be
+        told (two kinds at once) is refused here, at the first call."""
+        if self._table is None:
+            table = []
+            for route in self.routes:
+                dependant = getattr(route, "dependant", None)
+                calls = [d.call for d in dependant.dependencies] if dependant is not None else []
+                kinds = {TOKEN_KIND[c] for c in calls if c in TOKEN_KIND}
+                if len(kinds) > 1:
+                    raise RuntimeError(f"route {route.path}: requires tokens {sorted(kinds)}")
+                body = getattr(route, "body_field", None) is not None
+                table.append(_Guarded(route, kinds.pop() if kinds else None, body))
+            self._table = table
+        return self._table
+
+    def route_of(self, scope) -> _Guarded | None:
+        """How the route a call goes to is guarded; None if no route takes the call."""
+        path, method = _route_path(scope), scope["method"]
+        method = "GET" if method == "HEAD" else method  # `HeadAsGet`
+        for guarded in self.table():
+            methods = getattr(guarded.route, "methods", None)
+            if methods is not None and method in methods and guarded.route.path_regex.match(path):
+                return guarded
+        return None
 
     async def __call__(self, scope, receive, send) -> None:
-        which = (
-            _body_route(scope["method"], _route_path(scope)) if scope["type"] == "http" else None
-        )
-        if which is None:
+        guarded = self.route_of(scope) if scope["type"] == "http" else None
+        if guarded is None:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        scheme, token = get_authorization_scheme_param(
-            headers.get(b"authorization", b"").decode("latin-1")
-        )
-        refused = refusal(self.config, which, token if scheme.lower() == "bearer" else "")
-        if refused is not None:
-            return await error(refused.status_code, refused.detail, refused.headers)(
-                scope, receive, send
+        if guarded.token is not None:
+            scheme, token = get_authorization_scheme_param(
+                headers.get(b"authorization", b"").decode("latin-1")
             )
+            given = token if scheme.lower() == "bearer" else ""
+            refused = refusal(self.config, guarded.token, given)
+            if refused is not None:
+                return await error(refused.status_code, refused.detail, refused.headers)(
+                    scope, receive, send
+                )
+        if not _declares_body(headers):
+            return await self.app(scope, receive, send)
+        if not guarded.body:
+            return await self.app(scope, _no_body(receive), send)
         too_large = error(413, f"body larger than {self.config.max_body_bytes} bytes")
         length = headers.get(b"content-length")
         if length is not None and (

@@ -367,7 +367,8 @@ class EventsBody(Strict):
         min_length=1,
         max_length=128,
         description="a retry with the key of a call already applied is not applied again: it "
-        "answers that call's version (the last 100,000 keys are remembered)",
+        "answers that call's version; another call under a used key is a 422 (the last 100,000 "
+        "keys are remembered)",
     )
 
 

@@ -4,8 +4,10 @@ Shapes: B requests in a batch, U uniform negatives, C candidates, A ads, E exper
 
 Retrieval models train with a sampled softmax over in-batch and uniform negatives with logQ
 correction (a candidate's logit minus the log-probability that sampling put it in the set),
-plus the gate's load-balancing term; or, with `loss="bce"`, SASRec's binary cross-entropy of
-each target against one uniformly drawn negative (`bce_loss`). The ranking model trains the
+plus the gate's load-balancing term; with `loss="full"`, the softmax over every ad of the
+catalogue instead (cross-entropy, nothing sampled, so no correction); or, with `loss="bce"`,
+SASRec's binary cross-entropy of each target against one uniformly drawn negative
+(`bce_loss`). The ranking model trains the
 same way, but scores each request against its own small candidate set (its positive, other
 requests' positives, uniform negatives), since every (request, ad) pair costs it a full
 forward pass; so does the dense interaction model. Such negatives are easy; where the ranking
@@ -362,6 +364,9 @@ def _retrieval_step(model, r, catalog, pos, pop, n_ads, cfg, rng, device):
         neg = torch.from_numpy(rng.integers(0, n_ads, b)).to(device)
         scores, gate = model(r, catalog, catalog.take(torch.stack([pos, neg], dim=1)))  # [B, 2]
         return _with_balance(bce_loss(scores[:, 0], scores[:, 1]), gate, cfg), gate
+    if cfg.loss == "full":
+        scores, gate = model(r, catalog, catalog)  # [B, A], [B, A, E]
+        return _with_balance(F.cross_entropy(scores, pos), gate, cfg), gate
     neg = torch.from_numpy(rng.integers(0, n_ads, cfg.uniform_negatives)).to(device)
     cand = torch.cat([pos, neg])  # [C] in-batch positives, then uniform negatives
     # Probability that a candidate was drawn into the set: by popularity in-batch, or uniformly.
@@ -390,6 +395,8 @@ def _position_step(model, r, catalog, pos, hist_ts, pop, n_ads, cfg, rng, device
     b = len(pos)
     if cfg.loss == "bce":
         return _position_step_bce(model, r, catalog, pos, hist_ts, n_ads, cfg, rng, device)
+    if cfg.loss == "full":
+        return _position_step_full(model, r, catalog, pos, hist_ts, cfg, device)
     neg = torch.from_numpy(rng.integers(0, n_ads, cfg.uniform_negatives)).to(device)
     cand = torch.cat([pos, neg])  # [C]
     pop_t = torch.from_numpy(pop).to(device)
@@ -425,6 +432,20 @@ def _next_targets(r, hist_ts, device) -> tuple[torch.Tensor, torch.Tensor]:
     nxt = items[:, 1:]
     has = (items[:, :-1] >= 0) & (nxt >= 0) & (ts[:, 1:] > ts[:, :-1])  # [B, L-1]
     return has, nxt[has]
+
+
+def _position_step_full(model, r, catalog, pos, hist_ts, cfg, device):
+    """`_position_step` with the full softmax: the request's query and the query after each
+    history position, each scoring every ad of the catalogue, cross-entropy of its target."""
+    (qf, vf, pf), (q, v, p) = model.encode_positions(r, catalog)
+    g, x, bias = model.encode_ads(catalog)  # [A, G], [A, D], [A]
+    scores, gate = score(qf, vf, pf, g, x, bias, return_gate=True)  # [B, A], [B, A, E]
+    has, target = _next_targets(r, hist_ts, device)  # [B, L-1], [P]
+    loss = F.cross_entropy(scores, pos, reduction="sum")
+    if len(target):
+        at = score(q[:, :-1][has], v[:, :-1][has], p[:, :-1][has], g, x, bias)  # [P, A]
+        loss = loss + F.cross_entropy(at, target, reduction="sum")
+    return _with_balance(loss / (len(pos) + len(target)), gate, cfg), gate
 
 
 def _position_step_bce(model, r, catalog, pos, hist_ts, n_ads, cfg, rng, device):
