@@ -15,7 +15,12 @@ TrainDataOption = Annotated[
     Path, typer.Option(help="Dataset folder (features are built into it once).")
 ]
 PresetOption = Annotated[
-    str, typer.Option(help="Model preset: tiny, demo or sasrec (the sequence expert alone).")
+    str | None,
+    typer.Option(
+        help="Model preset: tiny, demo or sasrec (the sequence expert alone). Left out, the "
+        "recipe the dataset supports is chosen and said (sasrec under the standard protocol for "
+        "sequence files, demo otherwise; no slots for expert families without inputs)."
+    ),
 ]
 PatienceOption = Annotated[
     int | None, typer.Option(help="Override the epochs without validation gain to stop at.")
@@ -122,7 +127,7 @@ def train_cmd(
     model: Annotated[str, typer.Option(help="moe, two-tower, dense or ranking.")],
     data: TrainDataOption,
     out: Annotated[Path, typer.Option(help="Checkpoint file to write.")],
-    preset: PresetOption = "demo",
+    preset: PresetOption = None,
     epochs: Annotated[int | None, typer.Option(help="Override the preset's epoch count.")] = None,
     patience: PatienceOption = None,
     split: Annotated[str, typer.Option(help="leave-last-out or time.")] = "leave-last-out",
@@ -149,9 +154,21 @@ def train_cmd(
     """Train a model and write a checkpoint (weights, config, vocabularies, history)."""
     from m31.training.job import configure, train_checkpoint
 
+    slots = None if experts is None else _expert_slots(experts)
+    if preset is None:
+        from m31.training.recipe import choose
+
+        recipe = choose(data, model)
+        for reason in recipe.reasons:
+            typer.echo(f"recipe: {reason}")
+        preset = recipe.preset
+        if protocol is None and recipe.protocol is not None and split == "leave-last-out":
+            protocol = recipe.protocol
+        if recipe.experts is not None:
+            slots = {**recipe.experts, **(slots or {})}
     cfg, split = configure(
         model, preset, split=split, protocol=protocol,
-        experts=None if experts is None else _expert_slots(experts),
+        experts=slots,
         gate_dim=gate_dim, balance_weight=balance_weight,
         hard_negatives=hard_negatives is not None, hard=hard, hard_pool=hard_pool,
         base=base is not None,

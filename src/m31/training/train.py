@@ -439,13 +439,27 @@ def _position_step_full(model, r, catalog, pos, hist_ts, cfg, device):
     history position, each scoring every ad of the catalogue, cross-entropy of its target."""
     (qf, vf, pf), (q, v, p) = model.encode_positions(r, catalog)
     g, x, bias = model.encode_ads(catalog)  # [A, G], [A, D], [A]
-    scores, gate = score(qf, vf, pf, g, x, bias, return_gate=True)  # [B, A], [B, A, E]
+    scores, gate = _every_item(qf, vf, pf, g, x, bias)  # [B, A], [B, A or 1, E]
     has, target = _next_targets(r, hist_ts, device)  # [B, L-1], [P]
     loss = F.cross_entropy(scores, pos, reduction="sum")
     if len(target):
-        at = score(q[:, :-1][has], v[:, :-1][has], p[:, :-1][has], g, x, bias)  # [P, A]
+        at, _ = _every_item(q[:, :-1][has], v[:, :-1][has], p[:, :-1][has], g, x, bias)  # [P, A]
         loss = loss + F.cross_entropy(at, target, reduction="sum")
     return _with_balance(loss / (len(pos) + len(target)), gate, cfg), gate
+
+
+def _every_item(q, v, p, g, x, bias):
+    """(scores [n, A] of queries q [n, E, G], v [n, E, D], p [n, E] against every ad, the gate
+    [n, A, E]). Without gate keys (G = 0) every ad gets the same expert weights softmax(p), so
+    the score is one dot product with the weighted value (as the engine folds it,
+    `m31.engine.retriever.fold`): one matrix product instead of E of them and a softmax over
+    [n, A, E], the same value and gradient; the gate is then [n, 1, E], which the balance term
+    reads as it reads every ad's copy of it."""
+    if q.shape[-1]:
+        return score(q, v, p, g, x, bias, return_gate=True)
+    w = torch.softmax(p.float(), dim=1)  # [n, E]
+    folded = (w[:, :, None] * v.float()).sum(1)  # [n, D]
+    return folded @ x.float().T + bias.float(), w[:, None, :]
 
 
 def _position_step_bce(model, r, catalog, pos, hist_ts, n_ads, cfg, rng, device):

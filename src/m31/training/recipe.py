@@ -1,0 +1,89 @@
+"""What `m31 train` trains when no preset is named: the recipe the dataset supports, said with
+its reasons (docs/QUALITY.md, "The default recipe", has the evidence behind each choice).
+
+* **Sequence files** (a dataset whose clock is its order: `m31 data import --sequences`, no
+  times, no serving context, no user attributes): the `sasrec` preset, the causal sequence
+  expert trained with a target at every position, its epoch chosen under the
+  standard leave-one-out protocol (`--protocol loo-position`: NDCG@10 over every validation
+  user, the history excluded). On the Amazon files each expert family added to the sequence
+  expert cost quality, so the moe there is the sequence expert alone.
+* **Anything else** (a clock, contexts, user attributes: the demo marketplace, MovieLens): the
+  `demo` preset.
+
+Either way a moe gives no slots to an expert family whose inputs the dataset lacks entirely
+(`m31.model.towers.idle_inputs`: no text for the semantic family, users alike for the cohort
+family, neither organic events nor co-engagement for the co-engagement family): such slots
+learn one vector each and spend the gate's FLOPs on it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_LOSS_NAMES = {
+    "softmax": "a sampled softmax",
+    "full": "the softmax over every item",
+    "bce": "binary cross-entropy against one negative",
+}
+# An idle family's reason (`idle_inputs`) that leaves it nothing of the user to read.
+_NOTHING_READ = ("one learned vector each",)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    preset: str
+    protocol: str | None  # `m31.eval.protocol` name, or None: the preset's own selection
+    experts: dict[str, int] | None  # slots per family for a moe, or None: the preset's
+    reasons: list[str] = field(default_factory=list)  # one line per choice, for the log
+
+
+def dataset_meta(data: Path) -> dict:
+    """The dataset folder's meta.json (a features folder's own meta where `data` is one)."""
+    path = Path(data) / "meta.json"
+    if not path.is_file():
+        raise ValueError(f"{data}: no meta.json (not a dataset folder: see m31 data import)")
+    return json.loads(path.read_text())
+
+
+def choose(data: Path, kind: str, feats=None) -> Recipe:
+    """The recipe for a model `kind` on the dataset folder `data` (its features `feats`, if
+    already loaded, tell which families have inputs)."""
+    from m31.model import model_preset
+    from m31.model.towers import idle_inputs
+
+    meta = dataset_meta(data)
+    reasons = []
+    if meta.get("clock") == "order":
+        preset, protocol = "sasrec", "loo-position"
+        loss = _LOSS_NAMES[model_preset(preset, kind).loss]
+        reasons.append(
+            "sequence files (the dataset's clock is its order: no times, contexts or user "
+            f"attributes): the sasrec preset, the causal sequence expert trained with {loss} "
+            "at every position"
+        )
+        reasons.append(
+            "epoch chosen under --protocol loo-position (NDCG@10 over every validation user, "
+            "the history excluded)"
+        )
+    else:
+        preset, protocol = "demo", None
+        reasons.append("a dataset with a clock and contexts: the demo preset")
+    experts = None
+    if kind == "moe":
+        if feats is None:
+            from m31.pipeline import features_for
+
+            feats = features_for(data)
+        slots = dict(model_preset(preset, kind).experts)
+        idle = {
+            family: why
+            for family, why in idle_inputs(slots, feats).items()
+            if any(mark in why for mark in _NOTHING_READ) or family == "semantic"
+        }
+        if idle and sum(k for f, k in slots.items() if f not in idle) > 0:
+            experts = {f: (0 if f in idle else k) for f, k in slots.items()}
+            for family, why in idle.items():
+                reasons.append(f"no {family} slots: {why}")
+    return Recipe(preset, protocol, experts, reasons)
