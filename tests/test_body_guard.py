@@ -13,6 +13,7 @@ import json
 
 import httpx
 import pytest
+from fastapi import Depends
 from serve_helpers import (
     ADMIN,
     ProcessServer,
@@ -26,7 +27,9 @@ from serve_helpers import (
 )
 
 from m31.serve.app import ServeConfig, create_app
+from m31.serve.auth import require_admin
 from m31.serve.config import MAX_BODY_BYTES
+from m31.serve.schemas import UsersBody
 
 AUTH = {"Authorization": f"Bearer {ADMIN}"}
 HUGE = 300 << 20  # bytes
@@ -45,6 +48,26 @@ def test_every_route_is_guarded(world, read_token):
     app = create_app(config)
     with ThreadServer(app) as s:
         check_every_route_is_guarded(s.url, app, ADMIN, config.body_timeout_s)
+
+
+def test_a_route_added_later_is_guarded_too(world):
+    """The guard reads the app's route table, not a list of its own: a route added after the
+    app was made (here an admin route taking a body) is guarded from its first call."""
+    config = ServeConfig(index=fresh_state(world, "later"), model=world.model, admin_token=ADMIN,
+                         body_timeout_s=0.5)  # fmt: skip
+    app = create_app(config)
+    with ThreadServer(app) as s:
+        assert httpx.get(f"{s.url}/health/live").status_code == 200  # the guard's first call
+
+        @app.post("/v1/later", dependencies=[Depends(require_admin)])
+        async def later(body: UsersBody) -> dict:
+            return {"users": len(body.users)}
+
+        check_every_route_is_guarded(s.url, app, ADMIN, config.body_timeout_s)
+        answer, sent = push_body(s.url, "POST /v1/later", f"{JSON}Content-Length: {HUGE}\n", HUGE)
+        assert status_of(answer) == 401 and sent < HUGE, answer[:200]
+        r = httpx.post(f"{s.url}/v1/later", headers=AUTH, json={"users": [{"user_id": 1}]})
+        assert r.status_code == 200 and r.json() == {"users": 1}, r.text
 
 
 def test_a_300_mb_events_body_is_not_read(world):

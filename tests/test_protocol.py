@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from m31.cli import app
@@ -132,3 +133,34 @@ def test_training_says_which_families_have_no_input(folder, tmp_path):
     assert "every user has the same cohort, age_bucket, gender, country" in notes[1]
     assert "no organic events, so it reads only the history's co-engagement" in notes[2]
     assert out.is_file()
+
+
+@pytest.mark.parametrize("loss", ["softmax", "full"])
+def test_training_and_validation_never_read_the_test_target(tmp_path, loss):
+    """Two datasets that differ only in every user's last item (the test target) train to the
+    same weights and the same validation figures, epoch by epoch: nothing before test reads
+    it (not the features, the negatives' popularity, the co-engagement nor the selection)."""
+    rng = np.random.default_rng(5)
+    lines = {u: rng.choice(np.arange(1, 31), rng.integers(4, 9), replace=False).tolist()
+             for u in range(1, 41)}  # fmt: skip
+    runs = []
+    for shift in (0, 7):
+        text = ""
+        for u, items in lines.items():
+            last = [i for i in range(1, 31) if i not in items][shift % (30 - len(items))]
+            text += " ".join(map(str, [u, *items, last])) + "\n"
+        (tmp_path / f"seq{shift}.txt").write_text(text)
+        import_dataset(tmp_path / f"ds{shift}", sequences=tmp_path / f"seq{shift}.txt")
+        feats = build_features(dataset.load(tmp_path / f"ds{shift}"),
+                               FeatureConfig(text_embeddings=False))  # fmt: skip
+        cfg = LOO.training(model_preset("tiny", "moe")).with_overrides(
+            sequence_encoder="transformer", loss=loss, epochs=2, patience=2
+        )
+        model, history = train(cfg, feats, "cpu", log=lambda _: None, progress=False)
+        runs.append((feats, model.state_dict(), history))
+    (a, wa, ha), (b, wb, hb) = runs
+    assert not np.array_equal(a.splits["test"]["item"], b.splits["test"]["item"])
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+    strip = lambda h: [{k: v for k, v in e.items() if k != "seconds"} for e in h]  # noqa: E731
+    assert strip(ha) == strip(hb)

@@ -58,14 +58,15 @@ def _no_body(receive):
 class BodyGuard:
     """ASGI middleware in front of every route: a call's body reaches a route only through it.
 
-    The route is found in the app's route table (`routes`, read at the first call, so that a
-    route added later is guarded like the others); the token it requires is read off its auth
-    dependency (`auth.TOKEN_KIND`) and checked before a byte of the body is read, so a caller
-    without one cannot make the server hold bodies. A route that declares a body gets it read
-    whole (the app parses it at once) within `max_body_bytes` (else 413, whether declared or
-    streamed) and `body_timeout_s` (else 408: a sender that stalls holds nothing for longer);
-    any other route sees an empty body, whatever was sent. A call to no route passes on
-    untouched: the router answers 404 or 405 without reading its body.
+    The route is found in the app's route table (`routes`, the app's own list, read again
+    whenever it has grown, so that a route added later is guarded like the others); the token
+    it requires is read off its auth dependency (`auth.TOKEN_KIND`) and checked before a byte
+    of the body is read, so a caller without one cannot make the server hold bodies. A route
+    that declares a body gets it read whole (the app parses it at once) within
+    `max_body_bytes` (else 413, whether declared or streamed) and `body_timeout_s` (else 408:
+    a sender that stalls holds nothing for longer); any other route sees an empty body,
+    whatever was sent. A call to no route passes on untouched: the router answers 404 or 405
+    without reading its body.
     """
 
     def __init__(self, app, config: ServeConfig, routes: Sequence[Any]) -> None:
@@ -74,8 +75,8 @@ class BodyGuard:
 
     def table(self) -> list[_Guarded]:
         """How each route is guarded, in the router's order. A route whose token cannot be
-        told (two kinds at once) is refused here, at the first call."""
-        if self._table is None:
+        told (two kinds at once) is refused here, at the first call after it was added."""
+        if self._table is None or len(self._table) != len(self.routes):
             table = []
             for route in self.routes:
                 dependant = getattr(route, "dependant", None)
