@@ -44,6 +44,12 @@ def ray_local():
     start costs seconds): the modules start their own actors on it and kill them when done
     (`serve_helpers.stop_cluster`)."""
     ray = pytest.importorskip("ray")
+    # Ray Serve's controller kills an HTTP proxy not ready within 5 s (then 10, 15, ...), and
+    # `serve.start` fails with it: seen on a 2-core machine beside two CPU-bound jobs, where
+    # every Serve test then errored. These bound only a proxy that never starts (Ray's own
+    # processes inherit this environment).
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "300")
+    os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "300")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()

@@ -156,16 +156,9 @@ def train_cmd(
 
     slots = None if experts is None else _expert_slots(experts)
     if preset is None:
-        from m31.training.recipe import choose
+        from m31.training.recipe import resolve
 
-        recipe = choose(data, model)
-        for reason in recipe.reasons:
-            typer.echo(f"recipe: {reason}")
-        preset = recipe.preset
-        if protocol is None and recipe.protocol is not None and split == "leave-last-out":
-            protocol = recipe.protocol
-        if recipe.experts is not None:
-            slots = {**recipe.experts, **(slots or {})}
+        preset, protocol, slots = resolve(data, model, protocol, split, slots, log=typer.echo)
     cfg, split = configure(
         model, preset, split=split, protocol=protocol,
         experts=slots,

@@ -48,7 +48,6 @@ from m31.cluster.layout import coordinator_dir, read_layout, shard_dir, shard_of
 from m31.cluster.shard import Answer, Moved, Shard
 from m31.engine import Retrieved, merge
 from m31.engine.caps import group_cap
-from m31.index.idempotency import call_digest
 from m31.serve.service import Unavailable
 
 __all__ = ["Cancelled", "Cluster", "ClusterOptions", "Gathered", "Read", "Unavailable", "ready"]
@@ -585,17 +584,13 @@ class Cluster:
 
     # ---- mutations ----------------------------------------------------------------------
 
-    def _mutate(
-        self, ops: dict[int, tuple[str, dict, Any]], key: str | None = None, digest=None
-    ) -> int:
+    def _mutate(self, ops: dict[int, tuple[str, dict, Any]], key: str | None = None) -> int:
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError
 
         self.last_point = None  # the next read asks the coordinator (reads its own writes)
         try:
-            out = ray.get(
-                self.coordinator.mutate.remote(ops, key, digest), timeout=MUTATION_TIMEOUT_S
-            )
+            out = ray.get(self.coordinator.mutate.remote(ops, key), timeout=MUTATION_TIMEOUT_S)
         except (RayActorError, GetTimeoutError) as e:
             raise Unavailable(f"the coordinator did not answer ({e}); the mutation may or "
                               "may not have been applied", []) from e  # fmt: skip
@@ -655,10 +650,7 @@ class Cluster:
             rows = np.flatnonzero(owner == s).tolist()
             args = {k: None if v is None else [v[i] for i in rows] for k, v in columns.items()}
             ops[s] = ("events", args, None)
-        digest = (
-            None if key is None else call_digest(user_ids, ad_ids, ts, surfaces, types, weights)
-        )
-        return self._mutate(ops, key, digest)
+        return self._mutate(ops, key)
 
     def set_users(self, users: Sequence[tuple[int, Mapping[str, int]]]) -> int:
         """Set attribute codes of users, (user id, codes) each, on their owning shards."""

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from m31.cluster.records import RecordLog
-from m31.index.idempotency import IdempotencyKeys, KeyReused
+from m31.index.idempotency import IdempotencyKeys, KeyReused, call_digest
 
 
 def ray_get(refs):
@@ -149,19 +149,17 @@ class Coordinator:
             return {s: self._why.get(s, "not answered yet") for s in sorted(self._recovering)}
 
     def mutate(
-        self,
-        ops: Mapping[int, tuple[str, dict[str, Any], Any]],
-        key: str | None = None,
-        digest: str | None = None,
+        self, ops: Mapping[int, tuple[str, dict[str, Any], Any]], key: str | None = None
     ) -> tuple:
         """Apply {shard: (op, args, check)} atomically. ("ok", version, live ads), ("invalid",
         message) when a shard refused it, or ("unavailable", message, shards). A mutation
         whose idempotency `key` was committed already: ("ok", that version, live ads), or
-        ("invalid", message) if that mutation's `digest` was another."""
+        ("invalid", message) if that mutation applied other events (`events_digest`)."""
         import ray
         from ray.exceptions import RayActorError, RayTaskError
 
         with self._mutex:
+            digest = None if key is None else events_digest(ops)
             if key is not None:
                 try:
                     done = self._keys.applied(key, digest)
@@ -276,3 +274,19 @@ class Coordinator:
         import os
 
         return os.getpid()
+
+
+def events_digest(ops: Mapping[int, tuple[str, dict[str, Any], Any]]) -> str:
+    """The digest (`call_digest`) of the events an events mutation gives its shards, in shard
+    order: two calls that give every shard the same events in the same order apply the same
+    thing, and digest the same."""
+    names = ("user_id", "ad_id", "ts", "surface", "type", "weight")
+    columns: dict[str, list] = {name: [] for name in names}
+    for s in sorted(ops):
+        op, args, _ = ops[s]
+        if op != "events":
+            raise ValueError(f"an idempotency key goes with events, not {op!r}")
+        n = len(args["user_id"])
+        for name in names:
+            columns[name] += args[name] if args.get(name) is not None else [None] * n
+    return call_digest(*(columns[name] for name in names))

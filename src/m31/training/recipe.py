@@ -87,3 +87,24 @@ def choose(data: Path, kind: str, feats=None) -> Recipe:
             for family, why in idle.items():
                 reasons.append(f"no {family} slots: {why}")
     return Recipe(preset, protocol, experts, reasons)
+
+
+def resolve(
+    data: Path,
+    kind: str,
+    protocol: str | None,
+    split: str,
+    experts: dict[str, int] | None,
+    log=print,
+) -> tuple[str, str | None, dict[str, int] | None]:
+    """(preset, protocol, experts) of a training that named no preset: the recipe's (`choose`,
+    each reason logged), what the command line gave winning — a protocol, a split other than
+    leave-last-out (then no protocol), and the slots of the families it names."""
+    recipe = choose(data, kind)
+    for reason in recipe.reasons:
+        log(f"recipe: {reason}")
+    if protocol is None and split == "leave-last-out":
+        protocol = recipe.protocol
+    if recipe.experts is not None:
+        experts = {**recipe.experts, **(experts or {})}
+    return recipe.preset, protocol, experts
