@@ -285,6 +285,15 @@ def idle_inputs(experts: dict[str, int], feats) -> dict[str, str]:
     return idle
 
 
+def inputless(experts: dict[str, int], feats) -> dict[str, str]:
+    """The families of `idle_inputs` that read nothing of the user at all (family -> why): no
+    item text (semantic: the history's time buckets alone), users all alike (cohort), neither
+    organic events nor co-engagement (co-engagement). Their slots learn one vector each."""
+    idle = idle_inputs(experts, feats)
+    both_missing = not len(feats.organic.ts) and not feats.cooc_emb.any()
+    return {f: why for f, why in idle.items() if f != "coengagement" or both_missing}
+
+
 class AdTower(nn.Module):
     """Ad features -> (g [N, G], x [N, D], b [N])."""
 

@@ -5,13 +5,14 @@ its reasons (docs/QUALITY.md, "The default recipe", has the evidence behind each
   times, no serving context, no user attributes): the `sasrec` preset, the causal sequence
   expert trained with a target at every position, its epoch chosen under the
   standard leave-one-out protocol (`--protocol loo-position`: NDCG@10 over every validation
-  user, the history excluded). On the Amazon files each expert family added to the sequence
-  expert cost quality, so the moe there is the sequence expert alone.
+  user, the history excluded). The preset's moe is the sequence expert alone: on Amazon
+  Beauty each expert family added to it lowered quality, and on Sports the E = 8 moe was no
+  better than it (docs/QUALITY.md, the Pareto rows).
 * **Anything else** (a clock, contexts, user attributes: the demo marketplace, MovieLens): the
   `demo` preset.
 
 Either way a moe gives no slots to an expert family whose inputs the dataset lacks entirely
-(`m31.model.towers.idle_inputs`: no text for the semantic family, users alike for the cohort
+(`m31.model.towers.inputless`: no text for the semantic family, users alike for the cohort
 family, neither organic events nor co-engagement for the co-engagement family): such slots
 learn one vector each and spend the gate's FLOPs on it.
 """
@@ -27,8 +28,6 @@ _LOSS_NAMES = {
     "full": "the softmax over every item",
     "bce": "binary cross-entropy against one negative",
 }
-# An idle family's reason (`idle_inputs`) that leaves it nothing of the user to read.
-_NOTHING_READ = ("one learned vector each",)
 
 
 @dataclass(frozen=True)
@@ -51,7 +50,7 @@ def choose(data: Path, kind: str, feats=None) -> Recipe:
     """The recipe for a model `kind` on the dataset folder `data` (its features `feats`, if
     already loaded, tell which families have inputs)."""
     from m31.model import model_preset
-    from m31.model.towers import idle_inputs
+    from m31.model.towers import inputless
 
     meta = dataset_meta(data)
     reasons = []
@@ -77,11 +76,7 @@ def choose(data: Path, kind: str, feats=None) -> Recipe:
 
             feats = features_for(data)
         slots = dict(model_preset(preset, kind).experts)
-        idle = {
-            family: why
-            for family, why in idle_inputs(slots, feats).items()
-            if any(mark in why for mark in _NOTHING_READ) or family == "semantic"
-        }
+        idle = inputless(slots, feats)
         if idle and sum(k for f, k in slots.items() if f not in idle) > 0:
             experts = {f: (0 if f in idle else k) for f, k in slots.items()}
             for family, why in idle.items():

@@ -7,10 +7,9 @@ correction (a candidate's logit minus the log-probability that sampling put it i
 plus the gate's load-balancing term; with `loss="full"`, the softmax over every ad of the
 catalogue instead (cross-entropy, nothing sampled, so no correction); or, with `loss="bce"`,
 SASRec's binary cross-entropy of each target against one uniformly drawn negative
-(`bce_loss`). The ranking model trains the
-same way, but scores each request against its own small candidate set (its positive, other
-requests' positives, uniform negatives), since every (request, ad) pair costs it a full
-forward pass; so does the dense interaction model. Such negatives are easy; where the ranking
+(`bce_loss`). The ranking model trains the same way, but scores each request against its own
+small candidate set (its positive, other requests' positives, uniform negatives), since every
+(request, ad) pair costs it a full forward pass; so does the dense interaction model. Such negatives are easy; where the ranking
 model re-ranks a retrieval model's top candidates it meets hard ones, so it can also draw
 `ranking_hard` negatives per request from that model's top `ranking_hard_pool` ads for the
 request (`hard_negative_pool`, computed once before training).
