@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 from typer.testing import CliRunner
 
 from m31.cli import app
@@ -75,3 +76,45 @@ def test_the_command_says_what_it_chose(tmp_path):
     cfg = blob["config"]
     assert cfg["sequence_encoder"] == "transformer" and cfg["max_len"] == 50
     assert cfg["val_metric"] == "ndcg@10" and cfg["val_requests"] == 0
+
+
+def test_settings_are_parsed_strictly_as_their_fields():
+    from m31.model.config import parse_settings
+
+    got = parse_settings(["dropout=0.2", "hidden=128", "sequence_time=false", "loss=full",
+                          "ranking_mlp=64,32"])  # fmt: skip
+    assert got == {"dropout": 0.2, "hidden": 128, "sequence_time": False, "loss": "full",
+                   "ranking_mlp": (64, 32)}  # fmt: skip
+    for bad, message in [
+        ("dropout", "expected NAME=VALUE"),
+        ("nope=1", "expected NAME=VALUE with NAME one of"),
+        ("experts=3", "expected NAME=VALUE with NAME one of"),  # its own option
+        ("hidden=1.0", "hidden is an integer"),
+        ("hidden=true", "hidden is an integer"),
+        ("dropout=nan", "dropout is a finite number"),
+        ("dropout=x", "dropout is a number"),
+        ("sequence_time=1", "sequence_time is true or false"),
+        ("ranking_mlp=64,", "ranking_mlp is integers separated by commas"),
+    ]:
+        with pytest.raises(ValueError, match=f"--set '{bad}': {message}"):
+            parse_settings([bad])
+    with pytest.raises(ValueError, match="hidden is set twice"):
+        parse_settings(["hidden=32", "hidden=64"])
+
+
+def test_the_command_takes_settings(tmp_path):
+    import_dataset(tmp_path / "ds", sequences=sequences(tmp_path / "seq.txt"))
+    out = tmp_path / "moe.pt"
+    base = ["train", "--model", "moe", "--data", str(tmp_path / "ds"), "--out", str(out),
+            "--epochs", "1", "--device", "cpu"]  # fmt: skip
+    runner = CliRunner()
+    result = runner.invoke(app, [*base, "--set", "dropout=0.2", "--set", "sequence_heads=1"])
+    assert result.exit_code == 0, result.output
+    import torch
+
+    cfg = torch.load(out, weights_only=False)["config"]
+    assert (cfg["dropout"], cfg["sequence_heads"], cfg["max_len"]) == (0.2, 1, 50)
+    twice = runner.invoke(app, [*base, "--set", "epochs=2"])
+    assert twice.exit_code == 2 and "--set epochs: also given as --epochs" in twice.output
+    bad = runner.invoke(app, [*base, "--set", "dropout=1.5"])
+    assert bad.exit_code != 0 and "dropout must lie in [0, 1)" in bad.output

@@ -117,6 +117,14 @@ ResumeOption = Annotated[
         "stopped. --epochs and --patience may differ from the stopped run's.",
     ),
 ]
+SetOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--set",
+        help="NAME=VALUE: any other setting of the model config (e.g. dropout=0.2, hidden=128, "
+        "sequence_heads=1, weight_decay=0), parsed as its field's type; repeat for more.",
+    ),
+]
 TrainDeviceOption = Annotated[
     str | None, typer.Option(help="cpu or cuda (default: cuda when present).")
 ]
@@ -150,10 +158,14 @@ def train_cmd(
     hard_pool: HardPoolOption = None,
     device: TrainDeviceOption = None,
     resume: ResumeOption = False,
+    settings: SetOption = None,
 ) -> None:
     """Train a model and write a checkpoint (weights, config, vocabularies, history)."""
     from m31.training.job import configure, train_checkpoint
 
+    named = {"epochs": epochs, "seed": seed, "max_len": max_len, "lr": lr, "patience": patience,
+             "sequence_encoder": sequence_encoder, "loss": loss,
+             "attribute_buckets": attribute_buckets, "pool_sink": pool_sink or None}  # fmt: skip
     slots = None if experts is None else _expert_slots(experts)
     if preset is None:
         from m31.training.recipe import resolve
@@ -164,15 +176,32 @@ def train_cmd(
         experts=slots,
         gate_dim=gate_dim, balance_weight=balance_weight,
         hard_negatives=hard_negatives is not None, hard=hard, hard_pool=hard_pool,
-        base=base is not None,
-        epochs=epochs, seed=seed, max_len=max_len, lr=lr, patience=patience,
-        sequence_encoder=sequence_encoder, loss=loss, attribute_buckets=attribute_buckets,
-        pool_sink=pool_sink or None,
+        base=base is not None, **_with_settings(named, settings or []),
     )  # fmt: skip
     trained = train_checkpoint(
         cfg, data, out, split, preset=preset, device=device, hard_negatives=hard_negatives,
         base=base, resume=resume, log=typer.echo, progress=sys.stderr.isatty(),
     )  # fmt: skip
+    _report(trained, out)
+
+
+def _with_settings(named: dict, settings: list[str]) -> dict:
+    """The overrides of the named options (None: not given) and the --set settings; a field
+    given both ways is refused."""
+    from m31.model.config import parse_settings
+
+    try:
+        parsed = parse_settings(settings)
+    except ValueError as e:
+        fail(str(e))
+    both = sorted(k for k in parsed if named.get(k) is not None)
+    if both:
+        fail(f"--set {both[0]}: also given as --{both[0].replace('_', '-')}; give it once")
+    return {**named, **parsed}
+
+
+def _report(trained, out: Path) -> None:
+    """The checkpoint written, its best epoch and its cost per pair."""
     best, metric = trained.best, trained.cfg.val_metric
     selected = "" if metric in ("hr@10", "hr@50") else f", {metric} {best[f'val_{metric}']:.4f}"
     typer.echo(

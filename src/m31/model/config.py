@@ -198,6 +198,58 @@ class ModelConfig:
         return replace(self, **{k: v for k, v in kw.items() if v is not None})
 
 
+# Fields `parse_settings` leaves to their own options: the kind, the expert slots, the gate's
+# dimension and balance weight (`m31 train` checks them against the kind), the hard negatives
+# and the base (they come with a checkpoint), and the epoch selection (`--protocol`'s).
+_NOT_SETTABLE = (
+    "kind", "experts", "gate_dim", "balance_weight", "ranking_base", "ranking_hard",
+    "ranking_hard_pool", "val_requests", "val_metric", "val_exclude_seen",
+)  # fmt: skip
+
+
+def parse_settings(items: list[str]) -> dict:
+    """`NAME=VALUE` settings of ModelConfig fields (`m31 train --set`), each value parsed
+    strictly as its field's type: an integer as written (no "1.0", no "true"), a finite
+    float, true or false, a name, or a comma-separated tuple of integers; ValueError naming
+    the setting. What the values must satisfy beyond their type, ModelConfig checks."""
+    from dataclasses import fields
+
+    types = {f.name: f.type for f in fields(ModelConfig) if f.name not in _NOT_SETTABLE}
+    out: dict = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        where = f"--set {item!r}"
+        if not sep or name not in types:
+            raise ValueError(f"{where}: expected NAME=VALUE with NAME one of {', '.join(types)}")
+        if name in out:
+            raise ValueError(f"{where}: {name} is set twice")
+        kind = types[name]
+        if kind == "bool":
+            if text not in ("true", "false"):
+                raise ValueError(f"{where}: {name} is true or false")
+            out[name] = text == "true"
+        elif kind == "int":
+            if not text.lstrip("-").isdigit() or text.startswith("+"):
+                raise ValueError(f"{where}: {name} is an integer")
+            out[name] = int(text)
+        elif kind == "float":
+            try:
+                value = float(text)
+            except ValueError:
+                raise ValueError(f"{where}: {name} is a number") from None
+            if not math.isfinite(value):
+                raise ValueError(f"{where}: {name} is a finite number")
+            out[name] = value
+        elif kind.startswith("tuple"):
+            parts = text.split(",")
+            if not all(part.isdigit() for part in parts):
+                raise ValueError(f"{where}: {name} is integers separated by commas")
+            out[name] = tuple(int(part) for part in parts)
+        else:
+            out[name] = text
+    return out
+
+
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(
         experts={"sequence": 1, "cohort": 1, "semantic": 1, "coengagement": 1},
