@@ -34,6 +34,9 @@ def test_sequence_files_get_the_sequence_recipe_under_the_standard_protocol(tmp_
     recipe = choose(tmp_path / "ds", "moe")
     assert (recipe.preset, recipe.protocol, recipe.experts) == ("sasrec", "loo-position", None)
     assert "sequence files" in recipe.reasons[0]
+    # a pair model reads 150 items and scores every item with its network: no protocol
+    ranking = choose(tmp_path / "ds", "ranking")
+    assert (ranking.preset, ranking.protocol) == ("sasrec", None)
 
 
 def test_a_clock_and_contexts_get_the_demo_preset(tmp_path):

@@ -3,9 +3,10 @@ its reasons (docs/QUALITY.md, "The default recipe", has the evidence behind each
 
 * **Sequence files** (a dataset whose clock is its order: `m31 data import --sequences`, no
   times, no serving context, no user attributes): the `sasrec` preset, the causal sequence
-  expert trained with a target at every position, its epoch chosen under the
-  standard leave-one-out protocol (`--protocol loo-position`: NDCG@10 over every validation
-  user, the history excluded). The preset's moe is the sequence expert alone: on Amazon
+  expert trained with a target at every position, its epoch chosen under the standard
+  leave-one-out protocol (`--protocol loo-position`: NDCG@10 over every validation user, the
+  history excluded; a pair model, the ranking or the dense one, on a sample of validation
+  users as its preset has it). The preset's moe is the sequence expert alone: on Amazon
   Beauty each expert family added to it lowered quality, and on Sports the E = 8 moe was no
   better than it (docs/QUALITY.md, the Pareto rows).
 * **Anything else** (a clock, contexts, user attributes: the demo marketplace, MovieLens): the
@@ -55,17 +56,24 @@ def choose(data: Path, kind: str, feats=None) -> Recipe:
     meta = dataset_meta(data)
     reasons = []
     if meta.get("clock") == "order":
-        preset, protocol = "sasrec", "loo-position"
+        preset, protocol = "sasrec", None
         loss = _LOSS_NAMES[model_preset(preset, kind).loss]
         reasons.append(
             "sequence files (the dataset's clock is its order: no times, contexts or user "
             f"attributes): the sasrec preset, the causal sequence expert trained with {loss} "
             "at every position"
         )
-        reasons.append(
-            "epoch chosen under --protocol loo-position (NDCG@10 over every validation user, "
-            "the history excluded)"
-        )
+        if kind in ("moe", "two-tower"):
+            protocol = "loo-position"
+            reasons.append(
+                "epoch chosen under --protocol loo-position (NDCG@10 over every validation "
+                "user, the history excluded)"
+            )
+        else:  # every item for every validation user is a pass of a pair model's network each
+            reasons.append(
+                f"the {kind} model's epoch chosen on a sample of validation users (every user "
+                "and every item would be a pass of its network each)"
+            )
     else:
         preset, protocol = "demo", None
         reasons.append("a dataset with a clock and contexts: the demo preset")
