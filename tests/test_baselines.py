@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from test_movielens import item, write
 
 from m31.data.movielens import load_movielens
 from m31.eval import Requests, evaluate
@@ -14,7 +15,6 @@ from m31.eval.baselines import (
     make_baselines,
 )
 from m31.features import FeatureConfig, build_features
-from tests.test_movielens import item, write
 
 T = 880_000_000
 ITEMS = [item(m, f"Movie {m} (1995)", "01-Jan-1995", {m % 19}) for m in range(1, 8)]

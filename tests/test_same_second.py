@@ -6,11 +6,11 @@ import random
 
 import numpy as np
 import pytest
+from test_movielens import item, write
 
 from m31.data.movielens import load_movielens
 from m31.eval import evaluate, requests_from_split
 from m31.features import FeatureConfig, build_features
-from tests.test_movielens import item, write
 
 T = 880_000_000
 N_ITEMS = 12

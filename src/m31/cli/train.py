@@ -163,9 +163,9 @@ def train_cmd(
     """Train a model and write a checkpoint (weights, config, vocabularies, history)."""
     from m31.training.job import configure, train_checkpoint
 
-    named = {"epochs": epochs, "seed": seed, "max_len": max_len, "lr": lr, "patience": patience,
-             "sequence_encoder": sequence_encoder, "loss": loss,
-             "attribute_buckets": attribute_buckets, "pool_sink": pool_sink or None}  # fmt: skip
+    named = dict(epochs=epochs, seed=seed, max_len=max_len, lr=lr, patience=patience, loss=loss)
+    named |= dict(sequence_encoder=sequence_encoder, attribute_buckets=attribute_buckets)
+    named["pool_sink"] = pool_sink or None
     slots = None if experts is None else _expert_slots(experts)
     if preset is None:
         from m31.training.recipe import resolve
