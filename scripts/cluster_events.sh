@@ -29,9 +29,9 @@ for kind in single ray; do
   echo "## $kind"
   "$M31" loadtest --data "$WORLD/index" --url "http://127.0.0.1:$PORT" --concurrency 0 \
     --duration "$SECONDS_PER_LEVEL" --event-clients 2 --event-batch 100 \
-    --out "$OUT/events-$kind.json"
+    --out "$OUT/events-$kind.json" --variant "$kind"
   "$M31" loadtest --data "$WORLD/index" --url "http://127.0.0.1:$PORT" --concurrency 1 \
     --duration "$((2 * SECONDS_PER_LEVEL))" --event-clients 2 --event-batch 100 \
-    --event-rate 2000 --out "$OUT/beside-$kind.json"
+    --event-rate 2000 --out "$OUT/beside-$kind.json" --variant "$kind"
   stop_server
 done

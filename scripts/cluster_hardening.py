@@ -53,9 +53,9 @@ def build_world(root: Path) -> None:
     import torch
 
     from m31.data import dataset
-    from m31.engine.build import build_index
+    from m31.engine.build import build_snapshot
+    from m31.features.folder import features_for
     from m31.model import build_model, model_preset, save_checkpoint, vocab_sizes
-    from m31.pipeline import features_for
     from m31.world.config import preset
     from m31.world.generate import generate
 
@@ -70,7 +70,7 @@ def build_world(root: Path) -> None:
         model_preset("demo", "moe"), sizes, feats.text_emb.shape[1], feats.cooc_emb.shape[1]
     ).eval()
     ckpt = save_checkpoint(root / "runs" / "moe.pt", model, feats, [])
-    build_index(data, ckpt, root / "index", overwrite=True)
+    build_snapshot(data, ckpt, root / "index", overwrite=True)
 
 
 @functools.cache

@@ -21,6 +21,7 @@ for batch in 64 1; do
     --max-queue 4096 --timeout-ms 30000
   echo "## max batch size $batch"
   "$M31" loadtest --url "http://127.0.0.1:$PORT" --data "$DEMO/world" --concurrency 1,8,64 \
-    --duration "$SECONDS_PER_LEVEL" --out "$OUT/load-batch$batch.json"
+    --duration "$SECONDS_PER_LEVEL" --out "$OUT/load-batch$batch.json" \
+    --variant "max-batch-size $batch"
   stop_server
 done

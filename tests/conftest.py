@@ -29,6 +29,15 @@ def pytest_collection_modifyitems(items):
     items[:] = [i for i in items if not uses_ray(i)] + [i for i in items if uses_ray(i)]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def bench_results(tmp_path_factory):
+    """`m31 bench` and `m31 loadtest` append their rows to a table of the run's own, not to the
+    checkout's bench/results.csv (their --results default)."""
+    path = tmp_path_factory.mktemp("bench") / "results.csv"
+    os.environ["M31_BENCH_RESULTS"] = str(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def served_world(tmp_path_factory):
     """The serving tests' tiny world (`serve_helpers.build_world`), built once per run: the

@@ -35,8 +35,9 @@ def build_world(
     """A marketplace (the `world` preset, 10,000 impressions unless `overrides` say), features
     with real text embeddings, an untrained moe of the `model` preset, an index."""
     from m31.data import dataset
+    from m31.engine.build import index_from_table
     from m31.engine.load import write_online
-    from m31.index import AdIndex
+    from m31.features.folder import features_for
     from m31.model import (
         Catalog,
         build_model,
@@ -45,7 +46,6 @@ def build_world(
         save_checkpoint,
         vocab_sizes,
     )
-    from m31.pipeline import features_for
     from m31.world.config import preset
     from m31.world.generate import generate
 
@@ -61,7 +61,7 @@ def build_world(
     ).eval()
     ckpt = save_checkpoint(root / "runs" / "moe.pt", net, feats, [])
     g, x, b = encode_ads(net, Catalog.from_features(feats))
-    snapshot = AdIndex.from_table(ds.ads, g, x, b).save(
+    snapshot = index_from_table(ds.ads, g, x, b).save(
         root / "index", beside=lambda folder: write_online(folder, feats, net.cfg.max_len)
     )
     return World(root, data, ckpt, snapshot)
@@ -195,7 +195,8 @@ def start_cluster(snapshot: Path, root: Path, shards: int = 3):
     """A cluster of `shards` shards made from an index snapshot and its online features, in a
     new folder under `root`, started on the Ray cluster this process is connected to:
     (its state folder, its `Cluster`)."""
-    from m31.cluster.cluster import Cluster, ClusterOptions
+    from m31.cluster.actors import ClusterOptions
+    from m31.cluster.cluster import Cluster
     from m31.cluster.layout import init_cluster
     from m31.engine.load import copy_online
 

@@ -121,11 +121,13 @@ def test_ads_the_model_never_saw_go_through_its_ad_tower(beauty):
     g, x, b = encoder.encode(
         [NewAd(**{f: a[f] for f in fields}, quality=a["quality"], attributes=a) for a in new]
     )
+    # Up to fp32 rounding: a batch of three and the whole catalogue go through the tower's
+    # matrix products in other blockings (and thread counts), which round in other orders.
     for i, ad_id in enumerate((10_001, 10_002, 10_003)):
         row = mixed.get(ad_id)
-        torch.testing.assert_close(row.g, g[i], rtol=0, atol=0)
-        torch.testing.assert_close(row.x, x[i], rtol=0, atol=0)
-        assert row.b == float(b[i])
+        torch.testing.assert_close(row.g, g[i], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(row.x, x[i], rtol=1e-5, atol=1e-6)
+        assert row.b == pytest.approx(float(b[i]), rel=1e-5, abs=1e-6)
     # The other ads are the catalogue's, encoded from their features as before.
     for ad_id in ads["ad_id"].to_numpy()[3:10].tolist():
         torch.testing.assert_close(mixed.get(ad_id).g, full.get(ad_id).g, rtol=0, atol=0)

@@ -16,7 +16,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from m31.bench.attribute_memory import tensor_bytes  # what `m31 bench attribute-memory` counts
-from m31.data.schema import PLATFORMS
 from m31.index import (
     AdIndex,
     AdIndexError,
@@ -27,9 +26,11 @@ from m31.index import (
     compile_filter,
     evaluate_row,
 )
-from m31.index.attributes import columns_from_arrow, columns_from_rows
-from m31.index.durable import LOG
+from m31.index.columns import columns_from_arrow, columns_from_rows
 from m31.index.limits import MAX_LIST_VALUES, MAX_VALUE_CHARS, MAX_VOCABULARY
+from m31.index.testing import eligible_ads, reference_mask
+from m31.index.wal import LOG
+from m31.vocabularies import PLATFORMS
 from m31.world.generate import COUNTRIES
 
 G, D = 2, 3
@@ -336,19 +337,6 @@ def _eligible(index, request, expr):
     return set(index.table()[3][mask].tolist())
 
 
-def _reference(model, request, expr):
-    def allows(targets, value):
-        return not targets or value in targets
-
-    return {
-        i
-        for i, a in model.items()
-        if allows(a["target_countries"], request.country)
-        and allows(a["target_platforms"], request.platform)
-        and evaluate_row(expr, a)
-    }
-
-
 @settings(max_examples=40, deadline=None)
 @given(data=st.data())
 def test_index_masks_equal_the_reference_through_mutations(data):
@@ -386,7 +374,8 @@ def test_index_masks_equal_the_reference_through_mutations(data):
             country, None, None, data.draw(st.sampled_from([*PLATFORMS, None])), None, 0
         )
         expr = data.draw(INDEX_FILTERS)
-        assert _eligible(index, request, expr) == _reference(model, request, expr)
+        assert _eligible(index, request, expr) == eligible_ads(model, request, expr)
+        assert torch.equal(index.eligible_mask(request, expr), reference_mask(index, request, expr))
         assert {i: index.get(i).attributes["tags"] for i in model} == {
             i: sorted(set(a["tags"] or [])) for i, a in model.items()
         }

@@ -26,6 +26,7 @@ from m31.eval.auction import (
     platt,
     run_auction,
 )
+from m31.features.folder import features_for
 from m31.index import AdIndex
 from m31.model import (
     Catalog,
@@ -35,7 +36,6 @@ from m31.model import (
     save_checkpoint,
     vocab_sizes,
 )
-from m31.pipeline import features_for
 from m31.world.config import preset
 from m31.world.generate import generate
 from m31.world.truth import GroundTruth

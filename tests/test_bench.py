@@ -22,8 +22,8 @@ from m31.bench.engine import EngineTiming
 from m31.bench.kernels import Timing, _Bench
 from m31.bench.report import acceptance, ratios
 from m31.ops import NO_ROW, score
+from m31.ops.reference import torch_score_topk
 from m31.ops.testing import check_topk
-from m31.ops.torch_score_topk import torch_score_topk
 
 CPU = torch.device("cpu")
 SUBCOMMANDS = (

@@ -29,6 +29,7 @@ from serve_helpers import (
 from m31.serve.app import ServeConfig, create_app
 from m31.serve.auth import require_admin
 from m31.serve.config import MAX_BODY_BYTES
+from m31.serve.local import LocalBackend
 from m31.serve.schemas import UsersBody
 
 AUTH = {"Authorization": f"Bearer {ADMIN}"}
@@ -45,7 +46,7 @@ def world(served_world) -> World:
 def test_every_route_is_guarded(world, read_token):
     config = ServeConfig(index=fresh_state(world, "guard"), model=world.model, admin_token=ADMIN,
                          read_token=read_token, body_timeout_s=0.5)  # fmt: skip
-    app = create_app(config)
+    app = create_app(config, LocalBackend.load)
     with ThreadServer(app) as s:
         check_every_route_is_guarded(s.url, app, ADMIN, config.body_timeout_s)
 
@@ -55,7 +56,7 @@ def test_a_route_added_later_is_guarded_too(world):
     app was made (here an admin route taking a body) is guarded from its first call."""
     config = ServeConfig(index=fresh_state(world, "later"), model=world.model, admin_token=ADMIN,
                          body_timeout_s=0.5)  # fmt: skip
-    app = create_app(config)
+    app = create_app(config, LocalBackend.load)
     with ThreadServer(app) as s:
         assert httpx.get(f"{s.url}/health/live").status_code == 200  # the guard's first call
 
@@ -101,7 +102,7 @@ def test_a_300_mb_events_body_is_not_read(world):
 
 def test_an_idempotency_key_names_one_call(world):
     config = ServeConfig(index=fresh_state(world, "keys"), model=world.model, admin_token=ADMIN)
-    with ThreadServer(create_app(config)) as s:
+    with ThreadServer(create_app(config, LocalBackend.load)) as s:
         check_one_call_per_key(s.url)
 
 

@@ -28,6 +28,7 @@ from m31.engine.caps import capped, reference
 from m31.index import AdIndex, compile_filter
 from m31.ops import available_kernels
 from m31.serve.app import ServeConfig, create_app
+from m31.serve.local import LocalBackend
 
 G, D, E = 4, 4, 2
 POOL = np.random.default_rng(2).normal(size=(4, G + D + 1)).astype(np.float32)  # ties
@@ -127,9 +128,9 @@ def world(served_world) -> World:
 
 def test_requests_are_checked_and_served_over_http(world):
     config = ServeConfig(index=fresh_state(world, "caps"), model=world.model, timeout_ms=60_000)
-    app = create_app(config)
+    app = create_app(config, LocalBackend.load)
     with ThreadServer(app) as s:
-        retriever = app.state.service.retriever
+        retriever = app.state.backend.retriever
         for bad, message in (({"brand": 1}, "not one of advertiser, campaign"),
                              ({"advertiser": 0}, "positive integer"),
                              ({"advertiser": 1, "campaign": 1}, "one grouping")):  # fmt: skip

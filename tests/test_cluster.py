@@ -24,11 +24,13 @@ from hypothesis import strategies as st  # noqa: E402
 from serve_helpers import stop_cluster, until  # noqa: E402
 
 from m31.cluster import channel  # noqa: E402
-from m31.cluster.cluster import Cluster, ClusterOptions, Unavailable  # noqa: E402
+from m31.cluster.actors import ClusterOptions  # noqa: E402
+from m31.cluster.cluster import Cluster  # noqa: E402
 from m31.cluster.layout import init_cluster, shard_dir, shard_of  # noqa: E402
 from m31.cluster.shard import Shard  # noqa: E402
 from m31.engine import AdRequest, eligible_masks, request_context, search  # noqa: E402
 from m31.index import AdIndex, AdIndexError, compile_filter  # noqa: E402
+from m31.index.errors import Unavailable  # noqa: E402
 
 S, G, D, E = 3, 8, 8, 3
 EXTRA = {"format": "str"}

@@ -49,18 +49,18 @@ from serve_helpers import (  # noqa: E402
     wait_ready,
 )
 
+from m31.cluster.backend import ClusterBackend  # noqa: E402
 from m31.cluster.cluster import Cluster  # noqa: E402
 from m31.cluster.layout import shard_dir, shard_of  # noqa: E402
-from m31.cluster.service import ClusterService  # noqa: E402
 from m31.engine import AdRequest  # noqa: E402
 from m31.serve.app import ServeConfig, create_app  # noqa: E402
-from m31.serve.service import Ask  # noqa: E402
+from m31.serve.backend import Ask  # noqa: E402
 
 S = 3
 BOUND_S = 300.0  # how long a condition may take to come true on a busy machine
 # The timeout of a read that runs to its deadline (a shard or the coordinator held down): the
 # service answers it (503 naming them, or the partial answer) a margin before the deadline, 10%
-# of it up to 0.5 s (`m31.cluster.service.ANSWER_MARGIN_S`), and the batcher answers a bare 504
+# of it up to 0.5 s (`m31.cluster.batches.ANSWER_MARGIN_S`), and the batcher answers a bare 504
 # at the deadline itself. At 1.5 s the margin was 150 ms, which a loaded 2-core machine's
 # scheduling stalls overran (504s, seen beside a training); from 5 s on it is the full 0.5 s.
 DEADLINE_MS = 6_000
@@ -215,13 +215,13 @@ def present(served: Served, ad_id: int) -> bool:
 
 
 def test_the_ingress_guards_every_route_and_keys_name_one_call(served):
-    """The cluster's ingress is the same app over a `ClusterService`: every route's body behind
+    """The cluster's ingress is the same app over a `ClusterBackend`: every route's body behind
     its token and limits (`tests/test_body_guard.py` on one server), and an idempotency key
     refused for another call by the coordinator, which remembers each key's digest."""
     from test_body_guard import check_one_call_per_key
 
-    check_every_route_is_guarded(served.url, create_app(served.config), ADMIN,
-                                 served.config.body_timeout_s)  # fmt: skip
+    app = create_app(served.config, lambda cfg: ClusterBackend.load(cfg, served.cluster))
+    check_every_route_is_guarded(served.url, app, ADMIN, served.config.body_timeout_s)
     check_one_call_per_key(served.url)
 
 
@@ -366,7 +366,7 @@ def test_a_batch_answers_its_partial_call_while_its_strict_call_waits(served):
     (at its own deadline, without the shard), the strict one still waits, off the batch's
     device call (a Future the batcher settles later), and is answered whole once the shard
     goes on."""
-    service = ClusterService.load(served.config, served.cluster)
+    service = ClusterBackend.load(served.config, served.cluster)
     try:
         service.defer = True
         prepared = service.retriever.prepare(

@@ -9,8 +9,11 @@ from pathlib import Path
 import m31
 from m31.cli import app
 
-MAX_COMMAND_LINES = 60  # the def through its last line, decorators excluded
-MAX_FILE_LINES = 700
+MAX_COMMAND_LINES = 40  # a command's body: what it does once its options are parsed
+MAX_FILE_LINES = 500
+MAX_FUNCTION_LINES = 80  # a source function's def through its last line
+MAX_LONG_FUNCTIONS = 6  # how many may be longer: a kernel's body, a generator's one pass
+MAX_FMT_SKIPS = 15  # "# fmt: skip" only on data tables, whose layout is their meaning
 SOURCE = Path(m31.__file__).parent
 CODE = {".py", ".c", ".h"}  # data files (world/topics.json and the like) are not code
 
@@ -23,16 +26,24 @@ def _commands(typer_app, prefix=""):
 
 
 def _length(fn) -> int:
-    lines, _ = inspect.getsourcelines(fn)  # the function `cli_errors` wraps, decorators included
-    start = next(i for i, line in enumerate(lines) if line.lstrip().startswith("def "))
-    return len(lines) - start
+    """Lines of a command's body after its docstring: its options are declarations (one per
+    option, however many), its body what it does with them."""
+    import ast
+    import textwrap
+
+    source = textwrap.dedent(inspect.getsource(inspect.unwrap(fn)))
+    node = ast.parse(source).body[0]
+    body = node.body
+    if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    return node.end_lineno - body[0].lineno + 1
 
 
 def test_every_command_is_short():
     commands = dict(_commands(app))
     assert {"train", "eval", "serve", "world generate", "bench kernels"} <= set(commands)
     long = {name: n for name, fn in commands.items() if (n := _length(fn)) > MAX_COMMAND_LINES}
-    assert not long, f"command functions over {MAX_COMMAND_LINES} lines: {long}"
+    assert not long, f"command bodies over {MAX_COMMAND_LINES} lines: {long}"
 
 
 def test_no_source_file_is_too_long():
@@ -41,9 +52,38 @@ def test_no_source_file_is_too_long():
         for path in SOURCE.rglob("*")
         if path.suffix in CODE and path.is_file()
     }
-    assert {"cli/__init__.py", "ops/cpu_native/native.h", "ops/cpu_native/scan.c"} <= set(sizes)
+    assert {"cli/__init__.py", "ops/cpu/csrc/native.h", "ops/cpu/csrc/scan.c"} <= set(sizes)
     long = {name: n for name, n in sizes.items() if n > MAX_FILE_LINES}
     assert not long, f"files over {MAX_FILE_LINES} lines: {long}"
+
+
+def _sources():
+    return [path for path in sorted(SOURCE.rglob("*.py")) if path.is_file()]
+
+
+def test_few_source_functions_are_long():
+    """A long function is broken into named steps; the few left are listed here when they
+    grow past the count."""
+    import ast
+
+    long = {}
+    for path in _sources():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long[f"{path.relative_to(SOURCE)}:{node.name}"] = n
+    assert len(long) <= MAX_LONG_FUNCTIONS, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
+
+
+def test_fmt_skip_only_on_data_tables():
+    """The formatter's layout holds everywhere but on a few data tables."""
+    skips = {
+        path.relative_to(SOURCE).as_posix(): n
+        for path in _sources()
+        if (n := path.read_text().count("# fmt: skip"))
+    }
+    assert sum(skips.values()) <= MAX_FMT_SKIPS, f"# fmt: skip lines: {skips}"
 
 
 def test_every_design_reference_resolves():

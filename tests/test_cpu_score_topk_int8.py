@@ -1,39 +1,28 @@
-"""cpu_score_topk_int8 (the cpu kernel reading an 8-bit table as stored) against the definition:
-the reference and the full sort on the dequantized table. Odd sizes, masks, ties, one-part
-queries (long rows), the error bounds with integer products, the cached table constants.
-The end-to-end tests run each way steps 1 and 2 can run (`helpers`): compiled with AVX-512 where
-the CPU has it, compiled as plain loops, and in torch ops (m31.ops.native)."""
-
-import math
+"""cpu_score_topk_int8's own parts (the cpu kernel reading an 8-bit table as stored): the query
+in integers, exact integer products, the error bounds with them, the affinity filter, threads
+and blocks, the cached table constants, CPUs without exact int8 products, inputs past the
+bounds' range. Each that runs the kernel end to end runs each way steps 1 and 2 can run
+(`helpers`): compiled with AVX-512 where the CPU has it, compiled as plain loops, and in torch ops
+(m31.ops.cpu.native). Its answers are held to the reference with every other kernel's in
+test_score_topk (the contract)."""
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from test_cpu_score_topk import assert_same, full_sort, random_problem
-from test_score_topk import make_mask
-
-from m31.ops import (
-    Int8Table,
-    PackedMask,
-    native,
-    quantize_ad_table,
-    rounded_score,
-    score,
-    score_topk,
+from score_topk_helpers import (
+    assert_same,
+    full_sort,
+    int8_problem,
+    make_mask,
+    needs_exact_int8,
 )
-from m31.ops.cpu import cpu_score_topk_int8, int8
+
+from m31.ops import rounded_score, score
+from m31.ops.cpu import cpu_score_topk_int8, int8, native
 from m31.ops.cpu.bounds import affinity_offset, gate_bounds
-from m31.ops.cpu.int8 import _split_query, int8_products_exact, int_products, plan_int8
+from m31.ops.cpu.int8 import _split_query, int_products, plan_int8
 from m31.ops.cpu.stats import table_stats
 from m31.ops.cpu.worker import Threshold
-from m31.ops.torch_score_topk import torch_score_topk
-
-# Where the CPU's int8 products are not exact the kernel scores the dequantized table instead
-# (still correct, and still tested below), but the integer filters themselves are then not run.
-needs_exact_int8 = pytest.mark.skipif(
-    not int8_products_exact(), reason="this CPU's int8 products saturate: the filters are not used"
-)
+from m31.ops.reference import torch_score_topk
 
 
 @pytest.fixture(params=["on", "plain", "off"])
@@ -43,56 +32,6 @@ def helpers(request):
         pytest.skip("no C compiler: the compiled helpers are not built")
     with native.use(request.param):
         yield request.param
-
-
-def int8_problem(n_req, n_ads, n_exp, gdim, ddim, seed, scale=1.0):
-    query, table = random_problem(n_req, n_ads, n_exp, gdim, ddim, seed, torch.float32, scale)
-    quantized = quantize_ad_table(*table)
-    return query, quantized, quantized.dequantize()
-
-
-@pytest.mark.parametrize(
-    ("n_req", "n_ads", "n_exp", "gdim", "ddim", "k", "block", "mask_kind"),
-    [
-        (1, 3001, 8, 16, 12, 50, 512, "shared"),  # N not a multiple of the block
-        (3, 2500, 3, 8, 12, 700, 600, "per-request"),  # K > block
-        (17, 1100, 8, 16, 12, 10, 256, "shared"),
-        (3, 900, 1, 0, 12, 20, 300, "none"),  # two-tower: E = 1, G = 0
-        (5, 700, 4, 0, 12, 30, 256, "per-request"),  # G = 0: gate = softmax(p)
-        (2, 40, 3, 8, 12, 100, 16, "shared"),  # K > N
-        (3, 500, 3, 8, 12, 5, 128, "nothing"),
-        (4, 600, 8, 8, 12, 600, None, "everything"),  # K = N, all eligible
-        (1, 20_011, 8, 64, 64, 100, None, "shared"),  # one request: logits of survivors only
-        (64, 3001, 8, 64, 64, 100, None, "per-request"),
-        (2, 700, 2, 600, 530, 25, 200, "shared"),  # G, D > 516: one-part queries
-        (2, 600, 2, 0, 580, 25, 200, "per-request"),  # D past the compiled helpers' registers
-        (3, 999, 5, 1, 1, 40, 100, "packed"),  # rows of one value (torch._int_mm got them wrong)
-        (7, 1000, 3, 33, 65, 30, 200, "packed"),  # the last 32-value chunk of a row nearly empty
-    ],
-)
-def test_matches_reference_and_definition(
-    n_req, n_ads, n_exp, gdim, ddim, k, block, mask_kind, helpers
-):
-    query, quantized, dequantized = int8_problem(n_req, n_ads, n_exp, gdim, ddim, seed=n_ads)
-    packed = mask_kind == "packed"
-    mask = make_mask("per-request" if packed else mask_kind, n_req, n_ads, seed=n_req)
-    got = cpu_score_topk_int8(
-        *query, quantized, PackedMask.of(mask) if packed else mask, k, block=block, threads=2
-    )
-    assert_same(got, torch_score_topk(*query, *dequantized, mask, k))
-    assert_same(got, full_sort(query, dequantized, mask, k))
-    assert_same(score_topk(query, quantized, mask, k, kernel="cpu"), got)
-
-
-def test_exact_ties_go_to_the_lower_row(helpers):
-    # 6 distinct ads repeated over 1,000 rows: every score is tied with about 166 others
-    query, quantized, _ = int8_problem(3, 6, 3, 8, 8, seed=3)
-    order = torch.randint(0, 6, (1000,), generator=torch.Generator().manual_seed(4))
-    quantized = Int8Table(*(t[order] for t in quantized))
-    mask = make_mask("shared", 3, 1000, seed=5)
-    for k in (7, 200, 450):
-        got = cpu_score_topk_int8(*query, quantized, mask, k, block=128, threads=2)
-        assert_same(got, full_sort(query, quantized.dequantize(), mask, k))
 
 
 def test_threads_and_blocks_do_not_change_the_result(helpers):
@@ -232,7 +171,7 @@ def test_without_exact_int8_products_it_scores_the_dequantized_table(monkeypatch
     assert_same(got, full_sort(query, dequantized, mask, 30))
 
 
-def test_out_of_range_queries_and_empty_inputs():
+def test_out_of_range_queries_go_to_the_reference():
     query, quantized, dequantized = int8_problem(2, 300, 3, 4, 4, seed=1)
     q, v, p = query
     huge = (q * 1e30, v * 1e30, p)  # scores beyond fp32: the reference decides
@@ -240,62 +179,3 @@ def test_out_of_range_queries_and_empty_inputs():
         cpu_score_topk_int8(*huge, quantized, None, 5),
         torch_score_topk(*huge, *dequantized, None, 5),
     )
-    empty = quantize_ad_table(torch.zeros(0, 4), torch.zeros(0, 4), torch.zeros(0))
-    scores, rows = cpu_score_topk_int8(*query, empty, None, 5)
-    assert scores.shape == (2, 0) and rows.shape == (2, 0)
-    scores, rows = cpu_score_topk_int8(*(t[:0] for t in query), quantized, None, 3)
-    assert scores.shape == (0, 3) and rows.shape == (0, 3)
-    assert math.isinf(
-        cpu_score_topk_int8(*query, quantized, torch.zeros(300, dtype=torch.bool), 2)[0][0, 0]
-    )
-
-
-@pytest.mark.parametrize(
-    ("change", "error", "message"),
-    [
-        (lambda t: t, TypeError, "must be an Int8Table"),
-        (lambda t: t._replace(x=t.x.float()), ValueError, r"x must be torch\.int8"),
-        (lambda t: t._replace(g_scale=t.g_scale.double()), ValueError, "g_scale must be"),
-        (lambda t: t._replace(x_scale=t.x_scale[:5]), ValueError, "disagree on N"),
-        (lambda t: t._replace(b=t.b[:5]), ValueError, "disagree on N"),
-        (lambda t: t._replace(b=t.b[:, None]), ValueError, r"b must be torch\.float32 with 1 dims"),
-    ],
-)
-def test_bad_arguments(change, error, message):
-    query, quantized, dequantized = int8_problem(2, 9, 2, 4, 4, seed=0)
-    table = dequantized if error is TypeError else change(quantized)
-    with pytest.raises(error, match=message):
-        cpu_score_topk_int8(*query, table, None, 3)
-    if error is ValueError:  # the dispatcher refuses a malformed table for every kernel alike
-        for kernel in ("torch", "cpu"):
-            with pytest.raises(ValueError, match=message):
-                score_topk(query, table, None, 3, kernel=kernel)
-    with pytest.raises(ValueError, match="k must be positive"):
-        cpu_score_topk_int8(*query, quantized, None, 0)
-
-
-@settings(max_examples=30, deadline=None)
-@given(
-    n_req=st.integers(1, 5),
-    n_ads=st.integers(1, 400),
-    n_exp=st.integers(1, 4),
-    gdim=st.sampled_from([0, 3, 8]),
-    k=st.integers(1, 420),
-    block=st.integers(1, 150),
-    threads=st.integers(1, 3),
-    mask_kind=st.sampled_from(["none", "shared", "per-request", "nothing", "packed"]),
-    seed=st.integers(0, 10_000),
-    way=st.sampled_from(["on", "plain", "off"]),
-)
-def test_property_matches_full_sort(
-    n_req, n_ads, n_exp, gdim, k, block, threads, mask_kind, seed, way
-):
-    query, quantized, dequantized = int8_problem(n_req, n_ads, n_exp, gdim, 5, seed)
-    packed = mask_kind == "packed"
-    mask = make_mask("per-request" if packed else mask_kind, n_req, n_ads, seed + 1)
-    with native.use(way):
-        got = cpu_score_topk_int8(
-            *query, quantized, PackedMask.of(mask) if packed else mask, k, block=block,
-            threads=threads,
-        )  # fmt: skip
-    assert_same(got, full_sort(query, dequantized, mask, k))

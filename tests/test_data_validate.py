@@ -18,10 +18,11 @@ from m31.cli import app
 from m31.data import dataset
 from m31.data.dataset import DatasetError, repeat_engagement, vocabularies
 from m31.data.movielens import load_movielens
-from m31.data.schema import SURFACES, TABLES
+from m31.data.schema import TABLES
 from m31.data.validate import CHECKS, ERROR, WARNING, validate
 from m31.features import FeatureConfig, Features, build_features
 from m31.model import model_preset
+from m31.vocabularies import SURFACES
 from m31.world.config import preset
 from m31.world.generate import generate
 

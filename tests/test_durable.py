@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from m31.index import AdIndex, AdIndexError, DurableIndex, DurableIndexError, read_manifest
-from m31.index.durable import LOG, LOG_HEADER
+from m31.index.wal import LOG, LOG_HEADER
 
 G, D = 3, 5
 EXTRA = {"price": "float"}  # floats in attributes must round-trip exactly too
@@ -166,7 +166,7 @@ def test_crash_before_snapshot_swap(fresh, tmp_path):
     with DurableIndex.open(path) as d:
         version = d.snapshot()  # no tombstones: nothing logged, so `before` has the full log
         expected = contents(d.index)
-    # What a crash before the swap leaves: the complete new folder, plus write_atomic's
+    # What a crash before the swap leaves: the complete new folder, plus write_folder_atomic's
     # temporary of a later attempt, next to the old link and the full log.
     name = f"snapshot-{version:012d}"
     shutil.copytree(path / name, before / name)
@@ -198,7 +198,7 @@ def test_torn_tail_is_cut_off(fresh, caplog, damage):
         torn_start = len(data)
         data += bytes(100)  # a crash after the size grew but before the data landed
     (path / LOG).write_bytes(bytes(data))
-    with caplog.at_level(logging.WARNING, logger="m31.index.durable"):
+    with caplog.at_level(logging.WARNING, logger="m31.index.recovery"):
         d = DurableIndex.open(path)
     assert "torn record" in caplog.text and f"byte {torn_start}" in caplog.text
     assert contents(d.index) == (with_last if damage == "zeros" else before_last)

@@ -1,6 +1,6 @@
 """The row-bitmap eligibility index (`m31.index.eligibility`) against the column builder it
-replaced (`m31.index.eligibility.reference_mask`) and a plain-Python evaluation, through random worlds,
-filters and mutation sequences."""
+replaced and a plain-Python evaluation (`m31.index.testing`: `reference_mask`, `eligible_ads`),
+through random worlds, filters and mutation sequences."""
 
 import random
 import tempfile
@@ -12,12 +12,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from m31.data.schema import GENDERS, PLATFORMS, STATUSES, SURFACES
-from m31.index import AdIndex, RequestContext, compile_filter, evaluate_row
+from m31.index import AdIndex, RequestContext, compile_filter
 from m31.index import eligibility as elig
-from m31.index.ad_index import BASE_FIELDS
-from m31.index.eligibility import _assign, reference_mask
+from m31.index.columns import BASE_FIELDS
+from m31.index.eligibility import _assign
+from m31.index.testing import eligible_ads, reference_mask
 from m31.ops.masks import _pack_torch, _unpack_torch, pack, unpack
+from m31.vocabularies import GENDERS, PLATFORMS, STATUSES, SURFACES
 
 G, D = 2, 3
 NOW = 1_000
@@ -136,28 +137,6 @@ REQUEST = st.builds(
 )
 
 
-def plain_eligible(ad_id: int, a: dict, r: RequestContext, expr) -> bool:
-    """The built-in rules and a filter on one ad's plain attributes."""
-
-    def allows(targets, value):
-        return not targets or value in targets
-
-    return (
-        a["status"] == "active"
-        and (a["schedule_start"] is None or a["schedule_start"] <= r.ts)
-        and (a["schedule_end"] is None or r.ts < a["schedule_end"])
-        and (a["target_age_min"] is None or (r.age is not None and a["target_age_min"] <= r.age))
-        and (a["target_age_max"] is None or (r.age is not None and r.age <= a["target_age_max"]))
-        and allows(a["target_countries"], r.country)
-        and allows(a["target_genders"], r.gender)
-        and allows(a["target_platforms"], r.platform)
-        and allows(a["target_surfaces"], r.surface)
-        and ad_id not in r.exclude_ads
-        and a["advertiser_id"] not in r.exclude_advertisers
-        and (expr is None or evaluate_row(expr, a))
-    )
-
-
 def stored(attrs: dict) -> dict:
     """Attributes as the index reads them back: status defaults to active, lists are sets."""
     out = dict(attrs, status=attrs["status"] or "active")
@@ -174,8 +153,7 @@ def check(index: AdIndex, model: dict[int, dict], batch, filters) -> None:
     assert masks.shape == (len(batch), index.num_rows)
     for mask, r, expr in zip(masks, batch, filters, strict=True):
         assert torch.equal(mask, reference_mask(index, r, expr))
-        expected = {i for i, a in model.items() if plain_eligible(i, a, r, expr)}
-        assert set(row_ids[mask].tolist()) == expected
+        assert set(row_ids[mask].tolist()) == eligible_ads(model, r, expr)
     view = index.frozen_view()
     assert torch.equal(view.eligible_masks(batch, filters), masks)
 
@@ -265,7 +243,7 @@ def _bitmaps(view):
 
 
 def test_requests_with_one_key_share_one_computation_and_keep_their_exclusions():
-    index, _ = _index()
+    index, model = _index()
     view = index.frozen_view()
     base = RequestContext("US", 30, "F", "ios", "feed", NOW)
     other = RequestContext("DE", 30, "F", "ios", "feed", NOW)
@@ -277,8 +255,10 @@ def test_requests_with_one_key_share_one_computation_and_keep_their_exclusions()
     masks = view.eligible_masks(batch, filters)
     # Keys: (US, no filter) for requests 0, 2, 3, 4; (DE, none); (US, tags) for 5 and 6.
     assert _bitmaps(view).key_masks == 3
+    row_ids = index.table()[3]
     for mask, r, f in zip(masks, batch, filters, strict=True):
         assert torch.equal(mask, reference_mask(index, r, f))
+        assert set(row_ids[mask].tolist()) == eligible_ads(model, r, tags if f else None)
     assert torch.equal(masks[0], masks[3]) and torch.equal(masks[5], masks[6])
     assert not masks[2, :4].any() and torch.equal(masks[2, 4:], masks[0, 4:])
     assert masks[0, :4].any(), "the excluded ads are eligible for the others"

@@ -6,11 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from m31.data.schema import SURFACES
 from m31.engine import AdRequest, Engagement, InlineUser, RequestError, Retriever
+from m31.engine.build import index_from_table
 from m31.features import FeatureConfig, build_features
-from m31.index import AdIndex
+from m31.index import RequestContext
+from m31.index.testing import eligible
 from m31.model import Catalog, build_model, encode_ads, model_preset, vocab_sizes
+from m31.vocabularies import SURFACES
 from m31.world.config import preset
 from m31.world.generate import generate
 
@@ -22,26 +24,29 @@ def world():
     torch.manual_seed(0)
     model = build_model(model_preset("tiny", "moe"), vocab_sizes(feats), 384, 32).eval()
     g, x, b = encode_ads(model, Catalog.from_features(feats))
-    index = AdIndex.from_table(ds.ads, g, x, b, dtype=torch.float32)
+    index = index_from_table(ds.ads, g, x, b, dtype=torch.float32)
     return ds, feats, model, index
 
 
 def eligible_by_hand(ads, user, req):
-    """The targeting rules, written out per ad."""
-    out = []
-    for a in ads:
-        out.append(
-            a["status"] == "active"
-            and a["created_at"] <= req.ts
-            and (not a["target_countries"] or user["country"] in a["target_countries"])
-            and (not a["target_genders"] or user["gender"] in a["target_genders"])
-            and (not a["target_platforms"] or req.platform in a["target_platforms"])
-            and a["target_age_min"] <= user["age"] <= a["target_age_max"]
-            and a["ad_id"] not in req.exclude_ads
-            and a["advertiser_id"] not in req.exclude_advertisers
-            and (req.filter is None or a["format"] == req.filter["eq"][1])
-        )
-    return np.array(out)
+    """The targeting rules (`m31.index.testing.eligible`) per ad of the ads table (whose
+    schedule starts at `created_at`), for the stored `user` asking `req`."""
+    context = RequestContext(
+        user["country"],
+        user["age"],
+        user["gender"],
+        req.platform,
+        req.surface,
+        req.ts,
+        req.exclude_ads,
+        req.exclude_advertisers,
+    )
+    return np.array(
+        [
+            eligible(a["ad_id"], {**a, "schedule_start": a["created_at"]}, context, req.filter)
+            for a in ads
+        ]
+    )
 
 
 def test_retrieve_equals_brute_force(world):
@@ -233,7 +238,7 @@ def test_writers_do_not_wait_for_a_retrieves_masks(world, monkeypatch):
 
     ds, feats, model, _ = world
     g, x, b = encode_ads(model, Catalog.from_features(feats))
-    index = AdIndex.from_table(ds.ads, g, x, b, dtype=torch.float32)  # its own: it is mutated
+    index = index_from_table(ds.ads, g, x, b, dtype=torch.float32)  # its own: it is mutated
     engine = Retriever(model, feats, index)
     request = AdRequest(0, ds.meta["time_range"][1], "feed", "ios")
     before = engine.retrieve([request], k=10)
@@ -292,8 +297,8 @@ def test_equal_scores_go_to_the_lower_ad_id(world, k):
     assert copies > TIE_MARGIN
     ads = ds.ads.to_pylist()
     ids = list(range(10**6 + copies, 10**6, -1))  # descending ids in ascending rows
-    index = AdIndex.from_table(ds.ads, g, x, b, dtype=torch.float32)
-    best = AdIndex.from_table(ds.ads, g * 0, x * 0, b * 0 + 100, dtype=torch.float32)
+    index = index_from_table(ds.ads, g, x, b, dtype=torch.float32)
+    best = index_from_table(ds.ads, g * 0, x * 0, b * 0 + 100, dtype=torch.float32)
     row = best.get(0)
     attrs = {**ads[0], "status": "active", "schedule_start": None, "schedule_end": None}
     attrs = {name: attrs.get(name) for name in index.schema}
@@ -336,10 +341,8 @@ def test_an_8_bit_index_serves_what_its_dequantized_table_would(world):
 
     ds, feats, model, _ = world
     g, x, b = encode_ads(model, Catalog.from_features(feats))
-    int8 = AdIndex.from_table(ds.ads, g, x, b, dtype=torch.int8)
-    plain = AdIndex.from_table(
-        ds.ads, *quantize_ad_table(g, x, b).dequantize(), dtype=torch.float32
-    )
+    int8 = index_from_table(ds.ads, g, x, b, dtype=torch.int8)
+    plain = index_from_table(ds.ads, *quantize_ad_table(g, x, b).dequantize(), dtype=torch.float32)
     for index in (int8, plain):
         index.pause(7)
         index.delete([11, 12])
@@ -360,15 +363,15 @@ def test_a_model_without_gate_keys_is_scored_as_one_query(world):
     """G = 0: every ad gets the same expert weights, so the engine folds the E experts into one
     query (one dot product per pair) and answers as the unfolded query does, up to fp32
     rounding: the same ads (but for near-ties) with the same scores to fp32 precision."""
-    from m31.engine.retriever import fold
-    from m31.ops.torch_score import rounded_score
+    from m31.engine.search import fold
+    from m31.ops.reference import rounded_score
 
     ds, feats, _, _ = world
     torch.manual_seed(1)
     cfg = dataclasses.replace(model_preset("tiny", "moe"), gate_dim=0)
     model = build_model(cfg, vocab_sizes(feats), 384, 32).eval()
     g, x, b = encode_ads(model, Catalog.from_features(feats))
-    index = AdIndex.from_table(ds.ads, g, x, b, dtype=torch.float32)
+    index = index_from_table(ds.ads, g, x, b, dtype=torch.float32)
     folded = Retriever(model, feats, index)
     plain = Retriever(model, feats, index)
     plain.fold = False

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from m31.index import AttributeTable, FilterError, compile_filter, evaluate_row
-from m31.index.attributes import columns_from_rows
+from m31.index.columns import columns_from_rows
 from m31.index.filters import MAX_NODES, MAX_PREDICATES, MAX_VALUES, Predicate
 
 SCHEMA = {"n": "int", "m": "int", "f": "float", "s": "str", "u": "str", "t": "str_list"}

@@ -17,6 +17,7 @@ from m31.index import AdIndex, compile_filter
 from m31.index.hierarchical import Clusters, kmeans
 from m31.ops import rounded_score, score
 from m31.serve.app import ServeConfig, create_app
+from m31.serve.local import LocalBackend
 
 G, D, E = 6, 5, 3
 # A few distinct rows among random ones, so that equal scores (ties) are common.
@@ -151,17 +152,19 @@ def test_updates_are_honoured_and_clusters_round_trip(tmp_path):
 
 
 def test_index_build_writes_clusters_and_the_server_probes_them(served_world, tmp_path):
-    """`build_index(clusters=C)` (`m31 index build --clusters`) writes the clusters into the
+    """`build_snapshot(clusters=C)` (`m31 index build --clusters`) writes the clusters into the
     snapshot's online features; a server opened with `probe` = C answers as the exhaustive one,
     with fewer probes it answers from fewer ads; a folder without clusters is refused."""
-    from m31.engine.build import build_index
+    from m31.engine.build import build_snapshot
     from m31.engine.load import load_engine, serving_folder
 
     snapshot = tmp_path / "index"
-    index = build_index(served_world.data, served_world.model, snapshot, clusters=8)
+    index = build_snapshot(served_world.data, served_world.model, snapshot, clusters=8)
     assert (snapshot / "online" / "clusters.npz").is_file()
     with pytest.raises(ValueError, match="--clusters: must be in"):
-        build_index(served_world.data, served_world.model, tmp_path / "x", clusters=len(index) + 1)
+        build_snapshot(
+            served_world.data, served_world.model, tmp_path / "x", clusters=len(index) + 1
+        )
     state = serving_folder(snapshot, tmp_path / "serving")
     requests = [AdRequest(user_id=int(u), surface="feed") for u in (1, 2, 3)]
     exhaustive = load_engine(state, served_world.model)
@@ -176,7 +179,7 @@ def test_index_build_writes_clusters_and_the_server_probes_them(served_world, tm
         else:
             assert all(0 < len(r.ad_ids) <= 20 for r in got)
     config = ServeConfig(index=state, model=served_world.model, probe=8, timeout_ms=60_000)
-    with ThreadServer(create_app(config)) as s:  # m31 serve --probe 8
+    with ThreadServer(create_app(config, LocalBackend.load)) as s:  # m31 serve --probe 8
         body = {"requests": [{"user_id": r.user_id, "surface": "feed", "k": 20} for r in requests]}
         got = httpx.post(f"{s.url}/v1/retrieve", json=body, timeout=120).json()["results"]
         assert [r["ad_ids"] for r in got] == [r.ad_ids.tolist() for r in want]

@@ -9,8 +9,10 @@ import pyarrow as pa
 import pytest
 import torch
 
+from m31.engine.build import index_from_table
 from m31.index import AdIndex, AdIndexError, FilterError, RequestContext, read_manifest
-from m31.index.ad_index import BASE_FIELDS
+from m31.index.columns import BASE_FIELDS
+from m31.index.testing import eligible, reference_mask
 from m31.ops import score_topk
 from m31.ops.quant import Int8Table, quantize_ad_table
 from m31.world.config import preset
@@ -365,25 +367,6 @@ def test_delete_and_compact_equal_a_rebuild():
 # ---- random interleaving against a plain model ---------------------------------------------
 
 
-def _reference_eligible(ad_id, a, r):
-    def allows(targets, value):
-        return not targets or value in targets
-
-    return (
-        a["status"] == "active"
-        and (a["schedule_start"] is None or a["schedule_start"] <= r.ts)
-        and (a["schedule_end"] is None or r.ts < a["schedule_end"])
-        and (a["target_age_min"] is None or (r.age is not None and a["target_age_min"] <= r.age))
-        and (a["target_age_max"] is None or (r.age is not None and r.age <= a["target_age_max"]))
-        and allows(a["target_countries"], r.country)
-        and allows(a["target_genders"], r.gender)
-        and allows(a["target_platforms"], r.platform)
-        and allows(a["target_surfaces"], r.surface)
-        and ad_id not in r.exclude_ads
-        and a["advertiser_id"] not in r.exclude_advertisers
-    )
-
-
 def _normalise(attrs):
     out = dict.fromkeys(BASE_FIELDS)
     out.update(status="active", **{k: [] for k, kind in BASE_FIELDS.items() if kind == "str_list"})
@@ -449,9 +432,10 @@ def test_random_operations_match_a_plain_model(seed, dtype):
             assert torch.equal(row.g, g) and torch.equal(row.x, x) and row.b == pytest.approx(b)
             assert row.attributes == attrs
         for r in REQUESTS:
-            expected = {i for i, m in model.items() if _reference_eligible(i, m[3], r)}
+            expected = {i for i, m in model.items() if eligible(i, m[3], r, None)}
             got = eligible_ids(index, r)
             assert len(got) == len(set(got)) and set(got) == expected
+            assert torch.equal(index.eligible_mask(r), reference_mask(index, r, None))
         with index.snapshot_view() as view:  # what is scored: the values `get` gives back
             table = view.ad_table
             if dtype == torch.int8:
@@ -770,11 +754,11 @@ def world_ads():
     return ds.ads
 
 
-def test_from_table_matches_the_ads_table(world_ads, tmp_path):
+def test_index_from_table_matches_the_ads_table(world_ads, tmp_path):
     ads = world_ads.slice(0, 300)
     n = ads.num_rows
     g, x, b = torch.randn(n, G), torch.randn(n, D), torch.randn(n)
-    index = AdIndex.from_table(ads, g, x, b, capacity=64)
+    index = index_from_table(ads, g, x, b, capacity=64)
     assert len(index) == n and index.capacity >= n and index.version == 1
     assert torch.equal(index.ids(), torch.tensor(ads.column("ad_id").to_numpy()))
     rows = ads.to_pylist()
@@ -797,10 +781,11 @@ def test_from_table_matches_the_ads_table(world_ads, tmp_path):
         expected = [
             row["ad_id"]
             for row, a in zip(rows, attrs, strict=True)
-            if _reference_eligible(row["ad_id"], a, r)
+            if eligible(row["ad_id"], a, r, None)
         ]
         assert eligible_ids(index, r) == expected
         assert 0 < len(expected) < n
+        assert torch.equal(index.eligible_mask(r), reference_mask(index, r, None))
     video = eligible_ids(index, requests[0], {"eq": ["format", "video"]})
     assert video == [
         row["ad_id"]
@@ -812,15 +797,15 @@ def test_from_table_matches_the_ads_table(world_ads, tmp_path):
     assert loaded.get(rows[5]["ad_id"]).attributes["objective"] == rows[5]["objective"]
 
 
-def test_from_table_accepts_tags_and_rejects_missing_columns(world_ads):
+def test_index_from_table_accepts_tags_and_rejects_missing_columns(world_ads):
     ads = world_ads.slice(0, 4)
     tags = pa.array([["x"], [], ["x", "y"], None], pa.list_(pa.large_string()))
-    index = AdIndex.from_table(
+    index = index_from_table(
         ads.append_column("tags", tags), torch.zeros(4, G), torch.zeros(4, D), torch.zeros(4)
     )
     ids = ads.column("ad_id").to_pylist()
     assert [index.get(i).attributes["tags"] for i in ids] == [["x"], [], ["x", "y"], []]
     with pytest.raises(AdIndexError, match="missing column 'status'"):
-        AdIndex.from_table(
+        index_from_table(
             ads.drop_columns(["status"]), torch.zeros(4, G), torch.zeros(4, D), torch.zeros(4)
         )

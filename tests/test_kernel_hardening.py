@@ -6,30 +6,27 @@ whose scores are `rounded_score`.
 
 Near-tie, as item 12 allows it: two ads are an fp32 near-tie when their reference scores differ
 by at most 1e-5 relative to the larger one (floor 1), i.e. about 80 fp32 ulps; the kernels may
-order such ads either way and nothing else.
+order such ads either way and nothing else (`score_topk_helpers.assert_up_to_near_ties`).
 """
 
 import math
 
 import pytest
 import torch
+from score_topk_helpers import assert_up_to_near_ties
 
 from m31.ops import NO_ROW, NonFiniteQueryError, rounded_score, score_topk
 from m31.ops.cpu import cpu_score_topk
 from m31.ops.cpu.bounds import gate_bounds, plan_float
 from m31.ops.cpu.stats import in_range, table_stats
 from m31.ops.quant import quantize_ad_table
-from m31.ops.torch_score_topk import torch_score_topk
+from m31.ops.reference import torch_score_topk
 
 triton = pytest.importorskip("triton")
-from m31.ops.triton_score_topk import (  # noqa: E402 (after the importorskip)
-    _split3,
-    triton_score_topk,
-    triton_score_topk_int8,
-)
+from m31.ops.triton import triton_score_topk, triton_score_topk_int8  # noqa: E402
+from m31.ops.triton.layout import split3  # noqa: E402 (after the importorskip)
 
 KERNELS = ("torch", "cpu", "triton")
-NEAR_TIE = 1e-5
 
 
 def problem(n_req, n_ads, n_exp, gdim, ddim, seed, dtype=torch.float32):
@@ -46,22 +43,6 @@ def problem(n_req, n_ads, n_exp, gdim, ddim, seed, dtype=torch.float32):
 
 def run(kernel, query, table, mask, k):
     return score_topk(query, table, mask, k, kernel=kernel)
-
-
-def assert_up_to_near_ties(got, want, exact):
-    """Rows equal but for swaps of fp32 near-ties (module docstring); scores near the exact ones.
-
-    exact: the reference scores [B, N] (`rounded_score`)."""
-    (got_s, got_r), (_, want_r) = got, want
-    assert got_r.shape == want_r.shape and got_s.dtype == torch.float32
-    assert torch.equal(got_r == NO_ROW, want_r == NO_ROW)
-    found = got_r != NO_ROW
-    at_got = exact.gather(1, got_r.clamp(min=0))  # [B, K] reference score of each returned row
-    at_want = exact.gather(1, want_r.clamp(min=0))
-    scale = torch.maximum(at_got.abs(), at_want.abs()).clamp(min=1)
-    assert ((got_r == want_r) | ((at_got - at_want).abs() <= NEAR_TIE * scale))[found].all()
-    close = (got_s == at_got) | ((got_s - at_got).abs() <= NEAR_TIE * scale)  # == for ±inf
-    assert close[found].all()
 
 
 # Item 10: the cpu kernel's error bound was 0·inf = NaN where e^(2η) overflowed, and dropped ads.
@@ -194,7 +175,7 @@ def test_overflowing_scores_follow_one_rule(kernel, table_dtype):
 def test_query_parts_add_up_exactly():
     gen = torch.Generator().manual_seed(14)
     t = torch.randn(4000, generator=gen) * torch.logspace(-30, 30, 4000)
-    parts = _split3(t)
+    parts = split3(t)
     assert parts.dtype == torch.bfloat16 and torch.equal(parts.double().sum(0), t.double())
 
 

@@ -19,7 +19,8 @@ from m31.model.inference import encode_ads, encode_requests
 from m31.model.retrieval import balance_loss, sampled_softmax_loss
 from m31.model.towers import ItemEncoder, hash_ids, idle_inputs
 from m31.ops import score
-from m31.training.train import _retrieval_step, requests_for
+from m31.training.losses import retrieval_loss
+from m31.training.train import requests_for
 from m31.world.config import preset
 from m31.world.generate import generate
 
@@ -231,7 +232,7 @@ def test_training_the_dense_model(feats):
 
 
 def test_bce_loss_by_hand():
-    from m31.training.train import bce_loss
+    from m31.training.losses import bce_loss
 
     pos, neg = torch.tensor([0.0, 2.0]), torch.tensor([0.0, -1.0])
     want = (2 * math.log(2) + math.log1p(math.exp(-2.0)) + math.log1p(math.exp(-1.0))) / 2
@@ -436,7 +437,7 @@ def test_training_reduces_the_loss(feats):
     def held_loss():
         with torch.no_grad():
             return float(
-                _retrieval_step(
+                retrieval_loss(
                     model,
                     r_fixed,
                     catalog,
@@ -453,7 +454,7 @@ def test_training_reduces_the_loss(feats):
     for _ in range(2):
         for lo in range(0, len(tr["user"]), 64):
             rows = np.arange(lo, min(lo + 64, len(tr["user"])))
-            loss, _ = _retrieval_step(
+            loss, _ = retrieval_loss(
                 model,
                 requests_for(feats, tr, rows, cfg.max_len),
                 catalog,
@@ -595,7 +596,8 @@ def test_hard_negative_pool_is_the_retrievers_top_ads_less_the_users_own(feats):
     """Each training example's pool: the retriever's `pool` best ads for its request, written
     here as a plain loop over the examples; none of the user's own training ads."""
     from m31.model.inference import ScoreFunction
-    from m31.training.train import _draw, hard_negative_pool
+    from m31.training.losses import draw
+    from m31.training.train import hard_negative_pool
 
     fn = ScoreFunction(make("moe", feats).eval(), feats, Catalog.from_features(feats))
     tr = feats.splits["train"]
@@ -614,7 +616,7 @@ def test_hard_negative_pool_is_the_retrievers_top_ads_less_the_users_own(feats):
             # a tie at the boundary may pick either ad
             scores[i][ranked[39]] == scores[i][ranked[40]]
         )
-    drawn = _draw(pool[:5], 7, np.random.default_rng(1))
+    drawn = draw(pool[:5], 7, np.random.default_rng(1))
     assert drawn.shape == (5, 7)
     assert all(set(d.tolist()) <= set(p.tolist()) for d, p in zip(drawn, pool[:5], strict=True))
     most = int(np.bincount(tr["user"]).max())

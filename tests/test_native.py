@@ -1,11 +1,11 @@
-"""m31.ops.native: the cpu kernel's compiled helpers (cpu_native/), built with the real compiler.
+"""m31.ops.cpu.native: the cpu kernel's compiled helpers (cpu/csrc/), built with the real compiler.
 
 Step 1 must return the torch path's survivors and affinities bit for bit, step 2 the same kept
 pairs with bounds within fp32 rounding of the torch ops' (the bounds of the cpu kernel are
 proved for any such evaluation, and for the compiled exponentials' stated error, checked here):
 compared block by block on odd sizes and every mask kind, for this CPU's build (AVX-512 or AVX2
 loops) and the plain one. The whole compiled pass (`m31_pass`) is checked end to end against the
-definition in test_cpu_score_topk_int8, and here for the threshold it shares between threads.
+definition in test_score_topk, and here for the threshold it shares between threads.
 Then the loader: the cache, the switch, and what happens without a compiler or with a broken one.
 """
 
@@ -18,20 +18,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_cpu_score_topk import assert_same, full_sort
-from test_cpu_score_topk_int8 import int8_problem, needs_exact_int8
-from test_score_topk import make_mask
+from score_topk_helpers import assert_same, full_sort, int8_problem, make_mask, needs_exact_int8
 
-from m31.ops import PackedMask, native, rounded_score, score
-from m31.ops.cpu import cpu_score_topk_int8, native_pass
+from m31.ops import PackedMask, rounded_score, score
+from m31.ops.cpu import cpu_score_topk_int8, native, native_pass
 from m31.ops.cpu.bounds import affinity_offset
 from m31.ops.cpu.int8 import plan_int8
+from m31.ops.cpu.native import ptr
 from m31.ops.cpu.native_pass import _mask_args, compiled_pass
 from m31.ops.cpu.partition import block_spans
 from m31.ops.cpu.stats import table_stats
 from m31.ops.cpu.worker import Threshold, Worker
 from m31.ops.masks import pack
-from m31.ops.native import ptr
 
 PYPROJECT = Path(__file__).parents[1] / "pyproject.toml"
 
@@ -251,7 +249,7 @@ def test_the_library_is_built_once_per_source(fresh_build, monkeypatch, tmp_path
     assert native.library() is not None  # a new process: loads the cached build
     assert built[0].stat().st_mtime_ns == stamp
     assert sorted(fresh_build.glob("m31_cpu_native-*.so")) == built
-    changed = tmp_path_factory.mktemp("src") / "cpu_native"
+    changed = tmp_path_factory.mktemp("src") / "csrc"
     shutil.copytree(native.SOURCES, changed)
     with open(changed / "native.h", "a") as header:  # a file that is on no command line
         header.write("\n/* changed */\n")
@@ -266,11 +264,11 @@ def test_every_source_file_is_hashed_and_shipped(tmp_path, monkeypatch):
     """The build's name covers every .c and .h file of the folder, each byte of each: a change
     in any of them, or a file more, is a new build. And the package data ships them all."""
     package_data = tomllib.loads(PYPROJECT.read_text())["tool"]["setuptools"]["package-data"]
-    ops = native.SOURCES.parent
+    cpu = native.SOURCES.parent
     for path in native._source_files():
-        name = path.relative_to(ops).as_posix()
-        assert any(fnmatch.fnmatch(name, pattern) for pattern in package_data["m31.ops"]), name
-    folder = tmp_path / "cpu_native"
+        name = path.relative_to(cpu).as_posix()
+        assert any(fnmatch.fnmatch(name, pattern) for pattern in package_data["m31.ops.cpu"]), name
+    folder = tmp_path / "csrc"
     shutil.copytree(native.SOURCES, folder)
     monkeypatch.setattr(native, "SOURCES", folder)
     files = native._source_files()
@@ -297,7 +295,7 @@ def test_without_a_working_compiler_the_torch_path_answers(
     fresh_build, monkeypatch, caplog, compiler, message
 ):
     monkeypatch.setenv("CC", compiler)
-    with caplog.at_level(logging.WARNING, logger="m31.ops.native"):
+    with caplog.at_level(logging.WARNING, logger="m31.ops.cpu.native"):
         assert native.library() is None
         assert native.library() is None  # said once
     assert [r.message for r in caplog.records if message in r.message] and len(caplog.records) == 1

@@ -18,12 +18,13 @@ from m31.data import dataset
 from m31.data.dataset import DatasetError, vocabularies
 from m31.data.validate import validate
 from m31.engine import AdRequest, RequestError, Retriever
-from m31.engine.build import build_index
+from m31.engine.build import build_snapshot
 from m31.engine.load import serving_folder
+from m31.features.folder import features_for
 from m31.index import AdIndexError
 from m31.model import build_model, model_preset, save_checkpoint, vocab_sizes
-from m31.pipeline import features_for
 from m31.serve.app import ServeConfig, create_app
+from m31.serve.local import LocalBackend
 from m31.world.config import preset
 from m31.world.generate import generate
 
@@ -86,7 +87,7 @@ def world(tmp_path_factory):
     ).eval()
     ckpt = save_checkpoint(root / "runs" / "moe.pt", model, feats, [])
     snapshot = root / "index"
-    index = build_index(data, ckpt, snapshot)
+    index = build_snapshot(data, ckpt, snapshot)
     return root, data, feats, model, ckpt, index, snapshot
 
 
@@ -138,7 +139,7 @@ def values(prop: dict) -> dict:
 def test_the_server_lists_and_checks_the_models_values(world):
     _root, _data, feats, _, ckpt, _, snapshot = world
     config = ServeConfig(index=serving_folder(snapshot), model=ckpt, admin_token=ADMIN)
-    with ThreadServer(create_app(config)) as s:
+    with ThreadServer(create_app(config, LocalBackend.load)) as s:
         schema = httpx.get(f"{s.url}/openapi.json").json()["components"]["schemas"]
         request = schema["RetrieveRequest"]["properties"]
         assert values(request["surface"])["enum"] == feats.meta["vocab"]["surface"]

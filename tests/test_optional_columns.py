@@ -31,11 +31,12 @@ from m31.engine.build import index_from_model
 from m31.engine.load import load_engine, serving_folder
 from m31.features import FeatureConfig, build_features
 from m31.index import AdIndex, RequestContext
-from m31.index.eligibility import reference_mask
+from m31.index.testing import reference_mask
 from m31.model import build_model, load_checkpoint, model_preset, vocab_sizes
 from m31.model.checkpoint import FORMAT
 from m31.model.towers import advertiser_embedding
 from m31.serve.app import ServeConfig, create_app
+from m31.serve.local import LocalBackend
 
 T0 = 1_700_000_000
 N_USERS, N_ADS, PER_USER = 40, 30, 6
@@ -280,7 +281,7 @@ def test_the_server_answers_without_the_dataset(trained):
     config = ServeConfig(index=serving_folder(snapshot, root / "served"), model=ckpt)
     hidden = data.rename(root / "hidden")
     try:
-        with ThreadServer(create_app(config)) as s:
+        with ThreadServer(create_app(config, LocalBackend.load)) as s:
             answer(s)
         assert not data.exists()
     finally:

@@ -5,8 +5,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_cpu_score_topk import assert_same, random_problem
-from test_score_topk import make_mask
+from score_topk_helpers import assert_same, make_mask, random_problem
 
 from m31.ops import PackedMask, available_kernels, quantize_ad_table, score_topk
 from m31.ops.masks import _unpack_torch, pack, unpack
@@ -126,14 +125,15 @@ def test_triton_reads_packed_words_and_samples_them():
     pytest.importorskip("triton")
     if "triton" not in available_kernels("cpu"):
         pytest.skip("the Triton interpreter is off")
-    from m31.ops.triton_score_topk import _pack_mask, triton_score_topk
+    from m31.ops.triton import triton_score_topk
+    from m31.ops.triton.layout import pack_mask
 
     mask = make_mask("per-request", 5, 203, seed=3)
     clean = PackedMask(pack(mask[:2]), torch.tensor([0, 1, 1, 0, 1]), 203)  # nothing past N
-    assert torch.equal(_pack_mask(clean), _pack_mask(clean.unpack()))
+    assert torch.equal(pack_mask(clean), pack_mask(clean.unpack()))
     bits = packed(mask, 2, seed=4)  # set bits past N, which the kernel never reads
     one = PackedMask(pack(mask[:1]), torch.zeros(5, dtype=torch.long), 203)
-    assert torch.equal(_pack_mask(one), _pack_mask(mask[0]))
+    assert torch.equal(pack_mask(one), pack_mask(mask[0]))
     query, table = random_problem(5, 203, 3, 8, 8, seed=5, dtype=torch.float32)
     want = score_topk(query, table, bits.unpack(), 9, kernel="torch")
     assert_same(triton_score_topk(*query, *table, bits, 9, _sample_rows=17), want)

@@ -196,7 +196,7 @@ def test_the_full_softmax_is_cross_entropy_over_every_item(feats, kind):
     """`loss="full"` with a target at every position: the same value and gradient as a plain
     reference that scores each query against each item alone (`model.score_one`'s formula,
     DESIGN §2, one item at a time) and takes the softmax over all of them directly."""
-    from m31.training.train import _next_targets, _position_step
+    from m31.training.losses import next_targets, position_loss
 
     cfg = dataclasses.replace(
         model_preset("tiny", kind),
@@ -217,13 +217,13 @@ def test_the_full_softmax_is_cross_entropy_over_every_item(feats, kind):
         return r, ts
 
     # 5 requests, 4 of them with a target after some history position, 1 without any
-    with_targets = _next_targets(*histories(anchors), "cpu")[0].any(1).numpy()
+    with_targets = next_targets(*histories(anchors), "cpu")[0].any(1).numpy()
     rows = np.r_[anchors[with_targets][:4], anchors[~with_targets][:1]]
     r, hist_ts = histories(rows)
     pos = torch.from_numpy(train_split["item"][rows])
     cfg = dataclasses.replace(cfg, balance_weight=0.0)  # the loss alone
 
-    loss, _ = _position_step(model, r, catalog, pos, hist_ts, None, feats.n_ads, cfg, None, "cpu")
+    loss, _ = position_loss(model, r, catalog, pos, hist_ts, None, feats.n_ads, cfg, None, "cpu")
     fast = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
 
     def one(q, v, p, g, x, b):  # [E, G], [E, D], [E], [G], [D], []: one pair's score
@@ -236,7 +236,7 @@ def test_the_full_softmax_is_cross_entropy_over_every_item(feats, kind):
 
     (qf, vf, pf), (q, v, p) = model.encode_positions(r, catalog)
     g, x, b = model.encode_ads(catalog)
-    has, target = _next_targets(r, hist_ts, "cpu")
+    has, target = next_targets(r, hist_ts, "cpu")
     queries = [(qf[i], vf[i], pf[i], int(pos[i])) for i in range(len(pos))]
     at = has.nonzero().tolist()
     queries += [(q[i, j], v[i, j], p[i, j], int(t)) for (i, j), t in zip(at, target, strict=True)]

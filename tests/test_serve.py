@@ -34,10 +34,11 @@ from serve_helpers import (
     until,
 )
 
+from m31.bench.loadtest import _metric
 from m31.client import Client, ServiceError
 from m31.engine import AdRequest
-from m31.serve.app import ServeConfig, Service, create_app
-from m31.serve.loadtest import _metric
+from m31.serve.app import ServeConfig, create_app
+from m31.serve.local import LocalBackend
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +63,7 @@ def launch(request, world):
     cluster (its start costs seconds), so each test writes ads of its own. Module-scoped, so
     that pytest runs the tests a backend at a time."""
     if request.param == "thread":
-        yield lambda cfg: ThreadServer(create_app(cfg))
+        yield lambda cfg: ThreadServer(create_app(cfg, LocalBackend.load))
         return
     base = request.getfixturevalue("ray_serve")
     state, cluster = start_cluster(world.snapshot, world.root)
@@ -100,7 +101,7 @@ def test_results_equal_the_engine(world, server):
     requests[2]["exclude_advertisers"] = [1, 2, 3]
     with Client(server.url) as c:
         got = c.retrieve(requests)
-    svc = Service.load(config(world, fresh_state(world, "direct")))
+    svc = LocalBackend.load(config(world, fresh_state(world, "direct")))
     want = svc.retriever.retrieve(
         [
             AdRequest(
@@ -485,8 +486,8 @@ def test_cli_serve_query_and_loadtest(world, tmp_path):
 def test_new_ads_are_encoded_with_the_real_text_encoder(world):
     """The ad tower sees a new ad's text through the same sentence encoder as the catalogue."""
     from m31.engine.ad_encoder import AdEncoder, NewAd
+    from m31.features.folder import features_for
     from m31.model import Catalog, load_checkpoint
-    from m31.pipeline import features_for
 
     feats = features_for(world.data)
     model, _ = load_checkpoint(world.model, feats)

@@ -22,6 +22,7 @@ from schemathesis.core.failures import FailureGroup
 from serve_helpers import ADMIN, ThreadServer, fresh_state
 
 from m31.serve.app import ServeConfig, create_app
+from m31.serve.local import LocalBackend
 
 CHECKS = Path(__file__).resolve().parents[1] / "scripts" / "schemathesis.toml"
 
@@ -35,7 +36,7 @@ def fuzzed_server(served_world):
         admin_token=ADMIN,
         max_body_bytes=1 << 20,
     )
-    with ThreadServer(create_app(config)) as server:
+    with ThreadServer(create_app(config, LocalBackend.load)) as server:
         yield server
 
 

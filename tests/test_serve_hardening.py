@@ -24,6 +24,7 @@ from serve_helpers import (
 )
 
 from m31.serve.app import ServeConfig, create_app
+from m31.serve.local import LocalBackend
 
 AUTH = {"Authorization": f"Bearer {ADMIN}"}  # the admin token reads too
 OK = {"user_id": 1, "surface": "feed", "platform": "ios", "k": 3}  # user 1 is stored
@@ -44,7 +45,7 @@ def server(world):
         read_token=READ,
         body_timeout_s=0.5,
     )
-    with ThreadServer(create_app(config)) as s:
+    with ThreadServer(create_app(config, LocalBackend.load)) as s:
         yield s
 
 

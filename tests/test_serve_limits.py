@@ -22,6 +22,7 @@ from serve_helpers import ThreadServer, World, fresh_state
 
 from m31.index.filters import MAX_NODES
 from m31.serve.app import ServeConfig, create_app
+from m31.serve.local import LocalBackend
 from m31.serve.schemas import MAX_REQUESTS, MAX_RESULTS
 
 OK = {"user_id": 1, "surface": "feed", "platform": "ios", "k": 10}  # user 1 is stored
@@ -43,7 +44,7 @@ def server(world):
         max_slice_ms=1.0,
         max_queue=4096,
     )
-    with ThreadServer(create_app(config)) as s:
+    with ThreadServer(create_app(config, LocalBackend.load)) as s:
         yield s
 
 

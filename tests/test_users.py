@@ -23,9 +23,10 @@ from m31.engine.load import load_engine
 from m31.engine.requests import Engagement, FrequencyCap
 from m31.index import AdIndex
 from m31.index import RequestContext as AdRequestContext
-from m31.index.idempotency import KeyReused
-from m31.index.users import UserStore, Vocab
 from m31.serve.app import ServeConfig, create_app
+from m31.serve.local import LocalBackend
+from m31.users import UserStore, Vocab
+from m31.users.idempotency import KeyReused
 
 VOCAB = Vocab(("feed", "reels"), ("DE", "US"), ("f", "m"), (0, 1), 8)
 HEADERS = {"Authorization": f"Bearer {ADMIN}"}
@@ -145,7 +146,7 @@ def test_online_users_are_the_seeded_store(world):
     """What a shard seeds from a cluster state's online features (reading only the users and
     engagements) is the store a server seeds from the loaded features, in part or whole."""
     from m31.engine.load import online_users
-    from m31.engine.retriever import seed_users
+    from m31.engine.user_inputs import seed_users
     from m31.features import Features
 
     feats = Features.load(world.snapshot / "online")
@@ -349,7 +350,7 @@ def test_an_inline_users_cap_counts_its_history(capped):
 def test_an_event_reaches_the_next_retrieve(world):
     config = ServeConfig(index=fresh_state(world, "http"), model=world.model, admin_token=ADMIN,
                          timeout_ms=60_000)  # fmt: skip
-    with ThreadServer(create_app(config)) as s:
+    with ThreadServer(create_app(config, LocalBackend.load)) as s:
         body = {"user_id": 3, "k": 10, "surface": "feed", "platform": "ios"}
         before = httpx.post(f"{s.url}/v1/retrieve", json={"requests": [body]}).json()
         now = int(time.time())
@@ -394,12 +395,12 @@ def test_an_event_reaches_the_next_retrieve(world):
 
 
 def test_the_load_test_streams_events_beside_retrieves(world):
-    from m31.serve import loadtest
+    from m31.bench import loadtest
 
     config = ServeConfig(index=fresh_state(world, "load"), model=world.model, admin_token=ADMIN,
                          timeout_ms=60_000)  # fmt: skip
     user_ids, ad_ids, vocab = loadtest.inputs(world.snapshot)  # the served index's online/
-    with ThreadServer(create_app(config)) as s:
+    with ThreadServer(create_app(config, LocalBackend.load)) as s:
         stream = loadtest.EventLoad(clients=1, batch=20, ad_ids=ad_ids, token=ADMIN)
         result = loadtest.run(s.url, user_ids, 1, vocab["surface"], vocab["platform"], 1.0,
                               k=10, events=stream)  # fmt: skip

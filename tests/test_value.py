@@ -31,14 +31,16 @@ from m31.engine import (
     search,
 )
 from m31.engine.caps import reference as capped_walk
-from m31.engine.requests import HAS_BID
+from m31.engine.prepare import HAS_BID
 from m31.index import AdIndex, compile_filter
 from m31.index.errors import AdIndexError
+from m31.index.filters import with_clauses
 from m31.ops import available_kernels, score_topk
 from m31.ops.quant import quantize_ad_table
+from m31.ops.reference import rounded_score, value_bias
 from m31.ops.testing import check_topk
-from m31.ops.torch_score import rounded_score, value_bias
 from m31.serve.app import ServeConfig, create_app
+from m31.serve.local import LocalBackend
 
 KERNELS = available_kernels("cpu")
 
@@ -129,17 +131,16 @@ def test_a_non_finite_value_is_an_ad_never_returned():
             assert got[0] == 7 and 5 not in got and 6 not in got, kernel
 
 
-def with_bid(tree):
-    """A filter as `Retriever.prepare` makes it for a value-ranked request."""
-    return HAS_BID if not tree else {"all": [tree, HAS_BID]}
+def with_bid(tree, schema):
+    """A filter as `Retriever.prepare` compiles it for a value-ranked request."""
+    return with_clauses(compile_filter(tree, schema) if tree else None, [HAS_BID], schema)
 
 
 def inputs(index: AdIndex, b: int, rng):
     """(view, masks, query) of b value-ranked requests, with the filters of `test_caps`."""
     view = index.frozen_view()
-    trees = [with_bid(FILTERS[i % len(FILTERS)]) for i in range(b)]
-    ctx = [(request_context(AdRequest(user_id=0), {}), compile_filter(t, index.schema))
-           for t in trees]  # fmt: skip
+    filters = [with_bid(FILTERS[i % len(FILTERS)], index.schema) for i in range(b)]
+    ctx = [(request_context(AdRequest(user_id=0), {}), f) for f in filters]
     query = tuple(torch.as_tensor(rng.normal(size=s).astype(np.float32))
                   for s in ((b, 2, 4), (b, 2, 4), (b, 2)))  # fmt: skip
     return view, eligible_masks(view, ctx), query
@@ -304,13 +305,11 @@ def test_three_shards_merge_to_the_one_index(tmp_path):
         for cap, k in ((None, 30), (2, 25)):
             max_per = None if cap is None else {"advertiser": cap}
             group = None if cap is None else ("advertiser_id", cap)
-            requests = []
-            for i in range(3):  # as `Retriever.prepare` makes them
-                tree = {"all": [FILTERS[i], {"range": ["bid", None, None]}]} if FILTERS[i] else {
-                    "range": ["bid", None, None]}  # fmt: skip
-                requests.append(
-                    (AdRequest(user_id=0, filter=tree, max_per=max_per, rank="value"), {})
-                )
+            # As the ingress sends them: the request's own filter, and the engine's clause.
+            asked = [
+                AdRequest(0, filter=FILTERS[i], max_per=max_per, rank="value") for i in range(3)
+            ]
+            requests = [(r, {}, (HAS_BID,)) for r in asked]
             payload = (tuple(t.numpy() for t in query), requests, [k] * 3)
             answers = [s.search(payload) for s in shards]
             want = search(query, view, mask, [k] * 3, caps=[group] * 3, valued=[True] * 3)
@@ -331,10 +330,10 @@ def test_bids_are_patched_and_ranked_over_http(served_world: World):
     config = ServeConfig(
         index=fresh_state(world, "value"), model=world.model, admin_token=ADMIN, timeout_ms=60_000
     )
-    app = create_app(config)
+    app = create_app(config, LocalBackend.load)
     admin = {"Authorization": f"Bearer {ADMIN}"}
     with ThreadServer(app) as s:
-        retriever = app.state.service.retriever
+        retriever = app.state.backend.retriever
         with pytest.raises(RequestError, match="rank"):
             retriever.prepare([AdRequest(user_id=1, rank="money")], 5)
         body = {"user_id": 1, "surface": "feed", "k": 20}

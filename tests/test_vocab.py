@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from m31.data.schema import FORMATS
+from m31.vocabularies import FORMATS
 from m31.world import vocab
 from m31.world.vocab import (
     CATEGORIES,

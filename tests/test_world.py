@@ -3,7 +3,9 @@ import pyarrow.compute as pc
 import pytest
 
 from m31.data import dataset
-from m31.data.schema import FORMATS, GENDERS, PLATFORMS, SURFACES, TABLES
+from m31.data.schema import TABLES
+from m31.files import write_folder_atomic
+from m31.vocabularies import FORMATS, GENDERS, PLATFORMS, SURFACES
 from m31.world.config import PRESETS, preset
 from m31.world.generate import COUNTRIES, generate
 from m31.world.truth import GroundTruth
@@ -213,7 +215,7 @@ def test_interrupted_save_leaves_nothing(tmp_path):
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        dataset.write_atomic(tmp_path / "w", fill)
+        write_folder_atomic(tmp_path / "w", fill)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -225,7 +227,7 @@ def test_failed_overwrite_keeps_the_old_folder(world, tmp_path):
         raise OSError("disk full")
 
     with pytest.raises(OSError):
-        dataset.write_atomic(out, fill, overwrite=True)
+        write_folder_atomic(out, fill, overwrite=True)
     assert dataset.load(out).events.equals(ds.events)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["w"]
 

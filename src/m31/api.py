@@ -23,18 +23,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
-import torch
 
 from m31.data import dataset
 from m31.engine.build import index_of
 from m31.engine.load import has_online, load_engine, model_and_features, write_online
 from m31.engine.requests import AdRequest
-from m31.engine.retriever import Retrieved, Retriever
+from m31.engine.retriever import Retriever
+from m31.engine.search import Retrieved
 from m31.features import Features
 from m31.index import AdIndex, DurableIndex
+from m31.index.ad_table import TABLE_DTYPES
 from m31.model import RetrievalModel, checkpoint_hash
-
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.int8}
 
 
 @dataclass(frozen=True)
@@ -74,8 +73,8 @@ def build_index(model: Model, ads: pa.Table | None = None, dtype: str = "bfloat1
     columns (`m31.engine.build.index_of`); the dataset's declared item attributes become filter
     fields.
     """
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
+    if dtype not in TABLE_DTYPES:
+        raise ValueError(f"dtype: {dtype!r} is not one of {', '.join(TABLE_DTYPES)}")
     extra = {}
     if model.data is not None:
         extra = dataset.item_attributes(json.loads((model.data / "meta.json").read_text()))
@@ -83,7 +82,7 @@ def build_index(model: Model, ads: pa.Table | None = None, dtype: str = "bfloat1
             ads = dataset.load(model.data).ads
     elif ads is None:
         raise ValueError("ads: give the ads to index (the model was loaded without its dataset)")
-    index = index_of(ads, model.net, model.features, DTYPES[dtype], extra)
+    index = index_of(ads, model.net, model.features, TABLE_DTYPES[dtype], extra)
     index.model_hash = model.hash
     return index
 
@@ -110,8 +109,10 @@ class Engine:
         if not DurableIndex.is_folder(folder):
             return cls(load_model(model, folder, device), AdIndex.load(folder, device))
         loaded = load_engine(folder, Path(model), device)
-        engine = cls(Model(loaded.retriever.model, loaded.retriever.feats, Path(model), None),
-                     loaded.store.index)  # fmt: skip
+        engine = cls(
+            Model(loaded.retriever.model, loaded.retriever.feats, Path(model), None),
+            loaded.store.index,
+        )
         engine._store = loaded.store
         return engine
 

@@ -12,6 +12,7 @@ bench/RESULTS.md's first table lists them with where their figures are.
     check.py      run_check: kernels vs the reference, judged by m31.ops.testing.check_topk
     engine.py     run_engine: Retriever.retrieve over a synthetic index of N ads
     report.py     markdown, CSV, ratios, GPU acceptance, the plot
+    results.py    the results table (bench/results.csv): every run's figures, a row each
 
 The other subcommands, a module each, printing their tables (`run`):
 
@@ -22,6 +23,9 @@ The other subcommands, a module each, printing their tables (`run`):
     hierarchical.py      recall and speed-up of probing clusters (`m31.engine.probe`)
     cluster.py           scatter-gather overhead on Ray against the single process
     events.py            events beside retrieves in one process
+    loadtest.py          `m31 loadtest`: closed-loop load on a running server, over HTTP
 
+Each `run` returns its figures (`results.Figure`; loadtest's rows become figures through
+`figures`), which the command appends to the results table.
 Nothing is imported here: `m31.cli` imports `m31.bench.cli`, which must not pull in PyTorch.
 """

@@ -30,8 +30,9 @@ import numpy as np
 import torch
 
 from m31.bench.common import median_ms
-from m31.data.schema import GENDERS, PLATFORMS
+from m31.bench.results import Figure
 from m31.index import AdIndex, RequestContext, compile_filter
+from m31.vocabularies import GENDERS, PLATFORMS
 from m31.world.generate import COUNTRIES
 
 TAGS_PER_NEW_AD = 10
@@ -83,8 +84,8 @@ def host_bytes_per_value(build, base: list[dict], ad, start: int, n_new: int) ->
     return (grown[0] - grown[1]) / (n_new * TAGS_PER_NEW_AD)
 
 
-def run(ads: int, new_tags: int, device: str, threads: int) -> None:
-    """`m31 bench attribute-memory`: the measurements above, printed."""
+def run(ads: int, new_tags: int, device: str, threads: int) -> list[Figure]:
+    """`m31 bench attribute-memory`: the measurements above, printed; the figures."""
     torch.set_num_threads(threads)
     rng = np.random.default_rng(0)
     tags = tuple(f"tag-{i}" for i in range(200))
@@ -146,3 +147,12 @@ def run(ads: int, new_tags: int, device: str, threads: int) -> None:
     print(f"{'host memory per distinct value (traced)':<46} {per_value:10.0f} B")
     print(f"{'eligibility mask (1 request)':<46} {mask_ms:10.3f} ms")
     print(f"{'contains filter on tags':<46} {contains_ms:10.3f} ms")
+    case = f"ads={ads} new_tags={new_tags} device={device} threads={threads}"
+    return [
+        Figure("attribute-memory", case, "base", "attribute_bytes", before, "B"),
+        Figure("attribute-memory", case, "tags renamed", "attribute_bytes", more_values, "B"),
+        Figure("attribute-memory", case, "new tags upserted", "attribute_bytes", after, "B"),
+        Figure("attribute-memory", case, "host", "bytes_per_distinct_value", per_value, "B"),
+        Figure("attribute-memory", case, "eligibility mask", "median_ms", mask_ms, "ms"),
+        Figure("attribute-memory", case, "contains filter", "median_ms", contains_ms, "ms"),
+    ]

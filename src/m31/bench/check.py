@@ -16,9 +16,8 @@ import torch
 from m31.bench.common import Log, random_query, random_table, recall_at_k, to_stderr
 from m31.ops import NO_ROW, PackedMask, available_kernels, quantize_ad_table, score_topk
 from m31.ops.masks import pack
+from m31.ops.reference import torch_score_topk, value_bias
 from m31.ops.testing import check_topk
-from m31.ops.torch_score import value_bias
-from m31.ops.torch_score_topk import torch_score_topk
 
 # (B, N, E, G, D, K, mask): odd sizes, K > N, nothing eligible, the G = 0 two-tower case, and
 # the index's packed masks (bitmaps shared by several requests, `m31.ops.PackedMask`).

@@ -10,6 +10,9 @@ subcommand each; `m31.cli` registers this typer group as `m31 bench`.
     m31 bench cluster                          # the single process against S shards on Ray
     m31 bench events WORLD                     # events beside retrieves in one process
 
+Each appends its figures to the results table (`m31.bench.results`: bench/results.csv of the
+checkout, or --results PATH), one row per figure; so does `m31 loadtest` (`m31.bench.loadtest`).
+
 Typer alone is imported at the top, each benchmark's module (and PyTorch, Ray) when it runs:
 `m31.cli` imports this module, and its other commands should not wait for PyTorch.
 """
@@ -24,6 +27,7 @@ from typing import Annotated
 
 import typer
 
+from m31.bench import results as _results
 from m31.bench.cases import VARIANTS
 
 app = typer.Typer(
@@ -77,9 +81,9 @@ def _ranks(text: str) -> tuple[str, ...]:
 
 def _dtypes(text: str) -> tuple[str, ...]:
     """--dtype "bfloat16,int8" -> names of index table dtypes."""
-    from m31.index.snapshot import DTYPES as _DTYPES
+    from m31.index.ad_table import TABLE_DTYPES
 
-    return _choices(text, tuple(_DTYPES), "--dtype", "dtype")
+    return _choices(text, tuple(TABLE_DTYPES), "--dtype", "dtype")
 
 
 def _variants(text: str) -> tuple[str, ...]:
@@ -100,13 +104,17 @@ def _positive(value: float) -> float:
     return value
 
 
-def _run_suite(plan, out: Path) -> None:
-    """Run a kernels or engine plan (`m31.bench.suite`), print its tables; exit 1 on a failed
-    check."""
+def _run_suite(plan, out: Path, results: Path | None) -> None:
+    """Run a kernels or engine plan (`m31.bench.suite`), print its tables, append its figures;
+    exit 1 on a failed check (its figures say which kernel erred)."""
+    import torch
+
     from m31.bench.suite import run_suite
 
-    text, failed = run_suite(plan, out)
+    text, failed, figures = run_suite(plan, out)
     print(text)
+    gpu = torch.cuda.get_device_name(plan.device) if plan.device.type == "cuda" else None
+    _results.record(figures, results, gpu)
     if failed:
         raise typer.Exit(1)
 
@@ -154,6 +162,16 @@ DataOption = Annotated[
 ModelOption = Annotated[
     Path, typer.Option(exists=True, dir_okay=False, help="A moe or two-tower checkpoint.")
 ]
+ResultsOption = Annotated[
+    Path | None,
+    typer.Option(
+        envvar=_results.ENV,
+        dir_okay=False,
+        show_default=False,
+        help="The results table this run's rows are appended to (default: the checkout's "
+        "bench/results.csv).",
+    ),
+]  # also `m31 loadtest`'s
 
 
 @app.command()
@@ -174,6 +192,7 @@ def kernels(
     measure_limits: MeasureLimitsOption = False,
     seed: SeedOption = 0,
     out: OutOption = Path("bench/out"),
+    results: ResultsOption = None,
 ) -> None:
     """score·filter·top-K against its baselines; --check: every kernel against the reference.
 
@@ -184,17 +203,27 @@ def kernels(
     from m31.bench.suite import Plan
 
     plan = Plan(
-        device=torch_device(device), check=check, timings=timings or canonical or not check,
-        canonical=canonical, quick=quick, n=_counts(n, "--n"),
-        batches=_counts(batches, "--batches"), k=_counts(k, "--k"), experts=experts, dim=dim,
-        variants=_variants(variants), repeat=repeat, budget=budget,
-        measure_limits=measure_limits, seed=seed,
-    )  # fmt: skip
+        device=torch_device(device),
+        check=check,
+        timings=timings or canonical or not check,
+        canonical=canonical,
+        quick=quick,
+        n=_counts(n, "--n"),
+        batches=_counts(batches, "--batches"),
+        k=_counts(k, "--k"),
+        experts=experts,
+        dim=dim,
+        variants=_variants(variants),
+        repeat=repeat,
+        budget=budget,
+        measure_limits=measure_limits,
+        seed=seed,
+    )
     if canonical and (plan.n or plan.batches or plan.k):
         raise typer.BadParameter(
             "it sets N, B and K itself; drop --n, --batches and --k", param_hint="--canonical"
         )
-    _run_suite(plan, out)
+    _run_suite(plan, out, results)
 
 
 @app.command()
@@ -222,6 +251,7 @@ def engine(
             help="The requests' rankings to time, a list: relevance, value (the value column)."
         ),
     ] = "relevance",
+    results: ResultsOption = None,
 ) -> None:
     """Retriever.retrieve end to end over a synthetic index of N ads, per table dtype.
 
@@ -230,14 +260,23 @@ def engine(
     from m31.bench.suite import Plan
 
     plan = Plan(
-        device=torch_device(device), timings=False, engine=True, quick=quick,
-        engine_n=_counts(n, "--n"), engine_batches=_counts(batches, "--batches"), engine_k=k,
-        engine_dtypes=_dtypes(dtype), engine_model=model, repeat=repeat, budget=budget,
-        seed=seed, engine_max_per=_counts(max_per, "--max-per", least=0),
+        device=torch_device(device),
+        timings=False,
+        engine=True,
+        quick=quick,
+        engine_n=_counts(n, "--n"),
+        engine_batches=_counts(batches, "--batches"),
+        engine_k=k,
+        engine_dtypes=_dtypes(dtype),
+        engine_model=model,
+        repeat=repeat,
+        budget=budget,
+        seed=seed,
+        engine_max_per=_counts(max_per, "--max-per", least=0),
         engine_gate_dims=_counts(gate_dims, "--gate-dims", least=0),
         engine_ranks=_ranks(rank),
-    )  # fmt: skip
-    _run_suite(plan, out)
+    )
+    _run_suite(plan, out, results)
 
 
 @app.command()
@@ -248,6 +287,7 @@ def eligibility(
     engine: Annotated[
         bool, typer.Option("--engine", help="Also Retriever.retrieve with each builder (first N).")
     ] = False,
+    results: ResultsOption = None,
 ) -> None:
     """Eligibility masks per request: the column builder against the row bitmaps (CPU).
 
@@ -256,7 +296,8 @@ def eligibility(
     """
     from m31.bench import eligibility as bench
 
-    bench.run(_counts(n, "--n"), _counts(batches, "--batches"), repeat, engine)
+    figures = bench.run(_counts(n, "--n"), _counts(batches, "--batches"), repeat, engine)
+    _results.record(figures, results)
 
 
 @app.command("attribute-memory")
@@ -265,11 +306,13 @@ def attribute_memory(
     new_tags: Annotated[int, typer.Option(min=1, help="Distinct values added.")] = 1_000,
     device: Annotated[str, typer.Option(help="The index's device.")] = "cpu",
     threads: Annotated[int, typer.Option(min=1, help="CPU threads of the mask timings.")] = 1,
+    results: ResultsOption = None,
 ) -> None:
     """Memory of the attribute table per distinct list value, and a targeting mask's cost."""
     from m31.bench import attribute_memory as bench
 
-    bench.run(ads, new_tags, device, threads)
+    figures = bench.run(ads, new_tags, device, threads)
+    _results.record(figures, results, _gpu(device))
 
 
 @app.command("embedding-cache")
@@ -277,11 +320,12 @@ def embedding_cache(
     cached: Annotated[int, typer.Option(min=1, help="Texts in the cache first.")] = 3_000,
     batch: Annotated[str, typer.Option(help="Texts per upsert, a list.")] = "1,10,100",
     repeat: Annotated[int, typer.Option(min=1, help="Upserts timed per batch size.")] = 20,
+    results: ResultsOption = None,
 ) -> None:
     """The text-embedding cache's cost per upsert, with --cached texts already in it."""
     from m31.bench import embedding_cache as bench
 
-    bench.run(cached, _counts(batch, "--batch"), repeat)
+    _results.record(bench.run(cached, _counts(batch, "--batch"), repeat), results)
 
 
 @app.command("table-dtypes")
@@ -292,11 +336,12 @@ def table_dtypes(
     requests: Annotated[int, typer.Option(min=1, help="Test requests sampled.")] = 2000,
     k: Annotated[int, typer.Option(min=1, help="Results per request.")] = 100,
     seed: Annotated[int, typer.Option(help="Seed of the sample.")] = 0,
+    results: ResultsOption = None,
 ) -> None:
     """Overlap of the engine's results over bfloat16 and int8 ad tables with float32's."""
     from m31.bench import table_dtypes as bench
 
-    bench.run(data, model, split, requests, k, seed)
+    _results.record(bench.run(data, model, split, requests, k, seed), results)
 
 
 @app.command()
@@ -306,11 +351,12 @@ def hierarchical(
     clusters: Annotated[int, typer.Option(min=1, help="k-means clusters.")] = 256,
     requests: Annotated[int, typer.Option(min=1, help="Test requests, at most.")] = 200,
     k: Annotated[int, typer.Option(min=1, help="Results per request.")] = 100,
+    results: ResultsOption = None,
 ) -> None:
     """Recall and speed-up of the hierarchical index against exhaustive scoring, per probe."""
     from m31.bench import hierarchical as bench
 
-    bench.run(data, model, clusters, requests, k)
+    _results.record(bench.run(data, model, clusters, requests, k), results)
 
 
 @app.command()
@@ -324,6 +370,7 @@ def cluster(
     repeat: Annotated[int, typer.Option(min=1, help="Timed batches per measurement.")] = 7,
     cpus: Annotated[int, typer.Option(min=1, help="Cores Ray may use.")] = os.cpu_count() or 1,
     out: Annotated[Path | None, typer.Option(help="Write the table here too.")] = None,
+    results: ResultsOption = None,
 ) -> None:
     """Scatter-gather overhead: the single-process engine against S shards on Ray.
 
@@ -331,10 +378,18 @@ def cluster(
     """
     from m31.bench import cluster as bench
 
-    bench.run(
-        n, _counts(batches, "--batches"), k, _counts(shards, "--shards"), experts, dim, repeat,
-        cpus, out,
-    )  # fmt: skip
+    figures = bench.run(
+        n,
+        _counts(batches, "--batches"),
+        k,
+        _counts(shards, "--shards"),
+        experts,
+        dim,
+        repeat,
+        cpus,
+        out,
+    )
+    _results.record(figures, results)
 
 
 @app.command()
@@ -349,11 +404,21 @@ def events(
     batch: Annotated[int, typer.Option(min=1, help="Events per call.")] = 100,
     rounds: Annotated[int, typer.Option(min=2, help="Alternating rounds per rate.")] = 16,
     per_round: Annotated[int, typer.Option(min=1, help="Retrieves per round.")] = 30,
+    results: ResultsOption = None,
 ) -> None:
     """What engagement events cost retrieval inside one server process, without HTTP."""
     from m31.bench import events as bench
 
-    bench.run(world, _counts(rate, "--rate"), batch, rounds, per_round)
+    _results.record(bench.run(world, _counts(rate, "--rate"), batch, rounds, per_round), results)
+
+
+def _gpu(device: str) -> str | None:
+    """The GPU's name for the results rows when `device` is one."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    return torch.cuda.get_device_name(torch.device(device))
 
 
 def torch_device(name: str):

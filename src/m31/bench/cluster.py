@@ -27,6 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from m31.bench.results import Figure, short
+
 
 def corpus(n: int, dim: int, seed: int = 0):
     from m31.index import AdIndex
@@ -89,14 +91,23 @@ def timed(fns, repeat: int) -> list[tuple[float, object]]:
 
 
 def run(
-    n: int, batches: Sequence[int], k: int, shard_counts: Sequence[int], experts: int, dim: int,
-    repeat: int, cpus: int, out: Path | None,
-) -> str:  # fmt: skip
-    """`m31 bench cluster`: the table (printed, and written to `out`); exits with a message if a
-    cluster answer differs from the single process's. Ray is imported here, when it runs."""
+    n: int,
+    batches: Sequence[int],
+    k: int,
+    shard_counts: Sequence[int],
+    experts: int,
+    dim: int,
+    repeat: int,
+    cpus: int,
+    out: Path | None,
+) -> list[Figure]:
+    """`m31 bench cluster`: the table (printed, and written to `out`) and its figures; exits with
+    a message if a cluster answer differs from the single process's. Ray is imported here, when
+    it runs."""
     import ray
 
-    from m31.cluster.cluster import Cluster, ClusterOptions
+    from m31.cluster.actors import ClusterOptions
+    from m31.cluster.cluster import Cluster
     from m31.cluster.layout import init_cluster
 
     index = corpus(n, dim)
@@ -150,4 +161,12 @@ def run(
         out.write_text(table + "\n")
     if not all(r[4] for r in rows):
         raise SystemExit("cluster answers differ from the single process")
-    return table
+    figures = []
+    for b, s, ms_single, ms, _ in rows:
+        case = f"N={short(n)} B={b} K={k} E={experts} G={dim} D={dim} shards={s} cpus={cpus}"
+        figures += [
+            Figure("cluster", case, "single process", "median_ms", ms_single, "ms"),
+            Figure("cluster", case, "ray", "median_ms", ms, "ms"),
+            Figure("cluster", case, "ray vs single process", "ratio", ms / ms_single, "x"),
+        ]
+    return figures

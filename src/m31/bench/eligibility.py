@@ -8,7 +8,7 @@ attributes repeated, random bf16 vectors, E = 8, G = D = 64); requests are rando
 world (country, age, gender) on a random platform and surface, at the end of the log. Per N and
 B it prints milliseconds per request of:
 * before: each request's mask from the attribute columns
-  (`m31.index.eligibility.reference_mask`, the builder the engine used), stacked into [B, N] as
+  (`m31.index.testing.reference_mask`, the builder the engine used), stacked into [B, N] as
   the engine did;
 * after, warm: `IndexView.eligible_bits` (what the engine asks for: one bitmap per targeting key,
   `m31.ops.PackedMask`, which the kernels take as it is) on a view whose caches already hold the
@@ -27,16 +27,18 @@ import statistics
 import time
 from collections.abc import Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 
 import numpy as np
 import torch
 
 from m31.bench.common import median_ms, random_query
 from m31.bench.engine import synthetic_index
-from m31.data.schema import GENDERS, PLATFORMS, SURFACES
+from m31.bench.results import Figure, short
 from m31.index import AdIndex, RequestContext
-from m31.index.eligibility import reference_mask
+from m31.index.testing import reference_mask
 from m31.ops import score_topk
+from m31.vocabularies import GENDERS, PLATFORMS, SURFACES
 
 E, GDIM, DDIM, K = 8, 64, 64, 100
 
@@ -70,7 +72,7 @@ def _bitmap_bytes(index: AdIndex) -> int:
     return sum(t.numel() for t in tensors)
 
 
-def bench_n(n: int, batches: Sequence[int], repeat: int, ds) -> list[dict]:
+def bench_n(n: int, batches: Sequence[int], repeat: int, ds) -> list[Figure]:
     start = time.perf_counter()
     index = synthetic_index(ds.ads, n, GDIM, DDIM, torch.device("cpu"))
     build_s = time.perf_counter() - start
@@ -80,7 +82,10 @@ def bench_n(n: int, batches: Sequence[int], repeat: int, ds) -> list[dict]:
         f"N = {n:,}: index built in {build_s:.1f} s; bitmaps {_bitmap_bytes(index) / 1e6:.1f} MB",
         flush=True,
     )
-    rows = []
+    figures = [
+        Figure("eligibility", f"N={short(n)}", "", "index_build_s", build_s, "s"),
+        Figure("eligibility", f"N={short(n)}", "bitmaps", "bytes", _bitmap_bytes(index), "B"),
+    ]
     for b in batches:
         contexts = _contexts(ds.users, b, ts, rng)
         view = index.frozen_view()
@@ -116,7 +121,7 @@ def bench_n(n: int, batches: Sequence[int], repeat: int, ds) -> list[dict]:
             "bitmap_copy_ms": 1e3 * bitmap_copy,
             "score_topk_ms": score,
         }
-        rows.append(row)
+        figures += _figures(row)
         print(
             f"  B = {b} ({keys} keys): mask ms/request before {row['before_ms']:.3f}, after "
             f"warm {row['warm_ms']:.3f}, cold {row['cold_ms']:.3f} (view copy per version "
@@ -124,7 +129,25 @@ def bench_n(n: int, batches: Sequence[int], repeat: int, ds) -> list[dict]:
             f"score·top-K {score:.1f} ms for the batch",
             flush=True,
         )
-    return rows
+    return figures
+
+
+_VARIANTS = {
+    "before_ms": ("column builder", "mask_ms_per_request"),
+    "warm_ms": ("bitmaps warm", "mask_ms_per_request"),
+    "cold_ms": ("bitmaps first batch of a version", "mask_ms_per_request"),
+    "version_copy_ms": ("bitmaps", "view_copy_ms"),
+    "bitmap_copy_ms": ("bitmaps", "bitmap_copy_ms"),
+    "score_topk_ms": ("bitmaps", "score_topk_ms"),
+}
+
+
+def _figures(row: dict) -> list[Figure]:
+    case = f"N={short(row['n'])} B={row['b']} keys={row['keys']}"
+    return [
+        Figure("eligibility", case, variant, metric, row[key], "ms")
+        for key, (variant, metric) in _VARIANTS.items()
+    ]
 
 
 @contextmanager
@@ -143,24 +166,34 @@ def _column_masks():
         retriever.eligible_masks = saved
 
 
-def run(ns: Sequence[int], batches: Sequence[int], repeat: int, engine: bool) -> None:
-    """`m31 bench eligibility`: each N's masks, then with `engine` the engine at the first N."""
+def run(ns: Sequence[int], batches: Sequence[int], repeat: int, engine: bool) -> list[Figure]:
+    """`m31 bench eligibility`: each N's masks, then with `engine` the engine at the first N;
+    the figures."""
     from m31.world.config import preset
     from m31.world.generate import generate
 
     ds, _ = generate(preset("tiny"), seed=0)
     print(f"{torch.get_num_threads()} threads, PyTorch {torch.__version__}", flush=True)
-    for n in ns:
-        bench_n(n, batches, repeat, ds)
+    figures = [f for n in ns for f in bench_n(n, batches, repeat, ds)]
     if engine:
         from m31.bench.engine import run_engine
+        from m31.bench.suite import engine_figures
 
         for label, ctx in (("before", _column_masks()), ("after", _nothing())):
             with ctx:
                 timed = run_engine(
-                    torch.device("cpu"), ns[0], batches, K, repeat=repeat, budget_s=30.0,
+                    torch.device("cpu"),
+                    ns[0],
+                    batches,
+                    K,
+                    repeat=repeat,
+                    budget_s=30.0,
                     log=lambda _: None,
-                )  # fmt: skip
+                )
+                figures += [
+                    replace(f, what="eligibility", variant=f"engine {label}: {f.variant}")
+                    for f in engine_figures(timed)
+                ]
                 for r in timed:
                     print(
                         f"engine {label}, N = {r.n:,}, B = {r.b}: {r.median_ms:.1f} ms, "
@@ -168,6 +201,7 @@ def run(ns: Sequence[int], batches: Sequence[int], repeat: int, engine: bool) ->
                         f"masks {r.mask_ms:.1f}, score·top-K {r.score_topk_ms:.1f} ms)",
                         flush=True,
                     )
+    return figures
 
 
 @contextmanager

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from m31.bench.results import Figure
 from m31.features import text_encoder
 from m31.features.embedding_cache import EmbeddingCache, embed_texts, text_keys
 
@@ -44,8 +45,9 @@ def _random_encoder(rng: np.random.Generator):
         text_encoder.encode_texts, text_encoder.model_key = saved
 
 
-def run(cached: int, batches: Sequence[int], repeat: int) -> None:
-    """`m31 bench embedding-cache`: fill the cache, then time upserts of each batch size."""
+def run(cached: int, batches: Sequence[int], repeat: int) -> list[Figure]:
+    """`m31 bench embedding-cache`: fill the cache, then time upserts of each batch size; the
+    figures."""
     rng = np.random.default_rng(0)
     with _random_encoder(rng), tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
@@ -57,6 +59,11 @@ def run(cached: int, batches: Sequence[int], repeat: int) -> None:
         del cache  # upserts find the folder as a fresh process would
         files = sum(1 for p in folder.rglob("*") if p.is_file())
         print(f"{cached:,} texts cached in {fill_s:.1f} s, {files:,} files in the folder")
+        case = f"cached={cached}"
+        figures = [
+            Figure("embedding-cache", case, "fill", "seconds", fill_s, "s"),
+            Figure("embedding-cache", case, "fill", "files", files),
+        ]
         print(f"{'texts per upsert':>16} {'ms per upsert':>14}")
         fresh = 0
         for batch in batches:
@@ -68,4 +75,9 @@ def run(cached: int, batches: Sequence[int], repeat: int) -> None:
                 start = time.perf_counter()
                 embed_texts(old + new, folder)
                 times.append(time.perf_counter() - start)
-            print(f"{batch:>16} {1e3 * statistics.median(times):>14.2f}")
+            ms = 1e3 * statistics.median(times)
+            print(f"{batch:>16} {ms:>14.2f}")
+            figures.append(
+                Figure("embedding-cache", f"{case} batch={batch}", "upsert", "median_ms", ms, "ms")
+            )
+    return figures

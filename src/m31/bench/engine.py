@@ -8,8 +8,8 @@ retrieval MoE of a model preset is untrained (its weights do not change the work
 index is not `m31.engine.build.index_from_model`'s: that encodes the ads of a dataset folder,
 and 10 M ads repeating the tiny world's 2,000 encoded rows would tie 5,000 at a time, which
 changes the top-K's work. So the attributes repeat while g, x, b are random
-(`m31.bench.common.random_table`), and the index is made by `AdIndex.from_table`, the
-constructor `index_from_model` ends in.
+(`m31.bench.common.random_table`), and the index is made by `m31.engine.build.index_from_table`,
+the constructor `index_from_model` ends in.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def synthetic_index(
     value-ranked request finds the same eligible ads as the others; g, x, b are random."""
     import pyarrow as pa
 
-    from m31.index import AdIndex
+    from m31.engine.build import index_from_table
 
     # The creative texts are the one bulky column and no attribute of the index.
     keep = [c for c in ads.column_names if c != "text"]
@@ -89,7 +89,7 @@ def synthetic_index(
     table = table.append_column("bid", pa.array(rng.lognormal(0.0, 1.0, n)))
     table = table.append_column("pacing", pa.array(1.0 - rng.random(n)))  # (0, 1]
     (g, x, b), _ = random_table(n, gdim, ddim, device, seed)
-    return AdIndex.from_table(table, g, x, b, device=device, dtype=dtype)
+    return index_from_table(table, g, x, b, device=device, dtype=dtype)
 
 
 def run_engine(
@@ -113,10 +113,10 @@ def run_engine(
     engine's own encode, mask and score·top-K times. Every dtype's index holds the same ads and
     answers the same requests, with each cap and ranking. `gate_dims`: the preset's
     model again with each G (default: the preset's); G = 0 is scored as one folded query
-    (`m31.engine.retriever.fold`: 2D + 1 FLOPs per pair)."""
+    (`m31.engine.search.fold`: 2D + 1 FLOPs per pair)."""
     from m31.engine import AdRequest, Retriever
     from m31.features import FeatureConfig, build_features
-    from m31.index.snapshot import DTYPES as _DTYPES
+    from m31.index.ad_table import TABLE_DTYPES
     from m31.model import build_model, model_preset, vocab_sizes
     from m31.world.config import preset
     from m31.world.generate import generate
@@ -130,9 +130,9 @@ def run_engine(
     # The bf16 table (int8: less); the arrow table the attributes come from, their encoding and
     # the frozen view's copy of it (about 850 bytes per ad together: the process peaked at
     # 11.7 GB with N = 10 M, B = 64 on CPU); a [B, N] bool mask per call and its copy for a retry.
-    unknown = [d for d in dtypes if d not in _DTYPES]
+    unknown = [d for d in dtypes if d not in TABLE_DTYPES]
     if unknown:
-        raise ValueError(f"table dtype {unknown[0]!r} is not one of {', '.join(_DTYPES)}")
+        raise ValueError(f"table dtype {unknown[0]!r} is not one of {', '.join(TABLE_DTYPES)}")
     per_ad = 2 * (cfg.gate_dim + cfg.value_dim) + 2 + 850 + 2 * max(batches)
     fits(n * per_ad, device, f"an index of {n:,} ads and its masks")
     user_ids = feats.users["user_id"]
@@ -144,7 +144,7 @@ def run_engine(
         torch.manual_seed(seed)
         net = build_model(cfg, vocab_sizes(feats), feats.text_emb.shape[1], feats.cooc_emb.shape[1])
         start = time.perf_counter()
-        index = synthetic_index(ds.ads, n, gdim, cfg.value_dim, device, seed, _DTYPES[dtype])
+        index = synthetic_index(ds.ads, n, gdim, cfg.value_dim, device, seed, TABLE_DTYPES[dtype])
         build_s = time.perf_counter() - start
         log(f"engine: {dtype} index of {len(index):,} ads built in {build_s:.1f} s")
         engine = Retriever(net, feats, index)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from m31.bench.results import Figure
 from m31.engine import AdRequest
 from m31.engine.load import load_engine, serving_folder
 
@@ -43,9 +44,11 @@ def measure(engine, rate: float, rounds: int, per_round: int, batch: int, seed: 
                 continue
             t = time.perf_counter()
             engine.store.add_events(
-                wrng.choice(users, batch).tolist(), wrng.choice(ads, batch).tolist(),
-                [int(time.time())] * batch, [surfaces[0]] * batch,
-            )  # fmt: skip
+                wrng.choice(users, batch).tolist(),
+                wrng.choice(ads, batch).tolist(),
+                [int(time.time())] * batch,
+                [surfaces[0]] * batch,
+            )
             spent = time.perf_counter() - t
             written[0] += batch
             written[1] += spent
@@ -80,24 +83,48 @@ def measure(engine, rate: float, rounds: int, per_round: int, batch: int, seed: 
     }
 
 
-def run(world: Path, rates: Sequence[float], batch: int, rounds: int, per_round: int) -> None:
-    """`m31 bench events`: one table row per rate, printed. `world` holds index/ and
-    runs/moe.pt, as `scripts/serve_limits.py build` writes them."""
+def run(
+    world: Path, rates: Sequence[float], batch: int, rounds: int, per_round: int
+) -> list[Figure]:
+    """`m31 bench events`: one table row per rate, printed; the figures. `world` holds index/
+    and runs/moe.pt, as `scripts/serve_limits.py build` writes them."""
+    figures = []
     tmp = Path(tempfile.mkdtemp())
     try:
         state = serving_folder(world / "index", tmp / "serving")
         engine = load_engine(state, world / "runs" / "moe.pt")
         try:
-            print("| events / s asked | written / s | ms per call of the writer | "
-                  "retrieve p50 / p99 alone | beside the events | ratio p50 / p99 |")  # fmt: skip
+            print(
+                "| events / s asked | written / s | ms per call of the writer | "
+                "retrieve p50 / p99 alone | beside the events | ratio p50 / p99 |"
+            )
             print("|---:|---:|---:|---:|---:|---:|")
             for rate in rates:
                 m = measure(engine, rate, rounds, per_round, batch, seed=0)
                 (a50, a99), (b50, b99) = m["alone"], m["beside"]
-                print(f"| {rate:,.0f} | {m['events_per_s']:,.0f} | {m['write_ms_per_call']:.2f} "
-                      f"| {a50:.1f} / {a99:.1f} | {b50:.1f} / {b99:.1f} "
-                      f"| {b50 / a50:.2f}x / {b99 / a99:.2f}x |")  # fmt: skip
+                print(
+                    f"| {rate:,.0f} | {m['events_per_s']:,.0f} | {m['write_ms_per_call']:.2f} "
+                    f"| {a50:.1f} / {a99:.1f} | {b50:.1f} / {b99:.1f} "
+                    f"| {b50 / a50:.2f}x / {b99 / a99:.2f}x |"
+                )
+                figures += _figures(m, batch, rounds * per_round)
         finally:
             engine.close()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    return figures
+
+
+def _figures(m: dict, batch: int, retrieves: int) -> list[Figure]:
+    case = f"rate={m['rate']:.0f} batch={batch} B=1 K=100 retrieves={retrieves}"
+    (a50, a99), (b50, b99) = m["alone"], m["beside"]
+    return [
+        Figure("events", case, "writer", "events_per_s", m["events_per_s"], "events/s"),
+        Figure("events", case, "writer", "ms_per_call", m["write_ms_per_call"], "ms"),
+        Figure("events", case, "retrieves alone", "p50_ms", a50, "ms"),
+        Figure("events", case, "retrieves alone", "p99_ms", a99, "ms"),
+        Figure("events", case, "retrieves beside the events", "p50_ms", b50, "ms"),
+        Figure("events", case, "retrieves beside the events", "p99_ms", b99, "ms"),
+        Figure("events", case, "beside vs alone", "p50_ratio", b50 / a50, "x"),
+        Figure("events", case, "beside vs alone", "p99_ratio", b99 / a99, "x"),
+    ]

@@ -18,17 +18,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from m31.bench.results import Figure, short
 from m31.engine import search
 from m31.engine.build import index_from_model
 from m31.engine.probe import Prober
 from m31.eval import requests_from_split
+from m31.features.folder import features_for
 from m31.index.hierarchical import Clusters
 from m31.model import Catalog, load_checkpoint, make_requests
-from m31.pipeline import features_for
 
 
-def run(data: Path, model_path: Path, clusters: int, requests: int, k: int) -> None:
-    """`m31 bench hierarchical`: recall, share scored and speed-up per probe count, printed."""
+def run(data: Path, model_path: Path, clusters: int, requests: int, k: int) -> list[Figure]:
+    """`m31 bench hierarchical`: recall, share scored and speed-up per probe count, printed;
+    the figures."""
     feats = features_for(data)
     model, _ = load_checkpoint(model_path, feats)
     catalog = Catalog.from_features(feats)
@@ -56,6 +58,8 @@ def run(data: Path, model_path: Path, clusters: int, requests: int, k: int) -> N
     )
     print(f"{'probed':>7} {'recall@K':>9} {'ads scored':>11} {'speed-up':>9}")
     probes = sorted({1, 2, 4, 8, 16, 32, 64, 128, clusters} & set(range(1, clusters + 1)))
+    built_case = f"N={short(n_ads)} clusters={clusters}"
+    figures = [Figure("hierarchical", built_case, "k-means", "build_s", build_s, "s")]
     for n_probe in probes:
         prober = Prober(built, n_probe)
         prober.rows_by_cluster(view)  # once per version of the ads, not per request
@@ -68,3 +72,11 @@ def run(data: Path, model_path: Path, clusters: int, requests: int, k: int) -> N
         )
         share = sum(g[1] for g in got) / (len(p) * n_ads)
         print(f"{n_probe:>7} {recall:>9.3f} {share:>10.1%} {t_exact / t:>8.1f}x")
+        case = f"N={short(n_ads)} clusters={clusters} B=1 K={k} requests={len(p)}"
+        variant = f"probe {n_probe}"
+        figures += [
+            Figure("hierarchical", case, variant, f"recall_at_{k}", float(recall)),
+            Figure("hierarchical", case, variant, "ads_scored", 100 * share, "%"),
+            Figure("hierarchical", case, variant, "speedup", t_exact / t, "x"),
+        ]
+    return figures

@@ -7,7 +7,7 @@ E experts, G = D = dim. Its variants (`m31.bench.cases.VARIANTS`):
 * kernel      — the dispatcher's fast path: triton on CUDA, cpu on the CPU;
 * kernel-int8 — the same over the 8-bit table (`m31.ops.quant`), with its recall@K against bf16;
 * kernel-int8-torch — the cpu kernel over the 8-bit table in torch ops alone (its compiled
-  helpers off, `m31.ops.native`): what kernel-int8 runs without a C compiler; CPU only;
+  helpers off, `m31.ops.cpu.native`): what kernel-int8 runs without a C compiler; CPU only;
 * reference   — `score_topk(kernel="torch")`, the chunked definition of correct;
 * eager, compile, two-tower, faiss — `m31.bench.baselines`; the first three over an fp32 copy of
   the table where fp32 products measured faster than bf16 ones (`_Bench.baseline_table`).
@@ -56,7 +56,8 @@ from m31.bench.common import (
     time_call,
     to_stderr,
 )
-from m31.ops import available_kernels, native, quantize_ad_table, score_topk
+from m31.ops import available_kernels, quantize_ad_table, score_topk
+from m31.ops.cpu import native
 
 
 @dataclass

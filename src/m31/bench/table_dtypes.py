@@ -15,15 +15,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from m31.data.schema import PLATFORMS, SURFACES
+from m31.bench.results import Figure
 from m31.engine import AdRequest, Retriever
 from m31.engine.build import index_from_model
+from m31.features.folder import features_for
+from m31.index.ad_table import TABLE_DTYPES
 from m31.model import load_checkpoint
-from m31.pipeline import features_for
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
+from m31.vocabularies import PLATFORMS, SURFACES
 
 
 def test_requests(feats, n: int, seed: int) -> list[AdRequest]:
@@ -54,21 +53,33 @@ def overlap(got, want, k: int) -> float:
     )
 
 
-def run(data: Path, model_path: Path, split: str, n_requests: int, k: int, seed: int) -> None:
-    """`m31 bench table-dtypes`: the overlaps of the bfloat16 and int8 tables, printed."""
+def run(
+    data: Path, model_path: Path, split: str, n_requests: int, k: int, seed: int
+) -> list[Figure]:
+    """`m31 bench table-dtypes`: the overlaps of the bfloat16 and int8 tables, printed; the
+    figures."""
     feats = features_for(data, split)
     model, _ = load_checkpoint(model_path, feats)
     requests = test_requests(feats, n_requests, seed)
     results = {}
-    for name, dtype in DTYPES.items():
+    for name, dtype in TABLE_DTYPES.items():
         engine = Retriever(model, feats, index_from_model(data, model, feats, dtype))
         results[name] = [
-            r for lo in range(0, len(requests), 100)
+            r
+            for lo in range(0, len(requests), 100)
             for r in engine.retrieve(requests[lo : lo + 100], k).results
-        ]  # fmt: skip
+        ]
     print(f"{len(requests)} test requests, K = {k}; overlap with the float32 table's results")
     print("| table | overlap@10 | " + f"overlap@{k} |")
     print("| --- | ---: | ---: |")
+    figures = []
+    case = f"model={Path(model_path).name} split={split} requests={len(requests)} K={k}"
     for name in ("bfloat16", "int8"):
         got, want = results[name], results["float32"]
-        print(f"| {name} | {overlap(got, want, 10):.4f} | {overlap(got, want, k):.4f} |")
+        at = {at: overlap(got, want, at) for at in (10, k)}
+        print(f"| {name} | {at[10]:.4f} | {at[k]:.4f} |")
+        figures += [
+            Figure("table-dtypes", case, name, f"overlap_at_{n}_vs_float32", v)
+            for n, v in at.items()
+        ]
+    return figures

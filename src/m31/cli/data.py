@@ -188,10 +188,20 @@ def data_import(
 
     if interactions is not None:
         interactions = Interactions(
-            interactions, user_col, item_col, None if time_col == "none" else time_col,
-            time_unit, surface_col, platform_col, event_col, weight_col,
-            names(conversion_events), conversion_min, sort, no_time=time_col == "none",
-        )  # fmt: skip
+            interactions,
+            user_col,
+            item_col,
+            None if time_col == "none" else time_col,
+            time_unit,
+            surface_col,
+            platform_col,
+            event_col,
+            weight_col,
+            names(conversion_events),
+            conversion_min,
+            sort,
+            no_time=time_col == "none",
+        )
     report = import_dataset(
         out,
         interactions=interactions,

@@ -123,7 +123,7 @@ def eval_cmd(
     deviation over them; two models are compared request by request (per-request metric averaged
     over seeds) with a 95% percentile-bootstrap interval over test requests (m31.eval.stats).
     """
-    from m31.eval.plot import plot_pareto, plot_recall_at_k
+    from m31.eval.plot import plot_recall_at_k
     from m31.eval.runs import evaluate_runs
 
     try:
@@ -135,12 +135,22 @@ def eval_cmd(
     bar, callback = progress_bar()
     with bar:
         report = evaluate_runs(
-            data, runs, [b for b in (baselines or "").split(",") if b],
-            split=split, ks=cutoffs, protocol=protocol, max_users=max_users,
-            exclude_seen=exclude_seen, reference=reference, rerank=two_stage,
-            compare=_pairs(compare), records=_records(from_record), record=record,
-            device=device, progress=callback,
-        )  # fmt: skip
+            data,
+            runs,
+            [b for b in (baselines or "").split(",") if b],
+            split=split,
+            ks=cutoffs,
+            protocol=protocol,
+            max_users=max_users,
+            exclude_seen=exclude_seen,
+            reference=reference,
+            rerank=two_stage,
+            compare=_pairs(compare),
+            records=_records(from_record),
+            record=record,
+            device=device,
+            progress=callback,
+        )
     typer.echo(report.format())
     if json_out:
         write_json(json_out, report.to_dict())
@@ -149,13 +159,18 @@ def eval_cmd(
         typer.echo(f"wrote {plot}")
     if pareto:
         metric = pareto_metric or f"hr@{10 if 10 in cutoffs else cutoffs[0]}"
-        known = sorted({m for s in report.summaries.values() for m in s})
-        if metric not in known:
-            fail(f"--pareto-metric: {metric!r} is not one of {', '.join(known)}")
-        plot_pareto(
-            report.pareto(metric), metric, pareto, Path(data).name, report.baselines(metric)
-        )
+        _plot_pareto(report, pareto, metric, Path(data).name)
         typer.echo(f"wrote {pareto}")
+
+
+def _plot_pareto(report, path: Path, metric: str, title: str) -> None:
+    """--pareto: quality (`metric`) against FLOPs per pair, each model a point."""
+    from m31.eval.plot import plot_pareto
+
+    known = sorted({m for s in report.summaries.values() for m in s})
+    if metric not in known:
+        fail(f"--pareto-metric: {metric!r} is not one of {', '.join(known)}")
+    plot_pareto(report.pareto(metric), metric, path, title, report.baselines(metric))
 
 
 def _records(values: list[str] | None) -> list[Path]:
@@ -247,9 +262,17 @@ def ablate_cmd(
     bar, callback = progress_bar()
     with bar:
         report = ablate(
-            data, moes, references, variants, split=split, metric=metric, max_users=max_users,
-            exclude_seen=exclude_seen, device=device, progress=callback,
-        )  # fmt: skip
+            data,
+            moes,
+            references,
+            variants,
+            split=split,
+            metric=metric,
+            max_users=max_users,
+            exclude_seen=exclude_seen,
+            device=device,
+            progress=callback,
+        )
     typer.echo(report.format())
     if json_out:
         write_json(json_out, report.to_dict())
@@ -275,12 +298,19 @@ def simulate_cmd(
 ) -> None:
     """Simulated funnel: retrieve K -> rank -> show -> conversions from the ground truth."""
     from m31.eval.funnel import format_funnel
-    from m31.eval.runs import simulate_funnel
+    from m31.eval.simulations import simulate_funnel
 
     result = simulate_funnel(
-        data, named_paths(retriever, "--retriever", unique=True), ranker, k=k, slots=slots,
-        requests=requests, seed=seed, split=split, device=device,
-    )  # fmt: skip
+        data,
+        named_paths(retriever, "--retriever", unique=True),
+        ranker,
+        k=k,
+        slots=slots,
+        requests=requests,
+        seed=seed,
+        split=split,
+        device=device,
+    )
     typer.echo(format_funnel(result))
     if json_out:
         write_json(json_out, result)
@@ -309,11 +339,17 @@ def auction_cmd(
     """The funnel as an auction: relevance- against value-ranked retrieval, with and without a
     cap per advertiser; second-price auctions, budgets and pacing (DESIGN §8)."""
     from m31.eval.auction import AuctionConfig, format_auction
-    from m31.eval.runs import simulate_auction_run
+    from m31.eval.simulations import simulate_auction_run
 
     try:
-        cfg = AuctionConfig(minutes=minutes, per_minute=per_minute, k=k, slots=slots,
-                            budget_share=budget_share, seed=seed)  # fmt: skip
+        cfg = AuctionConfig(
+            minutes=minutes,
+            per_minute=per_minute,
+            k=k,
+            slots=slots,
+            budget_share=budget_share,
+            seed=seed,
+        )
     except ValueError as e:
         fail(str(e))
     arms = (("relevance", None), ("value", None), ("relevance", max_per), ("value", max_per))

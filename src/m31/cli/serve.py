@@ -1,5 +1,6 @@
-"""Online: `m31 demo`, `m31 index build`, `m31 cluster init|reshard`, `m31 serve`
-(`m31.serve.launch`), and the clients of a running server, `m31 query` and `m31 loadtest`."""
+"""Online: `m31 demo`, `m31 index build`, `m31 cluster init|reshard`, `m31 serve` (one process,
+`m31.serve.launch`, or a sharded index on Ray, `m31.cluster.serve`), and the clients of a
+running server, `m31 query` and `m31 loadtest`."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Annotated
 
 import typer
 
+from m31.bench.cli import ResultsOption
 from m31.cli.common import DeviceOption, OverwriteOption, cli_errors, write_json
 from m31.serve.config import (
     BODY_TIMEOUT_S,
@@ -60,13 +62,13 @@ def index_build(
 ) -> None:
     """Run the model's ad tower over the dataset's catalogue and snapshot the ad index."""
 
-    from m31.api import DTYPES
-    from m31.engine.build import build_index
+    from m31.engine.build import build_snapshot
+    from m31.index.ad_table import TABLE_DTYPES
 
-    if dtype not in DTYPES:
-        raise ValueError(f"--dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
+    if dtype not in TABLE_DTYPES:
+        raise ValueError(f"--dtype: {dtype!r} is not one of {', '.join(TABLE_DTYPES)}")
     start = time.perf_counter()
-    index = build_index(data, model, out, device, DTYPES[dtype], overwrite, clusters)
+    index = build_snapshot(data, model, out, device, TABLE_DTYPES[dtype], overwrite, clusters)
     typer.echo(
         f"wrote {out} in {time.perf_counter() - start:.1f} s: {len(index):,} ads, {dtype}, "
         f"G = {index.dim_g}, D = {index.dim_x}, model {index.model_hash}"
@@ -212,22 +214,34 @@ def serve_cmd(
 ) -> None:
     """Serve retrieval and ad management over HTTP (FastAPI on uvicorn, or Ray Serve)."""
     from m31.serve.config import ServeConfig, read_token
-    from m31.serve.launch import RayOptions, serve
 
     if not ray and (shards is not None or address is not None or max_replicas is not None):
         raise ValueError("--shards, --address and --max-replicas go with --ray")
     if ray and probe is not None:
         raise ValueError("--probe: the hierarchical index is served by m31 serve, not yet --ray")
     config = ServeConfig(
-        index=index, model=model, device=device, max_batch_size=max_batch_size,
-        max_queue_delay_ms=max_queue_delay_ms, max_queue=max_queue, max_slice_ms=max_slice_ms,
-        timeout_ms=timeout_ms, body_timeout_s=body_timeout_s,
+        index=index,
+        model=model,
+        device=device,
+        max_batch_size=max_batch_size,
+        max_queue_delay_ms=max_queue_delay_ms,
+        max_queue=max_queue,
+        max_slice_ms=max_slice_ms,
+        timeout_ms=timeout_ms,
+        body_timeout_s=body_timeout_s,
         admin_token=read_token("M31_ADMIN_TOKEN", admin_token_file, "--admin-token-file"),
         read_token=read_token("M31_READ_TOKEN", read_token_file, "--read-token-file"),
         probe=probe,
-    )  # fmt: skip
-    options = RayOptions(shards, address, replicas, max_replicas) if ray else None
-    serve(config, host, port, state=state, access_log=access_log, ray=options, log=typer.echo)
+    )
+    if ray:  # the one place that picks the backend: m31.serve never imports the cluster
+        from m31.cluster import serve as sharded
+
+        options = sharded.RayOptions(shards, address, replicas, max_replicas)
+        sharded.serve(config, host, port, options, state=state, log=typer.echo)
+    else:
+        from m31.serve import launch
+
+        launch.serve(config, host, port, state=state, access_log=access_log, log=typer.echo)
 
 
 FilterOption = Annotated[
@@ -314,20 +328,34 @@ def loadtest_cmd(
     event_rate: EventRateOption = 0.0,
     admin_token: Annotated[str | None, typer.Option(envvar="M31_ADMIN_TOKEN")] = None,
     out: Annotated[Path | None, typer.Option(help="Write the rows as JSON here.")] = None,
+    variant: Annotated[
+        str, typer.Option(help="The server's set-up, as the results rows name it.")
+    ] = "",
+    results: ResultsOption = None,
 ) -> None:
     """Closed-loop load on a running server: QPS, p50/p99 latency, ads scored per second, and
-    events acknowledged per second beside them."""
-    from m31.serve import loadtest
+    events acknowledged per second beside them; appended to the results table as rows."""
+    from m31.bench import loadtest
+    from m31.bench.results import record
 
     try:
         levels = [int(c) for c in concurrency.split(",")]
     except ValueError as e:
         raise ValueError(f"--concurrency: {concurrency!r} is not a list of integers") from e
     rows = loadtest.run_levels(
-        url, data, levels, duration, k, token, event_clients=event_clients,
-        event_batch=event_batch, event_rate=event_rate, admin_token=admin_token,
+        url,
+        data,
+        levels,
+        duration,
+        k,
+        token,
+        event_clients=event_clients,
+        event_batch=event_batch,
+        event_rate=event_rate,
+        admin_token=admin_token,
         log=lambda line: typer.echo(line, err=True),
-    )  # fmt: skip
+    )
     typer.echo(loadtest.format_rows(rows))
     if out is not None:
         write_json(out, rows)
+    record(loadtest.figures(rows, variant, k, duration), results)

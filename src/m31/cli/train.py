@@ -172,16 +172,32 @@ def train_cmd(
 
         preset, protocol, slots = resolve(data, model, protocol, split, slots, log=typer.echo)
     cfg, split = configure(
-        model, preset, split=split, protocol=protocol,
+        model,
+        preset,
+        split=split,
+        protocol=protocol,
         experts=slots,
-        gate_dim=gate_dim, balance_weight=balance_weight,
-        hard_negatives=hard_negatives is not None, hard=hard, hard_pool=hard_pool,
-        base=base is not None, **_with_settings(named, settings or []),
-    )  # fmt: skip
+        gate_dim=gate_dim,
+        balance_weight=balance_weight,
+        hard_negatives=hard_negatives is not None,
+        hard=hard,
+        hard_pool=hard_pool,
+        base=base is not None,
+        **_with_settings(named, settings or []),
+    )
     trained = train_checkpoint(
-        cfg, data, out, split, preset=preset, device=device, hard_negatives=hard_negatives,
-        base=base, resume=resume, log=typer.echo, progress=sys.stderr.isatty(),
-    )  # fmt: skip
+        cfg,
+        data,
+        out,
+        split,
+        preset=preset,
+        device=device,
+        hard_negatives=hard_negatives,
+        base=base,
+        resume=resume,
+        log=typer.echo,
+        progress=sys.stderr.isatty(),
+    )
     _report(trained, out)
 
 

@@ -1,5 +1,5 @@
 """The coordinator of a cluster's mutations: global versions and the two-phase commit
-(DESIGN §7). Plain Python run as one Ray actor (`m31.cluster.cluster`); ingress replicas send
+(DESIGN §7). Plain Python run as one Ray actor (`m31.cluster.actors`); ingress replicas send
 it mutations already encoded and split by shard, and ask it for read points.
 
 Versions. One global sequence: every acknowledged mutation (an upsert batch, however many shards
@@ -25,7 +25,7 @@ Two-phase commit of one mutation (one at a time, under a mutex):
 Idempotency keys: a mutation may carry one (an events call's) with the digest of its call; both
 are logged in its commit record (and carried into the base record a snapshot leaves). A
 mutation whose key was committed already is answered with that commit's version without being
-applied again, or refused as invalid if its digest differs (`m31.index.idempotency`).
+applied again, or refused as invalid if its digest differs (`m31.users.idempotency`).
 
 A coordinator that dies is restarted by Ray. Its constructor reads `decisions.log` only, so it
 cannot fail because shards are down (Ray does not restart an actor whose constructor failed);
@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from m31.cluster.records import RecordLog
-from m31.index.idempotency import IdempotencyKeys, KeyReused, call_digest
+from m31.users.idempotency import IdempotencyKeys, KeyReused, call_digest
 
 
 def ray_get(refs):
@@ -173,8 +173,8 @@ class Coordinator:
             with self._state:
                 waiting = sorted(set(participants) & self._recovering)
             if waiting:
-                return ("unavailable", f"shards {waiting} are recovering (the coordinator "
-                        "restarted and waits for them); nothing was changed", waiting)  # fmt: skip
+                why = "are recovering (the coordinator restarted and waits for them)"
+                return ("unavailable", f"shards {waiting} {why}; nothing was changed", waiting)
             txn = uuid.uuid4().hex
             refs = {
                 s: self.shards[s].prepare.remote(txn, *ops[s], self._last[s]) for s in participants
@@ -203,8 +203,8 @@ class Coordinator:
                     self.shards[s].abort.remote(txn)
                 if invalid is not None:
                     return ("invalid", invalid)
-                return ("unavailable", f"shards {down} unavailable (down or restarting); "
-                        "nothing was changed", down)  # fmt: skip
+                why = "unavailable (down or restarting); nothing was changed"
+                return ("unavailable", f"shards {down} {why}", down)
             version = self.version + 1
             self._log.append(("commit", txn, version, participants, key, digest))
             if key is not None:
@@ -253,8 +253,8 @@ class Coordinator:
             with self._state:
                 waiting = sorted(self._recovering)
             if waiting:
-                return ("unavailable", f"shards {waiting} are recovering (the coordinator "
-                        "restarted and waits for them)", waiting)  # fmt: skip
+                why = "are recovering (the coordinator restarted and waits for them)"
+                return ("unavailable", f"shards {waiting} {why}", waiting)
             refs = [
                 shard.snapshot.remote(t) for shard, t in zip(self.shards, self._last, strict=True)
             ]
@@ -265,8 +265,8 @@ class Coordinator:
                 except RayActorError:
                     down.append(s)
             if down:
-                return ("unavailable", f"shards {down} unavailable (down or restarting); the "
-                        "others wrote their snapshots", down)  # fmt: skip
+                why = "unavailable (down or restarting); the others wrote their snapshots"
+                return ("unavailable", f"shards {down} {why}", down)
             self._log.rewrite([("base", self.version, list(self.touched), self._keys.items())])
             return ("ok", self.version)
 

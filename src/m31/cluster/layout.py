@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 from m31.cluster.records import RecordLog, read_records
 from m31.index import AdIndex, DurableIndex, read_manifest
 from m31.index.durable import USERS
-from m31.index.users import read_state, write_state
+from m31.users.store import read_state, write_state
 
 FORMAT = "m31.cluster"
 FORMAT_VERSION = 1
@@ -116,9 +116,12 @@ def _index_of(parts: dict, rows: np.ndarray, device: str) -> AdIndex:
     if len(rows):
         take = pa.array(rows)
         index.upsert(
-            parts["ids"][rows], parts["g"][rows], parts["x"][rows], parts["b"][rows],
+            parts["ids"][rows],
+            parts["g"][rows],
+            parts["x"][rows],
+            parts["b"][rows],
             parts["attributes"].take(take),
-        )  # fmt: skip
+        )
     return index
 
 

@@ -1,6 +1,7 @@
-"""The HTTP API on Ray (`m31 serve --ray`): the routes of `m31.serve` over a `ClusterService`,
+"""The HTTP API on Ray (`m31 serve --ray`): the routes of `m31.serve` over a `ClusterBackend`,
 served by this process (one ingress, the default) or by ingress replicas that Ray Serve
-starts, balances and autoscales (`--replicas N`, `--max-replicas`).
+starts, balances and autoscales (`--replicas N`, `--max-replicas`). `serve` is what the command
+line calls: the cluster state made once from a snapshot, then `run`.
 
 One ingress is uvicorn in the server's own process, as `m31 serve` runs it: Ray Serve's proxy
 would add a hop (HTTP to the proxy, an actor call to the replica, the body and the answer
@@ -17,15 +18,27 @@ per process in `m31 serve`. Ray Serve is told to pass every request on
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 from m31.cluster.cluster import Cluster
+from m31.serve import launch
 from m31.serve.config import ServeConfig
 
 # Requests a replica takes at once: enough that the batcher, not Ray Serve's proxy, decides
 # what is admitted (its queue holds MAX_QUEUE requests; a call may hold many).
 MAX_ONGOING = 4096
+
+
+@dataclass(frozen=True)
+class RayOptions:
+    """A sharded index on Ray (the ray extra; docs/SCALING.md)."""
+
+    shards: int | None = None  # of a new cluster state (default 2); an existing one must match
+    address: str | None = None  # the Ray cluster to join (e.g. auto); None: a local one
+    replicas: int = 1  # ingress replicas
+    max_replicas: int | None = None  # autoscale ingress replicas up to this many
 
 
 @dataclass
@@ -44,10 +57,10 @@ class Ingress:
         self.config, self.cluster = config, cluster
 
     def __serve_build_asgi_app__(self):
-        from m31.cluster.service import ClusterService
+        from m31.cluster.backend import ClusterBackend
         from m31.serve.app import create_app
 
-        return create_app(self.config, load=lambda cfg: ClusterService.load(cfg, self.cluster))
+        return create_app(self.config, lambda cfg: ClusterBackend.load(cfg, self.cluster))
 
 
 def deploy(
@@ -83,6 +96,30 @@ def deploy(
     )
 
 
+def serve(
+    config: ServeConfig,
+    host: str = "127.0.0.1",
+    port: int = 8031,
+    options: RayOptions | None = None,
+    *,
+    state: Path | None = None,
+    log=print,
+) -> None:
+    """Serve until stopped. `config.index`: an index snapshot, or the cluster state made from
+    one; a snapshot's is made once at `state` (default INDEX.cluster) and served from then on."""
+    from m31.cluster.layout import serving_cluster
+    from m31.engine.load import copy_online
+
+    launch.check(config)
+    options = options or RayOptions()
+    served = serving_cluster(config.index, state, options.shards, config.device, log=log)
+    copy_online(config.index, served)
+    config = dataclasses.replace(config, index=served)
+    launch.start_logging(config)
+    ingress = IngressOptions(options.replicas, options.max_replicas)
+    run(config, options.address, host, port, ingress, log=log)
+
+
 def run(
     config: ServeConfig,
     address: str | None,
@@ -110,8 +147,7 @@ def run(
     import ray
     from ray import serve
 
-    from m31.cluster.cluster import Cancelled, ClusterOptions
-    from m31.cluster.layout import read_layout
+    from m31.cluster.actors import Cancelled
 
     reaper = _start_reaper() if address is None else None
     served = False
@@ -126,25 +162,10 @@ def run(
         _watch(reaper)
         if stop.is_set():
             return
-        gpu = config.device.startswith("cuda")
         options = options or IngressOptions()
         here = options.replicas == 1 and (options.max_replicas or 1) <= 1
-        # Every actor must be placeable at once: the shards and the most ingress replicas
-        # share the cluster's CPUs (a laptop's few cores included), at most one each. A shard's
-        # kernel runs one thread per CPU it has (Ray sets OMP_NUM_THREADS): more leave the
-        # ingress no core on one machine (measured at S = 1 on 2 cores: B = 1 calls slower).
-        replicas = 0 if here else max(options.replicas, options.max_replicas or 0)
-        actors = read_layout(config.index) + replicas
-        cpus = min(1.0, ray.cluster_resources().get("CPU", 1.0) / actors)
-        options.cpus = min(options.cpus, cpus)
         try:
-            cluster = Cluster.start(
-                config.index,
-                ClusterOptions(
-                    device=config.device, shard_cpus=cpus, shard_gpus=1.0 if gpu else 0.0
-                ),
-                stop=stop,
-            )
+            cluster = _start_cluster(config, options, here, stop)
         except Cancelled:
             return
         if stop.is_set():
@@ -170,6 +191,27 @@ def run(
             reaper.wait()
 
 
+def _start_cluster(config: ServeConfig, options: IngressOptions, here: bool, stop) -> Cluster:
+    """The actors of the cluster state `config.index`, placed beside the ingress replicas of
+    `options` (none but this process if `here`; their CPUs set to what is left)."""
+    import ray
+
+    from m31.cluster.actors import ClusterOptions
+    from m31.cluster.layout import read_layout
+
+    # Every actor must be placeable at once: the shards and the most ingress replicas share the
+    # cluster's CPUs (a laptop's few cores included), at most one each. A shard's kernel runs
+    # one thread per CPU it has (Ray sets OMP_NUM_THREADS): more leave the ingress no core on
+    # one machine (measured at S = 1 on 2 cores: B = 1 calls slower).
+    replicas = 0 if here else max(options.replicas, options.max_replicas or 0)
+    actors = read_layout(config.index) + replicas
+    cpus = min(1.0, ray.cluster_resources().get("CPU", 1.0) / actors)
+    options.cpus = min(options.cpus, cpus)
+    gpus = 1.0 if config.device.startswith("cuda") else 0.0
+    placement = ClusterOptions(device=config.device, shard_cpus=cpus, shard_gpus=gpus)
+    return Cluster.start(config.index, placement, stop=stop)
+
+
 def _serve_here(config: ServeConfig, cluster: Cluster, host, port, stop, reaper, log) -> None:
     """One ingress: the API served by this process (uvicorn in a thread, as `m31 serve` serves
     it) over the cluster's actors, until `stop`. Ray Serve's proxy would add a hop (HTTP to the
@@ -179,10 +221,10 @@ def _serve_here(config: ServeConfig, cluster: Cluster, host, port, stop, reaper,
 
     import uvicorn
 
-    from m31.cluster.service import ClusterService
+    from m31.cluster.backend import ClusterBackend
     from m31.serve.app import create_app
 
-    app = create_app(config, load=lambda cfg: ClusterService.load(cfg, cluster))
+    app = create_app(config, lambda cfg: ClusterBackend.load(cfg, cluster))
     server = uvicorn.Server(
         uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False)
     )

@@ -1,5 +1,5 @@
 """One shard of a cluster: the ads that `shard_of` routes to it, in its own DurableIndex, and
-its side of the two-phase commit (DESIGN §7). Plain Python: `m31.cluster.cluster` runs it as a
+its side of the two-phase commit (DESIGN §7). Plain Python: `m31.cluster.actors` runs it as a
 Ray actor (restarted by Ray when it dies), the tests also run it in-process.
 
 Shapes: B requests, N rows of the shard's table, E experts, G gate-key dim, D value dim.
@@ -60,6 +60,7 @@ from m31.engine import eligible_masks, request_context, search
 from m31.engine.caps import group_cap
 from m31.engine.load import online_users
 from m31.index import AdIndexError, DurableIndex, DurableIndexError, compile_filter
+from m31.index.filters import with_clauses
 from m31.ops.threads import single_threaded
 
 # Views of older versions a shard keeps for reads that started before its last commit.
@@ -210,8 +211,12 @@ class Shard:
         payload: tuple[tuple[np.ndarray, np.ndarray, np.ndarray], Sequence[tuple], Sequence[int]],
         at: int | None = None,
     ) -> Answer | Moved:
-        """payload = (query (q, v, p) as numpy, requests [(AdRequest, targeting)], ks)."""
-        (q, v, p), requests, ks = payload
+        """payload = (query (q, v, p) as numpy, requests, ks); a request is (AdRequest,
+        targeting) or (AdRequest, targeting, clauses), its filter compiled here with the
+        clauses the engine added to it, as `Retriever.prepare` compiles it
+        (`m31.engine.prepare`)."""
+        (q, v, p), asked, ks = payload
+        requests = [(r, who, more[0] if more else ()) for r, who, *more in asked]
         got = self._view(at)
         if got is None:
             return Moved(self.applied)
@@ -220,20 +225,16 @@ class Shard:
         schema = self._store.index.schema
         # Masks are small ops: on one core, as the engine builds them (`m31.ops.threads`).
         with single_threaded() if self.device == "cpu" else contextlib.nullcontext():
-            masks = eligible_masks(
-                view,
-                [
-                    (
-                        request_context(r, who),
-                        compile_filter(r.filter, schema) if r.filter else None,
-                    )
-                    for r, who in requests
-                ],
-            )  # [B, N]
+            filters = [
+                with_clauses(compile_filter(r.filter, schema) if r.filter else None, more, schema)
+                for r, _, more in requests
+            ]
+            contexts = [request_context(r, who) for r, who, _ in requests]
+            masks = eligible_masks(view, list(zip(contexts, filters, strict=True)))  # [B, N]
             query = tuple(torch.tensor(t, device=self.device) for t in (q, v, p))  # [B, E, *]
         t1 = time.perf_counter()
-        caps = [group_cap(r.max_per) for r, _ in requests]
-        valued = [r.rank == "value" for r, _ in requests]
+        caps = [group_cap(r.max_per) for r, _, _ in requests]
+        valued = [r.rank == "value" for r, _, _ in requests]
         found = search(query, view, masks, ks, caps=caps, valued=valued)
         t2 = time.perf_counter()
         timings = {"mask": round(1000 * (t1 - t0), 3), "score_topk": round(1000 * (t2 - t1), 3)}
@@ -398,8 +399,8 @@ class Shard:
         elif prepared.op == "update_attributes":
             store.update_attributes(a["ad_id"], **a["attrs"])
         elif prepared.op == "events":
-            store.add_events(a["user_id"], a["ad_id"], a["ts"], a["surface"], None,
-                             types=a["type"], weights=a["weight"])  # fmt: skip
+            columns = (a["user_id"], a["ad_id"], a["ts"], a["surface"])
+            store.add_events(*columns, None, types=a["type"], weights=a["weight"])
         elif prepared.op == "users":
             store.set_users(a["users"])
         else:

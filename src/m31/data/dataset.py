@@ -22,10 +22,7 @@ only when complete, so a folder that exists is always a whole dataset.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,13 +30,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from m31.data.schema import ADS, BUILT_IN_VOCAB, ITEM_ATTRIBUTE_TYPES, STATUSES, TABLES
+from m31.data.schema import ADS, ITEM_ATTRIBUTE_TYPES, TABLES
+from m31.files import write_folder_atomic
+from m31.vocabularies import BUILT_IN_VOCAB, STATUSES
 
 # The categorical vocabularies a dataset declares in meta.json's `vocab` (`vocabularies`).
 VOCABULARIES = tuple(BUILT_IN_VOCAB)
 
 
-# Names the index gives attributes of its own (`m31.index.ad_index.BASE_FIELDS`) that are not
+# Names the index gives attributes of its own (`m31.index.columns.BASE_FIELDS`) that are not
 # columns of the ads table: an item attribute may not take them, but it may feed the index's
 # `tags` and `target_surfaces`, which are sets of strings.
 INDEX_FIELDS = {"schedule_start": None, "schedule_end": None, "tags": "str_list",
@@ -171,8 +170,8 @@ def vocabularies(meta: Mapping, countries: Iterable[str] = ()) -> dict[str, tupl
     Each of `VOCABULARIES` is what meta.json declares under `vocab` (a dataset's values are its
     own data: a `watch` surface or a `story_ad` format needs no code; a name it leaves out has
     no values), or, in a folder written before vocabularies were declared (no `vocab`), the
-    built-in marketplace's (`schema.BUILT_IN_VOCAB`).
-    `status` is the index's (`schema.STATUSES`); `country` is the countries its users live in
+    built-in marketplace's (`m31.vocabularies.BUILT_IN_VOCAB`). `status` is the index's
+    (`m31.vocabularies.STATUSES`); `country` is the countries its users live in
     (`countries`, sorted); `topic` and `category` are the ids and categories that meta's
     `topics` lists, and absent when it lists none. Every lookup of a dataset's vocabularies goes
     through here. Raises `DatasetError` for a declared vocabulary that is not a list of distinct
@@ -203,49 +202,6 @@ def vocabularies(meta: Mapping, countries: Iterable[str] = ()) -> dict[str, tupl
     return vocab
 
 
-def write_atomic(out: Path, fill: Callable[[Path], None], overwrite: bool = False) -> Path:
-    """Create folder `out` by calling `fill(tmp)` on a temporary sibling and renaming it.
-
-    An exception inside `fill` leaves `out` exactly as it was. With `overwrite`, an existing
-    `out` is replaced only after the new folder is complete.
-    """
-    out = Path(out)
-    if out.exists() and not overwrite:
-        raise DatasetError(f"{out}: already exists (pass overwrite to replace it)")
-    parent = out.parent if str(out.parent) else Path(".")
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=parent))
-    except OSError as e:
-        raise DatasetError(f"{parent}: cannot write there ({e.strerror or e})") from e
-    try:
-        fill(tmp)
-        _fsync_tree(tmp)
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=parent))
-            os.replace(out, old / out.name)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
-
-
-def _fsync_tree(folder: Path) -> None:
-    for path in folder.iterdir():
-        if path.is_file():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save(ds: Dataset, out: Path, overwrite: bool = False, extra: dict | None = None) -> Path:
     """Write `ds` (and optional extra numpy arrays, saved as `truth.npz`) atomically to `out`."""
     import numpy as np
@@ -257,7 +213,7 @@ def save(ds: Dataset, out: Path, overwrite: bool = False, extra: dict | None = N
         if extra:
             np.savez(tmp / "truth.npz", **extra)
 
-    return write_atomic(Path(out), fill, overwrite=overwrite)
+    return write_folder_atomic(Path(out), fill, overwrite=overwrite)
 
 
 def load(folder: Path) -> Dataset:

@@ -56,8 +56,11 @@ def _one_line_per_user(user: pa.Array, lines: np.ndarray, path: Path) -> None:
     clash = again & starts
     if clash.any():
         i = int(np.argmax(clash))
-        fail(path, f"user {user[i].as_py()!r} again (first on row {-first_line[codes[i]]})",
-              row=int(lines[i]))  # fmt: skip
+        fail(
+            path,
+            f"user {user[i].as_py()!r} again (first on row {-first_line[codes[i]]})",
+            row=int(lines[i]),
+        )
 
 
 def _json_object(path: Path) -> dict | None:

@@ -239,8 +239,9 @@ def _times(col: pa.ChunkedArray, path: Path, name: str, unit: str) -> np.ndarray
         except pa.ArrowInvalid as e:
             raise ImportFailed(f"{path}: column {name!r}: not a time ({e})") from e
     else:
-        fail(path, f"times must be numbers, timestamps or ISO 8601 text, got {col.type}",
-              column=name)  # fmt: skip
+        fail(
+            path, f"times must be numbers, timestamps or ISO 8601 text, got {col.type}", column=name
+        )
     negative = ts < 0
     if negative.any():
         fail(path, "a time before 1970", row=_row(path, int(np.argmax(negative))), column=name)
@@ -276,9 +277,13 @@ def read_interactions(spec: Interactions) -> Events:
         back = (np.diff(codes[order]) == 0) & (np.diff(ts[order]) < 0)
         if back.any() and not spec.sort:
             row = int(order[np.argmax(back) + 1])
-            fail(path, "time goes backwards within the user (events are read in file order; "
-                  "pass --sort to sort each user's events by time)", row=_row(path, row),
-                  column=time_col)  # fmt: skip
+            fail(
+                path,
+                "time goes backwards within the user (events are read in file order; "
+                "pass --sort to sort each user's events by time)",
+                row=_row(path, row),
+                column=time_col,
+            )
         if spec.sort:
             order = np.lexsort((np.arange(len(ts)), ts, codes))
     pos = _positions(codes, order)
@@ -374,8 +379,12 @@ def read_items(spec: Items) -> Catalogue:
             continue
         col = table.column(name)
         if name in RESERVED:
-            fail(path, f"{name!r} names the ads table's topic ids, which an import leaves "
-                  f"empty; rename the column (e.g. to {name + 's'!r})", column=name)  # fmt: skip
+            fail(
+                path,
+                f"{name!r} names the ads table's topic ids, which an import leaves "
+                f"empty; rename the column (e.g. to {name + 's'!r})",
+                column=name,
+            )
         if name in AD_FIELDS:
             try:
                 columns[name] = pc.cast(col.combine_chunks(), AD_FIELDS[name])
@@ -392,8 +401,12 @@ def _no_duplicates(ids: pa.Array, path: Path, column: str) -> None:
     dup = np.flatnonzero(np.diff(codes[order]) == 0)
     if len(dup):
         first, again = int(order[dup[0]]), int(order[dup[0] + 1])
-        fail(path, f"duplicate id {ids[again].as_py()!r} (first at row {_row(path, first)})",
-              row=_row(path, again), column=column)  # fmt: skip
+        fail(
+            path,
+            f"duplicate id {ids[again].as_py()!r} (first at row {_row(path, first)})",
+            row=_row(path, again),
+            column=column,
+        )
 
 
 def read_users(spec: Users) -> tuple[pa.Array, dict[str, pa.Array], list[str]]:

@@ -40,7 +40,7 @@ kind is replaced by its rank among the sorted distinct ids, and `user_ids.parque
 
 **Errors.** Bad input raises `ImportFailed` naming the file, the row (from 1, as an editor counts
 lines; a CSV's header is row 1) and the column, before anything is written: the folder appears
-whole or not at all (`dataset.write_atomic`). Refused: a missing or empty file, bytes that are
+whole or not at all (`m31.files.write_folder_atomic`). Refused: a missing or empty file, bytes that are
 not UTF-8, a missing column, a wrong type, a null or negative id, a duplicate item or user in
 its catalogue, an event on an item the catalogue lacks, a time going backwards within a user
 (unless `sort`), a negative time.
@@ -63,7 +63,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from m31.data.dataset import VOCABULARIES, Dataset, write_atomic
+from m31.data.dataset import VOCABULARIES, Dataset
 from m31.data.import_sequences import read_item_map, sequence_events
 from m31.data.import_tables import (
     ImportFailed,
@@ -77,6 +77,7 @@ from m31.data.import_tables import (
     read_users,
 )
 from m31.data.schema import ADS, ADVERTISERS, EVENTS, ITEM_ATTRIBUTE_TYPES, ORGANIC, TABLES, USERS
+from m31.files import write_folder_atomic
 
 DAY = 86_400
 
@@ -174,118 +175,24 @@ def import_dataset(
     seconds["read"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    user_space, item_space = IdSpace(), IdSpace()
-    user_space.add(ev.user)
-    item_space.add(ev.item)
-    if catalogue is not None:
-        if catalogue.closed:
-            missing = pc.invert(pc.is_in(ev.item, value_set=catalogue.ids))
-            if pc.any(missing).as_py():
-                i = first_true(missing)
-                fail(ev.path, f"item {ev.item[i].as_py()!r} is not in the catalogue "
-                      f"{items.path}", row=int(ev.rows[i]))  # fmt: skip
-        item_space.add(catalogue.ids)
-    if user_file is not None:
-        user_space.add(user_file[0])
-    user_space.finish()
-    item_space.finish()
+    user_space, item_space = _id_spaces(ev, catalogue, user_file, items)
     uid, iid = user_space.ids(ev.user), item_space.ids(ev.item)
     user_ids, item_ids = user_space.all_ids(), item_space.all_ids()
-
-    # Events in each user's order.
-    clock = "unix" if ev.ts is not None else "order"
-    ts = ev.ts if ev.ts is not None else ev.order * DAY
-    order = np.lexsort((ev.order, uid))
-    n = len(order)
-    hour = (
-        pa.nulls(n, pa.int8())
-        if ev.ts is None
-        else pa.array(((ts[order] // 3600) % 24).astype(np.int8))
-    )
-    events = pa.table(
-        {
-            "user_id": pa.array(uid[order]),
-            "ad_id": pa.array(iid[order]),
-            "ts": pa.array(ts[order]),
-            "surface": pa.nulls(n, pa.string())
-            if ev.surface is None
-            else ev.surface.take(pa.array(order)),
-            "hour": hour,
-            "platform": pa.nulls(n, pa.string())
-            if ev.platform is None
-            else ev.platform.take(pa.array(order)),
-            "click": pa.array(np.ones(n, bool)),
-            "conversion": pa.array(
-                np.zeros(n, bool) if ev.conversion is None else ev.conversion[order]
-            ),
-        },
-        schema=EVENTS,
-    )
-
-    # Items: every id the events or the catalogue name.
+    events, clock, ts = _events(ev, uid, iid)
     cat_ids = item_space.ids(catalogue.ids) if catalogue is not None else np.zeros(0, np.int64)
-    m = len(item_ids)
-    ads_columns: dict[str, Any] = {"ad_id": pa.array(item_ids)}
-    for f in ADS:
-        if f.name == "ad_id":
-            continue
-        if f.name == "text":
-            text = catalogue.text if catalogue is not None else None
-            ads_columns["text"] = _aligned(item_ids, cat_ids, text, pa.string())
-        elif f.name in ("target_countries", "target_genders", "target_platforms"):
-            given = catalogue.columns.get(f.name) if catalogue is not None else None
-            column = _aligned(item_ids, cat_ids, given, f.type)  # no list: no restriction
-            ads_columns[f.name] = pc.if_else(pc.is_null(column), pa.scalar([], f.type), column)
-        elif f.name == "status":
-            given = catalogue.columns.get("status") if catalogue is not None else None
-            status = _aligned(item_ids, cat_ids, given, pa.string())
-            ads_columns["status"] = pc.fill_null(status, "active")
-        else:
-            given = catalogue.columns.get(f.name) if catalogue is not None else None
-            ads_columns[f.name] = _aligned(item_ids, cat_ids, given, f.type)
-    item_attributes = {}
-    if catalogue is not None:
-        for name, (kind, values) in catalogue.attributes.items():
-            column = _aligned(item_ids, cat_ids, values, ITEM_ATTRIBUTE_TYPES[kind])
-            if kind == "str_list":
-                column = pc.if_else(pc.is_null(column), pa.scalar([], column.type), column)
-            ads_columns[name] = column
-            item_attributes[name] = kind
-    extra = [pa.field(name, ITEM_ATTRIBUTE_TYPES[kind]) for name, kind in item_attributes.items()]
-    ads = pa.table(ads_columns, schema=pa.schema([*ADS, *extra]))
-
-    users_columns: dict[str, Any] = {"user_id": pa.array(user_ids)}
+    ads, item_attributes = _ads(item_ids, cat_ids, catalogue)
     notes = []
     file_ids = user_space.ids(user_file[0]) if user_file is not None else np.zeros(0, np.int64)
-    for f in USERS:
-        if f.name == "user_id":
-            continue
-        given = user_file[1].get(f.name) if user_file is not None else None
-        users_columns[f.name] = _aligned(user_ids, file_ids, given, f.type)
+    users_t = _users(user_ids, file_ids, user_file)
     if user_file is not None and user_file[2]:
         notes.append(f"users: columns ignored (m31 reads none of them): {', '.join(user_file[2])}")
-    users_t = pa.table(users_columns, schema=USERS)
-
     if repeat_engagement is None:
-        pairs = uid.astype(np.int64) * (int(item_ids.max()) + 1 if m else 1) + iid
-        repeat_engagement = bool(len(np.unique(pairs)) < len(pairs))
+        repeat_engagement = _repeats(uid, iid, item_ids)
         shown = "some user engages" if repeat_engagement else "no user engages"
         notes.append(
             f"repeat_engagement: {str(repeat_engagement).lower()} ({shown} with an item twice in "
             "the files; say so with --repeat-engagement / --no-repeat-engagement)"
         )
-    vocab = {name: [] for name in VOCABULARIES}
-    for name, cols in (
-        ("surface", [events["surface"]]),
-        ("platform", [events["platform"], users_t["platform"]]),
-        ("format", [ads["format"]]),
-        ("objective", [ads["objective"]]),
-        ("gender", [users_t["gender"]]),
-    ):
-        values = set()
-        for col in cols:
-            values |= {v for v in pc.unique(col).to_pylist() if v is not None}
-        vocab[name] = sorted(values)
     sources = {
         "interactions": interactions and str(interactions.path),
         "sequences": sequences and str(sequences),
@@ -296,7 +203,7 @@ def import_dataset(
         "source": "import",
         "imported_from": {k: v for k, v in sources.items() if v},
         "repeat_engagement": repeat_engagement,
-        "vocab": vocab,
+        "vocab": _vocabularies(events, users_t, ads),
         "clock": clock,
         "topics": [],
         "item_attributes": item_attributes,
@@ -317,17 +224,148 @@ def import_dataset(
     seconds["convert"] = time.perf_counter() - start
 
     start = time.perf_counter()
+    _write(Path(out), ds, (("user", user_space), ("item", item_space)), overwrite)
+    seconds["write"] = time.perf_counter() - start
+    n_users, n_items, n_events = len(user_ids), len(item_ids), len(events)
+    return ImportReport(
+        Path(out),
+        n_users,
+        n_items,
+        n_events,
+        clock,
+        repeat_engagement,
+        item_attributes,
+        seconds,
+        notes,
+    )
+
+
+def _write(out: Path, ds: Dataset, spaces, overwrite: bool) -> None:
+    """The dataset folder `out`, atomically: its tables, meta.json and, for an id space that
+    maps external ids, that map."""
 
     def fill(tmp: Path) -> None:
         for name in TABLES:
             pq.write_table(ds.table(name), tmp / f"{name}.parquet", compression="zstd")
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-        for kind, space in (("user", user_space), ("item", item_space)):
+        (tmp / "meta.json").write_text(json.dumps(ds.meta, indent=2, sort_keys=True) + "\n")
+        for kind, space in spaces:
             if space.external:
                 pq.write_table(space.table(), tmp / f"{kind}_ids.parquet")
 
-    write_atomic(Path(out), fill, overwrite=overwrite)
-    seconds["write"] = time.perf_counter() - start
-    return ImportReport(
-        Path(out), len(user_ids), m, n, clock, repeat_engagement, item_attributes, seconds, notes
+    write_folder_atomic(out, fill, overwrite=overwrite)
+
+
+def _id_spaces(ev, catalogue, user_file, items) -> tuple[IdSpace, IdSpace]:
+    """The users' and the items' id spaces: every id the events, the catalogue and the users
+    file name. An item of the events outside a closed catalogue is refused."""
+    user_space, item_space = IdSpace(), IdSpace()
+    user_space.add(ev.user)
+    item_space.add(ev.item)
+    if catalogue is not None:
+        if catalogue.closed:
+            missing = pc.invert(pc.is_in(ev.item, value_set=catalogue.ids))
+            if pc.any(missing).as_py():
+                i = first_true(missing)
+                fail(
+                    ev.path,
+                    f"item {ev.item[i].as_py()!r} is not in the catalogue {items.path}",
+                    row=int(ev.rows[i]),
+                )
+        item_space.add(catalogue.ids)
+    if user_file is not None:
+        user_space.add(user_file[0])
+    user_space.finish()
+    item_space.finish()
+    return user_space, item_space
+
+
+def _events(ev, uid: np.ndarray, iid: np.ndarray) -> tuple[pa.Table, str, np.ndarray]:
+    """(the events table in each user's order, the clock, the times [n] in the files' order):
+    a source without times gets its order as the clock, a day per step."""
+    clock = "unix" if ev.ts is not None else "order"
+    ts = ev.ts if ev.ts is not None else ev.order * DAY
+    order = np.lexsort((ev.order, uid))
+    n = len(order)
+    take = pa.array(order)
+    hour = (
+        pa.nulls(n, pa.int8())
+        if ev.ts is None
+        else pa.array(((ts[order] // 3600) % 24).astype(np.int8))
     )
+    surface = pa.nulls(n, pa.string()) if ev.surface is None else ev.surface.take(take)
+    platform = pa.nulls(n, pa.string()) if ev.platform is None else ev.platform.take(take)
+    conversion = np.zeros(n, bool) if ev.conversion is None else ev.conversion[order]
+    columns = {
+        "user_id": pa.array(uid[order]),
+        "ad_id": pa.array(iid[order]),
+        "ts": pa.array(ts[order]),
+        "surface": surface,
+        "hour": hour,
+        "platform": platform,
+        "click": pa.array(np.ones(n, bool)),
+        "conversion": pa.array(conversion),
+    }
+    return pa.table(columns, schema=EVENTS), clock, ts
+
+
+def _ads(item_ids: np.ndarray, cat_ids: np.ndarray, catalogue) -> tuple[pa.Table, dict]:
+    """(the ads table: every id the events or the catalogue name, the catalogue's columns
+    aligned to them; the item attributes by kind)."""
+    ads_columns: dict[str, Any] = {"ad_id": pa.array(item_ids)}
+    for f in ADS:
+        if f.name == "ad_id":
+            continue
+        if f.name == "text":
+            given = catalogue.text if catalogue is not None else None
+        else:
+            given = catalogue.columns.get(f.name) if catalogue is not None else None
+        column = _aligned(item_ids, cat_ids, given, pa.string() if f.name == "text" else f.type)
+        if f.name in ("target_countries", "target_genders", "target_platforms"):
+            column = pc.if_else(pc.is_null(column), pa.scalar([], f.type), column)  # none: all
+        elif f.name == "status":
+            column = pc.fill_null(column, "active")
+        ads_columns[f.name] = column
+    item_attributes = {}
+    if catalogue is not None:
+        for name, (kind, values) in catalogue.attributes.items():
+            column = _aligned(item_ids, cat_ids, values, ITEM_ATTRIBUTE_TYPES[kind])
+            if kind == "str_list":
+                column = pc.if_else(pc.is_null(column), pa.scalar([], column.type), column)
+            ads_columns[name] = column
+            item_attributes[name] = kind
+    extra = [pa.field(name, ITEM_ATTRIBUTE_TYPES[kind]) for name, kind in item_attributes.items()]
+    return pa.table(ads_columns, schema=pa.schema([*ADS, *extra])), item_attributes
+
+
+def _users(user_ids: np.ndarray, file_ids: np.ndarray, user_file) -> pa.Table:
+    """The users table: every user id, the users file's columns aligned to them."""
+    users_columns: dict[str, Any] = {"user_id": pa.array(user_ids)}
+    for f in USERS:
+        if f.name == "user_id":
+            continue
+        given = user_file[1].get(f.name) if user_file is not None else None
+        users_columns[f.name] = _aligned(user_ids, file_ids, given, f.type)
+    return pa.table(users_columns, schema=USERS)
+
+
+def _repeats(uid: np.ndarray, iid: np.ndarray, item_ids: np.ndarray) -> bool:
+    """Whether some user engages with an item twice in the events."""
+    pairs = uid.astype(np.int64) * (int(item_ids.max()) + 1 if len(item_ids) else 1) + iid
+    return bool(len(np.unique(pairs)) < len(pairs))
+
+
+def _vocabularies(events: pa.Table, users: pa.Table, ads: pa.Table) -> dict[str, list[str]]:
+    """Each categorical field's values, as the tables hold them, sorted."""
+    vocab = {name: [] for name in VOCABULARIES}
+    for name, cols in (
+        ("surface", [events["surface"]]),
+        ("platform", [events["platform"], users["platform"]]),
+        ("format", [ads["format"]]),
+        ("objective", [ads["objective"]]),
+        ("gender", [users["gender"]]),
+    ):
+        values = set()
+        for col in cols:
+            values |= {v for v in pc.unique(col).to_pylist() if v is not None}
+        vocab[name] = sorted(values)
+    return vocab

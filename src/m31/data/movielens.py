@@ -27,7 +27,8 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 
 from m31.data.dataset import Dataset, DatasetError
-from m31.data.schema import ADS, ADVERTISERS, EVENTS, GENDERS, ORGANIC, USERS, age_bucket
+from m31.data.schema import ADS, ADVERTISERS, EVENTS, ORGANIC, USERS, age_bucket
+from m31.vocabularies import GENDERS
 
 STANDARD_GENRES = (
     "unknown",

@@ -44,26 +44,8 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-# The built-in marketplace's values of each categorical column. A dataset declares its own in
-# meta.json (`vocab`: `m31.data.dataset.vocabularies`), and everything downstream reads them from
-# there, from the features or from the checkpoint; these are what the synthetic world declares,
-# and the values of dataset folders written before vocabularies were declared.
-SURFACES = ("feed", "stories", "reels", "marketplace", "search")
-PLATFORMS = ("ios", "android", "web")
-FORMATS = ("image", "video", "carousel")
-OBJECTIVES = ("clicks", "conversions", "app_installs")
-GENDERS = ("F", "M")
-ORGANIC_SURFACES = ("feed", "reels", "stories", "search", "other")
-BUILT_IN_VOCAB = {
-    "surface": SURFACES,
-    "platform": PLATFORMS,
-    "format": FORMATS,
-    "objective": OBJECTIVES,
-    "gender": GENDERS,
-    "organic_surface": ORGANIC_SURFACES,
-}
-# An ad's status is the index's own vocabulary (what makes it eligible), not a dataset's.
-STATUSES = ("active", "paused", "budget_exhausted")
+# The categorical values of the built-in marketplace and an ad's statuses: `m31.vocabularies`.
+
 AGE_EDGES = (18, 25, 35, 45, 55)  # lower edges of the buckets <18, 18-24, 25-34, 35-44, 45-54, 55+
 N_AGE_BUCKETS = len(AGE_EDGES) + 1  # the code of an unknown age is N_AGE_BUCKETS
 
@@ -74,7 +56,7 @@ def age_bucket(age):
 
 
 # The kinds of the extra attribute columns of ads.parquet (meta.json `item_attributes`), the
-# kinds of the index's attributes (`m31.index.attributes.KINDS`), and the arrow type of each.
+# kinds of the index's attributes (`m31.index.columns.KINDS`), and the arrow type of each.
 ITEM_ATTRIBUTE_TYPES: dict[str, pa.DataType] = {
     "str": pa.string(),
     "str_list": pa.list_(pa.string()),

@@ -6,14 +6,16 @@ This is `m31 index build`, and what `make demo` runs; the snapshot records the c
 hash, so that a server started on it can tell whether its model made it, and carries the online
 features in `online/` (`m31.engine.load`), so that a server needs nothing else. The extra
 attribute columns a dataset declares (meta.json `item_attributes`) become filter fields of the
-index.
+index. `index_from_table` is the adapter from a dataset's ads table to an `AdIndex`, here where
+both are known (the index knows no dataset).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -24,11 +26,12 @@ from m31.data import dataset
 from m31.engine.ad_encoder import AdEncoder, NewAd
 from m31.engine.load import ONLINE, model_and_features, write_online
 from m31.features import Features
-from m31.index import AdIndex
-from m31.index.ad_index import TARGETING_VOCAB
+from m31.features.embedding_cache import embedding_cache_dir
+from m31.index import AdIndex, AdIndexError
+from m31.index.checks import shape_of
 from m31.index.hierarchical import Clusters
+from m31.index.reads import TARGETING_VOCAB
 from m31.model import Catalog, RetrievalModel, checkpoint_hash, encode_ads
-from m31.pipeline import embedding_cache_dir
 
 
 def index_from_model(data: Path, model: RetrievalModel, feats, dtype=torch.bfloat16) -> AdIndex:
@@ -75,12 +78,83 @@ def index_of(
         g[at], x[at], b[at] = (t.cpu() for t in encoder.encode(ads_))
     vocab = feats.meta["vocab"]
     targeting = {name: vocab[v] for name, v in TARGETING_VOCAB.items()}
-    return AdIndex.from_table(
+    return index_from_table(
         ads, g, x, b, dtype=dtype, targeting=targeting, extra_fields=dict(extra or {})
     )
 
 
-def build_index(
+# Columns of the dataset's ads table that `index_from_table` keeps for filters.
+TABLE_EXTRA_FIELDS: dict[str, str] = {
+    "campaign_id": "int",
+    "objective": "str",
+    "format": "str",
+    "topic": "int",
+    "category": "int",
+}
+
+
+def index_from_table(
+    ads: pa.Table,
+    g: Any,
+    x: Any,
+    b: Any,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    capacity: int = 1024,
+    targeting: Mapping[str, Sequence[str]] | None = None,
+    extra_fields: Mapping[str, str] | None = None,
+) -> AdIndex:
+    """An `AdIndex` over a dataset's ads table (`m31.data.schema.ADS`), rows aligned with g, x, b
+    (what `m31 index build` and the tests build from).
+
+    The schedule starts at `created_at` (null: open) and never ends; `tags` and
+    `target_surfaces` are taken when the table has them and are empty otherwise, as are `bid`
+    and `pacing` (null otherwise; checked as the index checks them). Nulls are
+    kept as nulls (an open age bound, an ad without an advertiser, a filter that never
+    matches). `targeting`: as `AdIndex`'s. `extra_fields`: more columns of the table to keep
+    as filter fields, name -> kind (a dataset's `item_attributes`); one named `tags` or
+    `target_surfaces` feeds that attribute.
+    """
+    renamed = {"schedule_start": "created_at"}  # index attribute -> ads table column
+    kept = [
+        "advertiser_id",
+        "status",
+        "target_countries",
+        "target_age_min",
+        "target_age_max",
+        "target_genders",
+        "target_platforms",
+    ]
+    optional = ["target_surfaces", "tags", "bid", "pacing", *TABLE_EXTRA_FIELDS]
+    extra = dict(extra_fields or {})
+    taken = sorted(set(extra) & {"ad_id", *renamed.values(), *kept, *TABLE_EXTRA_FIELDS})
+    if taken:
+        raise AdIndexError(f"extra field {taken[0]!r} is a column the index reads already")
+    # Any other built-in attribute an extra field names is refused by the constructor.
+    fed = {k for k, v in extra.items() if k in optional[:2] and v == "str_list"}
+    fields = {**TABLE_EXTRA_FIELDS, **{k: v for k, v in extra.items() if k not in fed}}
+    missing = [c for c in ["ad_id", *renamed.values(), *kept, *extra] if c not in ads.column_names]
+    if missing:
+        raise AdIndexError(f"ads table: missing column {missing[0]!r}")
+    columns = {name: ads.column(col) for name, col in renamed.items()}
+    columns |= {c: ads.column(c) for c in [*kept, *optional, *extra] if c in ads.column_names}
+    g_shape, x_shape = shape_of(g), shape_of(x)
+    if len(g_shape) != 2 or len(x_shape) != 2:
+        raise AdIndexError(f"g and x must be 2-d, got shapes {list(g_shape)}, {list(x_shape)}")
+    index = AdIndex(
+        g_shape[1],
+        x_shape[1],
+        device,
+        dtype,
+        max(capacity, ads.num_rows),
+        extra_fields=fields,
+        targeting=targeting,
+    )
+    index.upsert(ads.column("ad_id"), g, x, b, pa.table(columns))
+    return index
+
+
+def build_snapshot(
     data: Path,
     model_path: Path,
     out: Path,

@@ -10,7 +10,7 @@ the walk keeps exactly the first `max` ads of each group, and the answer is the 
 those in the global order (`capped`, vectorised).
 
 The engine fetches a prefix of the global order from the kernel (the top `want` rows, `want`
-doubled while needed; `m31.engine.retriever.search`): the walk over a prefix is the walk over
+doubled while needed; `m31.engine.search.search`): the walk over a prefix is the walk over
 every ad as long as the prefix ends after its K-th kept ad, or holds every eligible ad; the
 last fetched score is excluded from the prefix unless all came, since ads tied with it may lie
 beyond (the kernel breaks ties by row, the walk by ad id).

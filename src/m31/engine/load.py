@@ -22,17 +22,19 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from m31.data.dataset import write_atomic
 from m31.engine.ad_encoder import AdEncoder
 from m31.engine.probe import Prober
-from m31.engine.retriever import Retriever, seed_users, users_of
+from m31.engine.retriever import Retriever
+from m31.engine.user_inputs import seed_users, users_of
 from m31.features import Features
+from m31.features.embedding_cache import embedding_cache_dir
+from m31.features.folder import features_for
+from m31.files import write_folder_atomic
 from m31.index import DurableIndex
 from m31.index.hierarchical import Clusters
-from m31.index.users import UserStore
 from m31.model import checkpoint_hash, load_checkpoint
 from m31.model.checkpoint import check_trained_on
-from m31.pipeline import embedding_cache_dir, features_for
+from m31.users import UserStore
 
 log = logging.getLogger("m31.engine")
 
@@ -124,7 +126,7 @@ def copy_online(source: Path, target: Path) -> None:
     if has_online(target):
         return
     require_online(source)
-    write_atomic(
+    write_folder_atomic(
         target / ONLINE,
         lambda tmp: shutil.copytree(source / ONLINE, tmp, dirs_exist_ok=True),
         overwrite=True,  # an incomplete copy is never renamed into place: this is a leftover
@@ -181,16 +183,19 @@ def load_engine(
                 f"the model's are G = {net.G}, D = {net.D}"
             )
         if prober is not None and prober.clusters.centroids.shape[1] != net.G + net.D + 1:
-            raise ValueError(f"--probe: {index / ONLINE}'s clusters are of other vectors than "
-                             f"the model's (G = {net.G}, D = {net.D}): build the index again")  # fmt: skip
+            raise ValueError(
+                f"--probe: {index / ONLINE}'s clusters are of other vectors than "
+                f"the model's (G = {net.G}, D = {net.D}): build the index again"
+            )
         digest, made_by = checkpoint_hash(model), store.index.model_hash
         if made_by is not None and made_by != digest:
             log.warning(
                 "the index was made by checkpoint %s, not %s (%s): scores mix two models",
-                made_by, digest, model,
-            )  # fmt: skip
-        retriever = Retriever(net, feats, store.index, users)
-        retriever.probe = prober
+                made_by,
+                digest,
+                model,
+            )
+        retriever = Retriever(net, feats, store.index, users, probe=prober)
     except BaseException:
         store.close()
         raise

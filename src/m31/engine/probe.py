@@ -5,7 +5,7 @@ of every row.
 Shapes: B requests, N rows, C clusters, P clusters probed, E experts, G gate-key dim, D value dim.
 
 Per request: the centroids are scored with the §2 scorer (fp32), the rows of its P best
-clusters are gathered in row order, and `m31.engine.retriever.search` runs on them with the
+clusters are gathered in row order, and `m31.engine.search.search` runs on them with the
 request's own eligibility (filters, targeting, exclusions, deletions), so its answer is the
 exact top-K of the eligible ads of those clusters, ties to the lower ad id; with P = C it is the
 exhaustive answer. Rows are grouped by cluster once per version of the ads (`Clusters.assign`).
@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from m31.engine.search import search
 from m31.index import IndexView
 from m31.index.hierarchical import Clusters
 from m31.ops import PackedMask, score
@@ -60,8 +61,6 @@ class Prober:
         """(each request's top `ks[r]` eligible ads of its probed clusters, as `search` gives
         them; rows scored in all). mask: as `search` takes it ([B, N] or packed, or None);
         caps, valued: as `search` takes them (clusters are picked by relevance either way)."""
-        from m31.engine.retriever import search
-
         q, v, p = query
         device = view.row_ids.device
         rep = tuple(t.to(device) for t in self.clusters.rep)
@@ -73,10 +72,15 @@ class Prober:
             picked = np.sort(np.concatenate([rows[offsets[c] : offsets[c + 1]] for c in clusters]))
             at = torch.as_tensor(picked, device=device)
             sub = dataclasses.replace(
-                view, g=view.g[at], x=view.x[at], b=view.b[at], row_ids=view.row_ids[at],
+                view,
+                g=view.g[at],
+                x=view.x[at],
+                b=view.b[at],
+                row_ids=view.row_ids[at],
                 scales=None if view.scales is None else tuple(s[at] for s in view.scales),
-                attributes=view.attributes.rows(at), _memo={},
-            )  # fmt: skip
+                attributes=view.attributes.rows(at),
+                _memo={},
+            )
             one = None
             if isinstance(mask, PackedMask):
                 one = mask.select(torch.tensor([i], device=mask.device)).unpack()[:, at]
@@ -84,7 +88,8 @@ class Prober:
                 one = mask[i : i + 1, at]
             cap = None if caps is None else [caps[i]]
             kind = None if valued is None else [valued[i]]
-            results += search((q[i : i + 1], v[i : i + 1], p[i : i + 1]), sub, one, [ks[i]],
-                              caps=cap, valued=kind)  # fmt: skip
+            results += search(
+                (q[i : i + 1], v[i : i + 1], p[i : i + 1]), sub, one, [ks[i]], caps=cap, valued=kind
+            )
             scored += len(picked)
         return results, scored

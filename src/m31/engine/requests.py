@@ -1,10 +1,10 @@
 """What the engine is asked: ad requests, as given and as prepared.
 
 An `AdRequest` names a user (stored, by id, or `InlineUser`) in a serving context, with its
-filter and exclusions. `Retriever.prepare` checks it once against the model, the feature store
-and the index, resolves the stored user's row and compiles the filter; the `PreparedRequest` it
-returns is what travels (through a server's batcher, for one) to `Retriever.retrieve`, which
-does not check it again.
+filter and exclusions. `Retriever.prepare` (`m31.engine.prepare`) checks it once against the
+model, the user store and the index, resolves the stored user's row and compiles the filter;
+the `PreparedRequest` it returns is what travels (through a server's batcher, for one) to
+`Retriever.retrieve`, which does not check it again.
 """
 
 from __future__ import annotations
@@ -15,13 +15,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from m31.index.filters import CompiledFilter
+    from m31.index.filters import Clause, CompiledFilter
 
 
 # How a request ranks its ads (`AdRequest.rank`)
 RANKS = ("relevance", "value")
-# What a value-ranked request adds to its filter: only ads with a bid have a value term
-HAS_BID = {"range": ["bid", None, None]}
 
 
 class RequestError(ValueError):
@@ -107,5 +105,9 @@ class PreparedRequest:
     request: AdRequest
     k: int  # results wanted, >= 1
     user_row: int  # row of the stored user in the feature store; -1 for an inline user
+    # The request's filter and `clauses`, compiled (None: neither)
     filter: CompiledFilter | None
     targeting: Mapping  # the user's country, age and gender, for the ads' targeting
+    # What the engine adds to the request's own filter (value ranking, a cap per campaign), as
+    # typed clauses, so that a shard compiles the same filter from the request and these
+    clauses: tuple[Clause, ...] = ()

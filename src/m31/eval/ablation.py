@@ -160,8 +160,8 @@ def ablate(
     from m31.data.dataset import repeat_engagement
     from m31.eval.offline import evaluate
     from m31.eval.runs import SeedRuns, load_scorer
-    from m31.model import Catalog, ScoreFunction
-    from m31.pipeline import features_for
+    from m31.features.folder import features_for
+    from m31.model import Catalog
 
     kind, _, cutoff = metric.partition("@")
     if kind not in ("hr", "ndcg") or not cutoff.isdigit() or int(cutoff) <= 0:
@@ -177,19 +177,7 @@ def ablate(
     seeds = SeedRuns()
     others = {**retrained, **references}
     for s in range(max([len(moes), *(len(p) for p in others.values())])):
-        fns = {}
-        if s < len(moes):
-            full = load_scorer(moes[s], feats, device, catalog)
-            if full.model.cfg.kind != "moe":
-                raise ValueError(
-                    f"--model: {moes[s]} is a {full.model.cfg.kind} checkpoint, not a moe"
-                )
-            for name, query_map in ablations(full.model.cfg).items():
-                fns[name] = (
-                    full
-                    if query_map is None
-                    else ScoreFunction(full.model, feats, catalog, query_map=query_map)
-                )
+        fns = _variants(moes[s], feats, device, catalog) if s < len(moes) else {}
         for name, paths in others.items():
             if s < len(paths):
                 fns[name] = load_scorer(paths[s], feats, device, catalog)
@@ -221,6 +209,22 @@ def ablate(
         retrained=list(retrained),
         vs_full={name: seeds.paired(name, "full", metric) for name in summaries if name != "full"},
     )
+
+
+def _variants(path: Path, feats, device: str, catalog) -> dict:
+    """Every variant (`ablations`) of the moe checkpoint at `path`, by name."""
+    from m31.eval.runs import load_scorer
+    from m31.model import ScoreFunction
+
+    full = load_scorer(path, feats, device, catalog)
+    if full.model.cfg.kind != "moe":
+        raise ValueError(f"--model: {path} is a {full.model.cfg.kind} checkpoint, not a moe")
+    return {
+        name: full
+        if query_map is None
+        else ScoreFunction(full.model, feats, catalog, query_map=query_map)
+        for name, query_map in ablations(full.model.cfg).items()
+    }
 
 
 __all__ = [

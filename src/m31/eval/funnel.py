@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
+from m31.data import dataset
 from m31.eval.offline import RankFn, Requests
+from m31.features import Features
 from m31.world.truth import GroundTruth
 
 RetrieveFn = Callable[[Requests], np.ndarray]  # Requests [n] -> ranked ad rows [n, k]
@@ -195,3 +198,11 @@ def format_funnel(result: dict) -> str:
                 f"| {p['expected_lift_pct']:+.2f}% |"
             )
     return "\n".join(lines)
+
+
+def funnel_eligibility(data: Path, feats: Features) -> Callable[[np.ndarray], np.ndarray]:
+    """ts [n] -> [n, A]: the ads that may be shown at each request time (active, created)."""
+    ads = dataset.load(Path(data)).ads
+    active = np.asarray(ads["status"].to_pylist()) == "active"  # [A]
+    created = feats.ads["created_at"]  # [A]
+    return lambda ts: active[None, :] & (created[None, :] <= np.asarray(ts)[:, None])

@@ -152,25 +152,9 @@ def evaluate(
     the model retrieves in its top K, seen ads excluded from both); with `reference` (a model
     name), `ref_overlap@K` (share of the model's top K in the reference model's top K).
     """
-    if not score_fns:
-        raise ValueError("no models to evaluate")
     rerank = dict(rerank or {})
-    for name, (first, _, k) in rerank.items():
-        if first not in score_fns or name in score_fns:
-            raise ValueError(
-                f"rerank {name!r}: its first stage must be one of {', '.join(score_fns)} and its "
-                "name another"
-            )
-        if k <= 0:
-            raise ValueError(f"rerank {name!r}: k must be positive, got {k}")
-    names = [*score_fns, *rerank]
-    if reference is not None and reference not in names:
-        raise ValueError(f"reference {reference!r} is not one of {', '.join(names)}")
     ks = tuple(ks)
-    if not ks or min(ks) <= 0:
-        raise ValueError(f"ks must be positive cut-offs, got {ks}")
-    if batch <= 0:
-        raise ValueError(f"batch must be positive, got {batch}")
+    names = _checked(score_fns, rerank, reference, ks, batch)
     if return_truth_recall and (truth is None or not return_ranks):
         raise ValueError("return_truth_recall needs a truth and return_ranks")
     req, target = examples(feats, split, max_users, seed=0)
@@ -195,15 +179,11 @@ def evaluate(
             idx, ads = seen_mask(feats, r)
             keep = ads != t[idx]
             drop = (idx[keep], ads[keep])
+        truth_top = None
         if truth is not None:
             p = truth.probabilities(r.user, all_ads, r.surface, r.hour, r.platform, r.ts)[1]
             truth_top = topk_rows(_masked(p, drop, (b, n_ads), "truth"), k_top)  # [b, K]
-        scores = {name: _masked(fn(r), drop, (b, n_ads), name) for name, fn in score_fns.items()}
-        for name, (first, rank_fn, k) in rerank.items():
-            cand = topk_rows(scores[first], min(k, n_ads))  # [b, k]
-            second = np.full((b, n_ads), -np.inf, dtype=np.float32)
-            np.put_along_axis(second, cand, rank_fn(r, cand), axis=1)
-            scores[name] = _masked(second, drop, (b, n_ads), name)
+        scores = _scores(score_fns, rerank, r, drop, n_ads)
         tops = {}
         for name, s in scores.items():
             ranks = target_rank(s, t)  # [b]
@@ -230,6 +210,42 @@ def evaluate(
     if return_truth_recall:
         return metrics, all_ranks, truth_rows
     return (metrics, all_ranks) if return_ranks else metrics
+
+
+def _checked(score_fns: dict, rerank: dict, reference: str | None, ks: tuple, batch: int) -> list:
+    """The names `evaluate` reports (models, then two-stage models), its arguments checked."""
+    if not score_fns:
+        raise ValueError("no models to evaluate")
+    for name, (first, _, k) in rerank.items():
+        if first not in score_fns or name in score_fns:
+            raise ValueError(
+                f"rerank {name!r}: its first stage must be one of {', '.join(score_fns)} and its "
+                "name another"
+            )
+        if k <= 0:
+            raise ValueError(f"rerank {name!r}: k must be positive, got {k}")
+    names = [*score_fns, *rerank]
+    if reference is not None and reference not in names:
+        raise ValueError(f"reference {reference!r} is not one of {', '.join(names)}")
+    if not ks or min(ks) <= 0:
+        raise ValueError(f"ks must be positive cut-offs, got {ks}")
+    if batch <= 0:
+        raise ValueError(f"batch must be positive, got {batch}")
+    return names
+
+
+def _scores(score_fns: dict, rerank: dict, r: Requests, drop, n_ads: int) -> dict:
+    """Every model's and two-stage model's scores [b, A] of a batch of requests, the dropped
+    (seen) ads masked: a two-stage model scores its first stage's top k with its ranker and
+    puts every other ad below them."""
+    b = len(r)
+    scores = {name: _masked(fn(r), drop, (b, n_ads), name) for name, fn in score_fns.items()}
+    for name, (first, rank_fn, k) in rerank.items():
+        cand = topk_rows(scores[first], min(k, n_ads))  # [b, k]
+        second = np.full((b, n_ads), -np.inf, dtype=np.float32)
+        np.put_along_axis(second, cand, rank_fn(r, cand), axis=1)
+        scores[name] = _masked(second, drop, (b, n_ads), name)
+    return scores
 
 
 def format_table(results: dict[str, dict[str, float]]) -> str:

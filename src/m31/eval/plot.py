@@ -135,8 +135,14 @@ def plot_pareto(
     )
     for name, value in (baselines or {}).items():
         ax.axhline(value, color="black", linestyle=":", linewidth=1)
-        ax.annotate(name, (0.01, value), xycoords=("axes fraction", "data"), xytext=(0, 3),
-                    textcoords="offset points", fontsize=8)  # fmt: skip
+        ax.annotate(
+            name,
+            (0.01, value),
+            xycoords=("axes fraction", "data"),
+            xytext=(0, 3),
+            textcoords="offset points",
+            fontsize=8,
+        )
     ax.set_xscale("log")
     ax.margins(x=0.12, y=0.12)  # room for the labels of the points at the edges
     ax.set_xlabel("FLOPs per (request, ad) pair")

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from m31.eval.offline import Requests
-from m31.files import write_atomic
+from m31.files import write_file_atomic
 
 FORMAT = "m31-eval-record-1"
 
@@ -81,7 +81,7 @@ class Record:
 
 
 def save_record(record: Record, path: Path | str) -> Path:
-    """Write `record` to `path`, whole or not at all (`m31.files.write_atomic`)."""
+    """Write `record` to `path`, whole or not at all (`m31.files.write_file_atomic`)."""
     if not record.runs:
         raise ValueError("an evaluation record needs at least one scored model")
     arrays: dict[str, np.ndarray] = {}
@@ -112,7 +112,7 @@ def save_record(record: Record, path: Path | str) -> Path:
         "runs": runs,
     }
     arrays["meta"] = np.frombuffer(json.dumps(doc).encode(), dtype=np.uint8)
-    return write_atomic(path, lambda f: np.savez_compressed(f, **arrays))
+    return write_file_atomic(path, lambda f: np.savez_compressed(f, **arrays))
 
 
 def load_record(path: Path | str) -> Record:

@@ -1,4 +1,5 @@
-"""Trained checkpoints evaluated on a dataset folder (`m31 eval`, `m31 simulate`; DESIGN §8).
+"""Trained checkpoints evaluated on a dataset folder (`m31 eval`; DESIGN §8). The funnel and
+the auction of checkpoints: `m31.eval.simulations`.
 
 Shapes: S training seeds (checkpoints) of a model, n test requests, A ads.
 
@@ -21,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from m31.eval.metrics import hit_rate_at_k, ndcg_at_k
-from m31.eval.offline import Progress, evaluate, examples, requests_from_split
+from m31.eval.offline import Progress, evaluate, examples
 from m31.eval.records import (
     Record,
     RecordedRun,
@@ -210,18 +211,12 @@ def evaluate_runs(
     `record`: write what this call scores to that file.
     """
     from m31.data import dataset
-    from m31.eval.baselines import make_baselines
-    from m31.eval.protocol import protocol as named_protocol
-    from m31.pipeline import features_for
+    from m31.features.folder import features_for
     from m31.world.truth import GroundTruth
 
     proto = None
     if protocol is not None:
-        proto = named_protocol(protocol)
-        if max_users is not None or exclude_seen is False:
-            raise ValueError(
-                f"--protocol {protocol}: every user is evaluated, the history excluded"
-            )
+        proto = _protocol(protocol, max_users, exclude_seen)
         split, ks, exclude_seen = proto.split, proto.ks, proto.exclude_history
     if not runs and not baselines and not records:
         raise ValueError("nothing to evaluate: give --model, --baselines or --from-record")
@@ -231,83 +226,81 @@ def evaluate_runs(
         truth = GroundTruth.from_arrays(dataset.load_truth(data))
     if exclude_seen is None:
         exclude_seen = not dataset.repeat_engagement(feats.meta)
-    try:
-        base_fns = make_baselines(list(baselines), feats)
-    except ValueError as e:
-        raise ValueError(f"--baselines: {e}") from e
+    base_fns = _baselines(baselines, feats)
 
     groups: dict[str, list[Path]] = {}  # a bare checkpoint is its own model, named when loaded
     for name, path in runs:
         groups.setdefault(name or f"\0{path}", []).append(Path(path))
-    catalog = Catalog.from_features(feats).to(device)
-    seeds = SeedRuns()
-    latest: dict[str, ScoreFunction] = {}  # each model's last loaded checkpoint
-    flops: dict[str, int] = {}
-    scored: list[RecordedRun] = []  # what this call scores, for `record`; then the records' too
+    rounds = _Rounds(feats, Catalog.from_features(feats).to(device), device, proto)
     for s in range(max((len(p) for p in groups.values()), default=1 if base_fns else 0)):
-        fns = dict(base_fns) if s == 0 else {}
-        sources = dict.fromkeys(fns, ("baseline", None, None))
-        for key, paths in groups.items():
-            if s < len(paths):
-                fn = load_scorer(paths[s], feats, device, catalog)
-                if proto is not None:
-                    proto.check_model(fn.model.cfg, paths[s])
-                name = fn.model.cfg.kind if key.startswith("\0") else key
-                if name in fns:
-                    raise ValueError(f"two models are named {name!r}; name them NAME=PATH")
-                fns[name] = latest[name] = fn
-                flops[name] = fn.model.flops_per_pair()
-                sources[name] = (paths[s].name, fn.history, fn.model.cfg.val_metric)
-        stages = {}
-        if rerank is not None:
-            if s == 0 and (rerank.first not in fns or rerank.second not in fns):
-                raise ValueError(
-                    f"--rerank: {rerank.first!r} and {rerank.second!r} must both be given with "
-                    "--model"
-                )
-            if rerank.first in fns:  # a second stage with fewer seeds serves the later rounds too
-                stages[rerank.name] = (rerank.first, latest[rerank.second].rank, rerank.k)
-            if rerank.only:  # scored as the second stage only
-                fns.pop(rerank.second, None)
+        fns, sources = rounds.load(s, groups, base_fns if s == 0 else {})
+        stages = _stages(s, fns, rerank, rounds.latest) if rerank is not None else {}
         if reference is None and "ranking" in fns and len(fns) > 1:
             reference = "ranking"
-        # A reference with fewer seeds than the others serves the later rounds as well, so that
-        # every round reports the same metrics; its own metrics count once per checkpoint.
-        reused = None
-        if reference in latest and reference not in fns:
-            fns[reference] = latest[reference]
-            reused = reference
-        metrics, ranks, *rows = evaluate(
-            fns,
-            feats,
-            split="test",
-            ks=tuple(ks),
-            max_users=max_users,
-            exclude_seen=exclude_seen,
-            truth=truth,
-            reference=reference if reference in fns else None,
-            progress=progress,
-            return_ranks=True,
-            rerank=stages,
-            return_truth_recall=truth is not None,
-        )
-        for name in [*fns, *stages]:
-            if name != reused:
-                truth_rows = rows[0][name] if rows else None
-                seeds.add(name, metrics[name], ranks[name], truth_rows)
-                source, *training = sources.get(name, (name, None, None))  # a stage: FIRST>SECOND
-                scored.append(RecordedRun(name, ranks[name], truth_rows, source, *training))
+        options = {"ks": tuple(ks), "max_users": max_users, "exclude_seen": exclude_seen}
+        rounds.score(fns, sources, stages, reference, truth=truth, progress=progress, **options)
         del fns
 
+    seeds, flops, scored = rounds.seeds, rounds.flops, rounds.scored
     if records or record is not None:
         req, target = examples(feats, "test", max_users, seed=0)
         fingerprint = requests_fingerprint(req, target, feats.n_ads, exclude_seen)
         if record is not None:
             save_record(Record(fingerprint, Path(data).name, tuple(ks), scored, flops), record)
-        scored += _add_records(
-            seeds, flops, records, fingerprint, tuple(ks), truth is not None, scored
-        )
+        has_truth = truth is not None
+        scored += _add_records(seeds, flops, records, fingerprint, tuple(ks), has_truth, scored)
+    return EvalReport(
+        requests=seeds.requests,
+        ads=feats.n_ads,
+        exclude_seen=exclude_seen,
+        truth=truth is not None,
+        runs=seeds.metrics,
+        summaries=seeds.summaries(),
+        paired=_paired(seeds, compare, ks),
+        flops=flops,
+        trainings=[(run.model, run.source, t) for run in scored if (t := run.training())],
+    )
 
+
+def _baselines(names: Sequence[str], feats: Features) -> dict:
+    from m31.eval.baselines import make_baselines
+
+    try:
+        return make_baselines(list(names), feats)
+    except ValueError as e:
+        raise ValueError(f"--baselines: {e}") from e
+
+
+def _protocol(name: str, max_users: int | None, exclude_seen: bool | None):
+    """The named protocol (`m31.eval.protocol`), which evaluates every user with the history
+    excluded: options that ask otherwise are refused."""
+    from m31.eval.protocol import protocol
+
+    proto = protocol(name)
+    if max_users is not None or exclude_seen is False:
+        raise ValueError(f"--protocol {name}: every user is evaluated, the history excluded")
+    return proto
+
+
+def _stages(s: int, fns: dict, rerank: Rerank, latest: dict) -> dict:
+    """The round's two-stage model (`--rerank`): its first stage's scores re-ranked by the
+    second's latest checkpoint (a second stage with fewer seeds serves the later rounds too).
+    With `rerank.only`, the second stage is scored as a stage only."""
+    if s == 0 and (rerank.first not in fns or rerank.second not in fns):
+        raise ValueError(
+            f"--rerank: {rerank.first!r} and {rerank.second!r} must both be given with --model"
+        )
+    stages = {}
+    if rerank.first in fns:
+        stages[rerank.name] = (rerank.first, latest[rerank.second].rank, rerank.k)
+    if rerank.only:
+        fns.pop(rerank.second, None)
+    return stages
+
+
+def _paired(seeds: SeedRuns, compare: Sequence[tuple[str, str]], ks) -> list:
+    """Each compared pair's paired intervals of every metric (default: moe against two-tower
+    when both are evaluated)."""
     if not compare and {"moe", "two-tower"} <= set(seeds.ranks):
         compare = [("moe", "two-tower")]
     names = [f"{kind}@{k}" for kind in ("hr", "ndcg") for k in ks]
@@ -317,17 +310,68 @@ def evaluate_runs(
         if a not in seeds.ranks or b not in seeds.ranks:
             raise ValueError(f"--compare: need two evaluated models A,B, got {f'{a},{b}'!r}")
         paired.append((a, b, {metric: seeds.paired(a, b, metric) for metric in names}))
-    return EvalReport(
-        requests=seeds.requests,
-        ads=feats.n_ads,
-        exclude_seen=exclude_seen,
-        truth=truth is not None,
-        runs=seeds.metrics,
-        summaries=seeds.summaries(),
-        paired=paired,
-        flops=flops,
-        trainings=[(run.model, run.source, t) for run in scored if (t := run.training())],
-    )
+    return paired
+
+
+@dataclass
+class _Rounds:
+    """What `evaluate_runs` gathers over its rounds, one per training seed: each model's
+    metrics and ranks by seed, its last loaded checkpoint, its FLOPs per pair, and what the
+    call scored (for `--record`)."""
+
+    feats: Features
+    catalog: Catalog
+    device: str
+    proto: object | None  # the protocol each checkpoint is checked against
+    seeds: SeedRuns = field(default_factory=SeedRuns)
+    latest: dict[str, ScoreFunction] = field(default_factory=dict)
+    flops: dict[str, int] = field(default_factory=dict)
+    scored: list[RecordedRun] = field(default_factory=list)
+
+    def load(self, s: int, groups: dict[str, list[Path]], base_fns: dict) -> tuple[dict, dict]:
+        """(the round's score functions: `base_fns` and each model's `s`-th checkpoint, where
+        each came from)."""
+        fns = dict(base_fns)
+        sources = dict.fromkeys(fns, ("baseline", None, None))
+        for key, paths in groups.items():
+            if s >= len(paths):
+                continue
+            fn = load_scorer(paths[s], self.feats, self.device, self.catalog)
+            if self.proto is not None:
+                self.proto.check_model(fn.model.cfg, paths[s])
+            name = fn.model.cfg.kind if key.startswith("\0") else key
+            if name in fns:
+                raise ValueError(f"two models are named {name!r}; name them NAME=PATH")
+            fns[name] = self.latest[name] = fn
+            self.flops[name] = fn.model.flops_per_pair()
+            sources[name] = (paths[s].name, fn.history, fn.model.cfg.val_metric)
+        return fns, sources
+
+    def score(self, fns: dict, sources: dict, stages: dict, reference, **options) -> None:
+        """Score the round's models and stages on the test requests (`evaluate` `options`).
+        A reference with fewer seeds than the others serves the later rounds as well, so that
+        every round reports the same metrics; its own metrics count once per checkpoint."""
+        reused = None
+        if reference in self.latest and reference not in fns:
+            fns[reference] = self.latest[reference]
+            reused = reference
+        metrics, ranks, *rows = evaluate(
+            fns,
+            self.feats,
+            split="test",
+            reference=reference if reference in fns else None,
+            return_ranks=True,
+            rerank=stages,
+            return_truth_recall=options["truth"] is not None,
+            **options,
+        )
+        for name in [*fns, *stages]:
+            if name == reused:
+                continue
+            truth_rows = rows[0][name] if rows else None
+            self.seeds.add(name, metrics[name], ranks[name], truth_rows)
+            source, *training = sources.get(name, (name, None, None))  # a stage: FIRST>SECOND
+            self.scored.append(RecordedRun(name, ranks[name], truth_rows, source, *training))
 
 
 def _add_records(
@@ -392,88 +436,3 @@ def _same_training(a: RecordedRun, b: RecordedRun) -> bool:
     """One training scored twice: the same model and checkpoint file, and the same history,
     epoch by epoch (its losses and seconds tell two trainings apart, even of one seed)."""
     return (a.model, a.source, a.history) == (b.model, b.source, b.history)
-
-
-def simulate_funnel(
-    data: Path,
-    retrievers: Sequence[tuple[str, Path]],
-    ranker: Path,
-    *,
-    k: int = 500,
-    slots: int = 4,
-    requests: int = 2000,
-    seed: int = 0,
-    split: str = "leave-last-out",
-    device: str = "cpu",
-) -> dict:
-    """The simulated funnel (`m31.eval.funnel.simulate`) of checkpoints on a synthetic world:
-    each retriever's top `k` eligible ads, ordered by the ranking model `ranker`, `slots` of
-    them shown; conversions drawn from the ground truth. `retrievers`: (name, checkpoint), the
-    first the baseline; the name "" is the checkpoint's model kind."""
-    from m31.data import dataset
-    from m31.eval.funnel import simulate
-    from m31.eval.metrics import topk_rows
-    from m31.pipeline import features_for, funnel_eligibility
-    from m31.world.truth import GroundTruth
-
-    data = Path(data)
-    if not (data / "truth.npz").is_file():
-        raise ValueError(f"{data}: no truth.npz; the funnel needs a synthetic marketplace")
-    feats = features_for(data, split)
-    catalog = Catalog.from_features(feats).to(device)
-    fns = {}
-    for name, path in retrievers:
-        fn = load_scorer(path, feats, device, catalog)
-        name = name or fn.model.cfg.kind
-        if name in fns:
-            raise ValueError(f"two models are named {name!r}; name them NAME=PATH")
-        fns[name] = fn
-    rank = load_scorer(ranker, feats, device, catalog)
-    truth = GroundTruth.from_arrays(dataset.load_truth(data))
-    req = requests_from_split(feats, "test", max_users=requests, seed=seed)
-    eligible = funnel_eligibility(data, feats)
-
-    def retrieve_with(fn):
-        # Retrieval scans only eligible ads, as the index does.
-        return lambda r: topk_rows(np.where(eligible(r.ts), fn(r), -np.inf), k)
-
-    return simulate(
-        {name: retrieve_with(fn) for name, fn in fns.items()},
-        rank.rank,
-        truth,
-        req,
-        k=k,
-        slots=slots,
-        seed=seed,
-        eligible=eligible(req.ts),  # never show an ineligible ad, however few are eligible
-    )
-
-
-def simulate_auction_run(
-    data: Path,
-    model: Path,
-    ranker: Path,
-    cfg,
-    arms=None,
-    split: str = "leave-last-out",
-    device: str = "cpu",
-    log=lambda _: None,
-) -> dict:
-    """The funnel as an auction (`m31.eval.auction.run_auction`) on a synthetic world: the
-    retrieval checkpoint `model` indexes the world's ads with the market's bids, the checkpoint
-    `ranker` (a ranking model, or any model) predicts conversions for the auction."""
-    from m31.data import dataset
-    from m31.eval.auction import ARMS, run_auction
-    from m31.pipeline import features_for
-    from m31.world.truth import GroundTruth
-
-    data = Path(data)
-    if not (data / "truth.npz").is_file():
-        raise ValueError(f"{data}: no truth.npz; the auction needs a synthetic marketplace")
-    feats = features_for(data, split)
-    catalog = Catalog.from_features(feats).to(device)
-    retrieval = load_scorer(model, feats, device, catalog).model
-    rank = load_scorer(ranker, feats, device, catalog)
-    truth = GroundTruth.from_arrays(dataset.load_truth(data))
-    ads = dataset.load(data).ads
-    return run_auction(ads, feats, retrieval, rank.rank, truth, cfg, arms or ARMS, log=log)

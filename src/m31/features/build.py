@@ -36,7 +36,7 @@ engagements only (the user store); saved the same way, without the example files
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -52,13 +52,13 @@ from m31.data.dataset import (
     item_attributes,
     repeat_engagement,
     vocabularies,
-    write_atomic,
 )
 from m31.data.schema import N_AGE_BUCKETS, age_bucket
 from m31.features.attributes import attribute_tokens, token_columns
 from m31.features.cooc import cooc_embeddings
 from m31.features.sequences import EventSequences
 from m31.features.text_encoder import EMBED_DIM
+from m31.files import write_folder_atomic
 
 Progress = Callable[[str, int, int], None]
 SPLITS = ("leave-last-out", "time")
@@ -224,7 +224,7 @@ class Features:
             for name, cols in self.splits.items():
                 pq.write_table(pa.table(cols), tmp / f"{name}.parquet")
 
-        return write_atomic(Path(out), fill, overwrite=overwrite)
+        return write_folder_atomic(Path(out), fill, overwrite=overwrite)
 
     @classmethod
     def load(cls, folder: Path) -> Features:
@@ -285,20 +285,7 @@ def build_features(
     vocab = vocabularies(ds.meta, countries)
     advertiser_vocab, advertiser = _ids(ads_t["advertiser_id"])
     advertiser[advertiser == len(advertiser_vocab)] = -1  # no advertiser
-    cohort_vocab, cohort = _ids(users_t["cohort"])
-    age = users_t["age"]
-    has_age = age.is_valid().to_numpy(zero_copy_only=False)
-    users = {
-        "user_id": user_ids,
-        "cohort": cohort,
-        "age": np.where(has_age, _filled(age, 0), -1).astype(np.int64),  # targeting; -1: null
-        "age_bucket": np.where(has_age, age_bucket(_filled(age, 0)), N_AGE_BUCKETS).astype(
-            np.int64
-        ),
-        "gender": _codes(users_t["gender"], vocab["gender"], "users.gender"),
-        "country": _codes(users_t["country"], countries, "users.country"),
-        "platform": _codes(users_t["platform"], vocab["platform"], "users.platform"),
-    }
+    cohort_vocab, users = _user_columns(users_t, user_ids, vocab, countries)
     topics = ds.meta.get("topics") or []
     org_t = ds.organic
     organic_topic = _col(org_t, "topic").astype(np.int64)
@@ -319,20 +306,10 @@ def build_features(
         "created_at": _filled(ads_t["created_at"], OPEN_START).astype(np.int64),
     }
 
-    ts = _col(events_t, "ts")
     ev = {
         "user": _rows(_col(events_t, "user_id"), u_sorted, u_order, "events.user_id"),
         "item": _rows(_col(events_t, "ad_id"), a_sorted, a_order, "events.ad_id"),
-        "ts": ts,
-        "surface": _codes(events_t["surface"], vocab["surface"], "events.surface"),
-        "hour": np.where(
-            events_t["hour"].is_valid().to_numpy(zero_copy_only=False),
-            _filled(events_t["hour"], 0),
-            (ts % 86_400) // 3600,
-        ).astype(np.int64),
-        "platform": _codes(events_t["platform"], vocab["platform"], "events.platform"),
-        "click": _col(events_t, "click"),
-        "conversion": _col(events_t, "conversion"),
+        **_event_columns(events_t, vocab),
     }
     eng = {k: v[ev["click"]] for k, v in ev.items()}
     split_of, cutoff = _split(eng["user"], eng["item"], eng["ts"], n_u, config)
@@ -360,13 +337,7 @@ def build_features(
         tr["user"], tr["item"], tr["ts"], n_a, config.cooc_dim, config.cooc_window
     )
 
-    text_emb = np.zeros((n_a, EMBED_DIM), dtype=np.float32)  # [A, H]: a null text is zeros
-    has_text = ads_t["text"].is_valid().to_numpy(zero_copy_only=False)
-    if config.text_embeddings and has_text.any():
-        from m31.features.embedding_cache import embed_texts
-
-        texts = pc.drop_null(ads_t["text"]).to_pylist()
-        text_emb[has_text] = embed_texts(texts, cache_dir, progress=progress)
+    text_emb = _text_embeddings(ads_t["text"], config, cache_dir, progress)
 
     kinds = item_attributes(ds.meta)
     attr_tokens = attribute_tokens(
@@ -404,6 +375,55 @@ def build_features(
         splits=splits,
         attr_tokens=attr_tokens,
     )
+
+
+def _user_columns(users_t: pa.Table, user_ids: np.ndarray, vocab: Mapping, countries: tuple):
+    """(the cohorts' vocabulary, the users' columns as codes [U] each): an unknown value is the
+    code after the vocabulary's last, a null age -1 for targeting."""
+    cohort_vocab, cohort = _ids(users_t["cohort"])
+    age = users_t["age"]
+    has_age = age.is_valid().to_numpy(zero_copy_only=False)
+    bucket = np.where(has_age, age_bucket(_filled(age, 0)), N_AGE_BUCKETS)
+    users = {
+        "user_id": user_ids,
+        "cohort": cohort,
+        "age": np.where(has_age, _filled(age, 0), -1).astype(np.int64),  # targeting; -1: null
+        "age_bucket": bucket.astype(np.int64),
+        "gender": _codes(users_t["gender"], vocab["gender"], "users.gender"),
+        "country": _codes(users_t["country"], countries, "users.country"),
+        "platform": _codes(users_t["platform"], vocab["platform"], "users.platform"),
+    }
+    return cohort_vocab, users
+
+
+def _event_columns(events_t: pa.Table, vocab: Mapping) -> dict[str, np.ndarray]:
+    """The events' time, context and outcome columns [n] each; a null hour is the time's."""
+    ts = _col(events_t, "ts")
+    hour = np.where(
+        events_t["hour"].is_valid().to_numpy(zero_copy_only=False),
+        _filled(events_t["hour"], 0),
+        (ts % 86_400) // 3600,
+    )
+    return {
+        "ts": ts,
+        "surface": _codes(events_t["surface"], vocab["surface"], "events.surface"),
+        "hour": hour.astype(np.int64),
+        "platform": _codes(events_t["platform"], vocab["platform"], "events.platform"),
+        "click": _col(events_t, "click"),
+        "conversion": _col(events_t, "conversion"),
+    }
+
+
+def _text_embeddings(text: pa.ChunkedArray, config, cache_dir, progress) -> np.ndarray:
+    """[A, H] the ads' text embeddings (`config.text_embeddings`), a null text zeros."""
+    out = np.zeros((len(text), EMBED_DIM), dtype=np.float32)
+    has_text = text.is_valid().to_numpy(zero_copy_only=False)
+    if config.text_embeddings and has_text.any():
+        from m31.features.embedding_cache import embed_texts
+
+        texts = pc.drop_null(text).to_pylist()
+        out[has_text] = embed_texts(texts, cache_dir, progress=progress)
+    return out
 
 
 def _tiebreak(user: np.ndarray, item: np.ndarray) -> np.ndarray:

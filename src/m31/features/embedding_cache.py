@@ -31,6 +31,12 @@ logger = logging.getLogger(__name__)
 
 Progress = Callable[[str, int, int], None]
 
+
+def embedding_cache_dir() -> Path:
+    """Where text embeddings are cached: $M31_CACHE/embeddings (default ~/.cache/m31)."""
+    return Path(os.environ.get("M31_CACHE", "~/.cache/m31")).expanduser() / "embeddings"
+
+
 DATABASE = "embeddings.sqlite"
 _BUSY_TIMEOUT_S = 60.0  # how long a write waits for another process's transaction to end
 _KEYS_PER_QUERY = 500  # bound parameters per SELECT: under the 999 old SQLite builds allow

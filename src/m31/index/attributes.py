@@ -3,12 +3,11 @@
 Shapes: N rows (cap allocated), M entries of one list field: a (row, word) pair each (Mcap
 allocated), V values in the vocabulary of one field, k rows in one call, m entries in one call.
 
-A schema maps field names to kinds (`KINDS`): int (int64), float (float64), str, and str_list
-(a set of strings). Attributes arrive as rows of plain values (`columns_from_rows`) or as an
-arrow table (`columns_from_arrow`); both check every value and give one arrow table of
-`arrow_schema(schema)`, which `AttributeTable.write` encodes and `AttributeTable.to_arrow`
-decodes. The filter language that runs on the table is `m31.index.filters`; the ad index that
-owns one is `m31.index.ad_index`.
+The table holds the fields of a schema (`m31.index.columns`: kinds, the built-in fields, and the
+checks that give attributes as one arrow table of `arrow_schema(schema)`, which
+`AttributeTable.write` encodes and `AttributeTable.to_arrow` decodes); each list field is a
+`ListColumn` (`m31.index.list_column`). The filter language that runs on the table is
+`m31.index.filters`; the ad index that owns one is `m31.index.ad_index`.
 """
 
 from __future__ import annotations
@@ -21,238 +20,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
+from m31.index.columns import ARROW_TYPES, arrow_schema, check_schema, columns_from_rows
 from m31.index.limits import MAX_VOCABULARY
-
-# Attributes every index has. Schedule and age bounds are nullable (null = open) and may be
-# empty (min > max targets nobody, as the synthetic world draws some); a targeting list that is
-# empty means "no restriction". A null advertiser_id is an ad without an advertiser: no
-# advertiser filter or exclusion ever matches it.
-BASE_FIELDS: dict[str, str] = {
-    "advertiser_id": "int",
-    "status": "str",
-    "schedule_start": "int",  # Unix seconds, eligible from this second on
-    "schedule_end": "int",  # Unix seconds, eligible strictly before it
-    "target_countries": "str_list",
-    "target_age_min": "int",
-    "target_age_max": "int",
-    "target_genders": "str_list",
-    "target_platforms": "str_list",
-    "target_surfaces": "str_list",
-    "tags": "str_list",
-    # The auction's live value (DESIGN §2, "The value term"): the ad's bid, in the value units of
-    # its objective (> 0; null: no bid, which value-aware requests never return), and its pacing
-    # multiplier (0 < pacing <= 1; null: 1). Changing them re-encodes nothing.
-    "bid": "float",
-    "pacing": "float",
-}
-# Base fields that snapshots written before they existed lack: read as null.
-LATER_FIELDS = ("bid", "pacing")
-
-KINDS: tuple[str, ...] = ("int", "float", "str", "str_list")
-ARROW_TYPES: dict[str, pa.DataType] = {
-    "int": pa.int64(),
-    "float": pa.float64(),
-    "str": pa.string(),
-    "str_list": pa.list_(pa.string()),
-}
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-
-
-def _is_int(v: Any) -> bool:
-    return (
-        isinstance(v, int | np.integer)
-        and not isinstance(v, bool | np.bool_)
-        and _INT64_MIN <= v <= _INT64_MAX
-    )
-
-
-def _is_float(v: Any) -> bool:
-    if not isinstance(v, int | float | np.integer | np.floating) or isinstance(v, bool | np.bool_):
-        return False
-    try:
-        float(v)
-    except OverflowError:
-        return False
-    return True
-
-
-def cell_ok(kind: str, v: Any) -> bool:
-    """Whether `v` is a valid non-null attribute value for a field of `kind`."""
-    if kind == "int":
-        return _is_int(v)
-    if kind == "float":
-        return _is_float(v)
-    if kind == "str":
-        return isinstance(v, str)
-    return isinstance(v, list | tuple | set | frozenset) and all(isinstance(w, str) for w in v)
-
-
-def check_schema(schema: Mapping[str, str]) -> dict[str, str]:
-    for name, kind in schema.items():
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"schema: field names must be non-empty strings, got {name!r}")
-        if kind not in KINDS:
-            raise ValueError(f"schema: field {name!r} has unknown kind {kind!r} (one of {KINDS})")
-    return dict(schema)
-
-
-def arrow_schema(schema: Mapping[str, str]) -> pa.Schema:
-    return pa.schema([pa.field(name, ARROW_TYPES[kind]) for name, kind in schema.items()])
-
-
-def columns_from_rows(rows: Sequence[Mapping[str, Any]], schema: Mapping[str, str]) -> pa.Table:
-    """Rows of plain values -> a table of `arrow_schema(schema)`; absent keys are null.
-
-    Each value is type-checked here because pyarrow would silently truncate 1.5 to an int64
-    or split the string "ab" into the list ["a", "b"].
-    """
-    for i, row in enumerate(rows):
-        if not isinstance(row, Mapping):
-            raise ValueError(f"row {i}: expected a dict of attributes, got {type(row).__name__}")
-        unknown = sorted(set(row) - set(schema))
-        if unknown:
-            raise ValueError(f"row {i}: unknown attribute {unknown[0]!r} (known: {sorted(schema)})")
-    arrays = []
-    for name, kind in schema.items():
-        values = [row.get(name) for row in rows]
-        for i, v in enumerate(values):
-            if v is not None and not cell_ok(kind, v):
-                raise ValueError(f"row {i}, attribute {name!r}: {v!r} is not a valid {kind} value")
-        if kind == "str_list":
-            values = [None if v is None else sorted(set(v)) for v in values]
-        arrays.append(pa.array(values, type=ARROW_TYPES[kind]))
-    return pa.Table.from_arrays(arrays, schema=arrow_schema(schema))
-
-
-def _arrow_type_ok(kind: str, t: pa.DataType) -> bool:
-    if kind == "int":
-        return pa.types.is_integer(t)
-    if kind == "float":
-        return pa.types.is_integer(t) or pa.types.is_floating(t)
-    if kind == "str":
-        return pa.types.is_string(t) or pa.types.is_large_string(t)
-    return (pa.types.is_list(t) or pa.types.is_large_list(t)) and _arrow_type_ok(
-        "str", t.value_type
-    )
-
-
-def columns_from_arrow(table: pa.Table, schema: Mapping[str, str]) -> pa.Table:
-    """An arrow table with a subset of the schema's columns -> `arrow_schema(schema)`."""
-    unknown = sorted(set(table.column_names) - set(schema))
-    if unknown:
-        raise ValueError(f"unknown attribute column {unknown[0]!r} (known: {sorted(schema)})")
-    arrays = []
-    for name, kind in schema.items():
-        if name not in table.column_names:
-            arrays.append(pa.nulls(table.num_rows, ARROW_TYPES[kind]))
-            continue
-        col = table.column(name)
-        if not _arrow_type_ok(kind, col.type):
-            raise ValueError(f"attribute column {name!r}: type {col.type} does not fit kind {kind}")
-        try:
-            col = col.cast(ARROW_TYPES[kind])
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
-            raise ValueError(f"attribute column {name!r}: {e}") from e
-        if kind == "str_list" and pc.list_flatten(col).null_count:
-            raise ValueError(f"attribute column {name!r}: lists must not hold nulls")
-        arrays.append(col.combine_chunks())
-    return pa.Table.from_arrays(arrays, schema=arrow_schema(schema))
-
-
-MAX_CACHED_MASKS = 64  # per list field: N bytes each
-
-
-def _ranges(start: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    """[sum(count)] int64: the ranges start[i] .. start[i] + count[i] - 1, one after another."""
-    total = int(count.sum())
-    first = torch.cumsum(count, 0) - count  # [k] where range i begins in the output
-    step = torch.arange(total, device=start.device)  # [total]
-    return torch.repeat_interleave(start - first, count, output_size=total) + step
-
-
-class _Lists:
-    """The sets of one str_list field in CSR form: the codes of each row are `count[row]`
-    consecutive entries of flat arrays, from `start[row]`. Memory grows with the entries (8
-    bytes each) and the rows (12 bytes each), whatever the size of the vocabulary.
-
-    A row's new set may be longer than its old one, so rewriting a row appends its new entries
-    and marks the old ones dead (code -1) rather than shifting every later row; once dead
-    entries are half of all, the next append that needs room drops them instead of growing.
-    """
-
-    def __init__(self, cap: int, device: torch.device):
-        self.codes = torch.zeros(0, dtype=torch.int32, device=device)  # [Mcap]
-        self.owner = torch.zeros(0, dtype=torch.int32, device=device)  # [Mcap] row of each
-        self.start = torch.zeros(cap, dtype=torch.int64, device=device)  # [cap]
-        self.count = torch.zeros(cap, dtype=torch.int32, device=device)  # [cap]
-        self.used = 0  # entries appended, live or dead: the next one goes here
-        self.dead = 0
-        # contains() scans every entry, but requests ask about the same few values (their
-        # country, platform, surface): a row mask per value asked is kept until the next change.
-        self._hits: dict[tuple[int, int], torch.Tensor] = {}
-
-    def reserve_rows(self, cap: int, n: int) -> None:
-        self._hits.clear()
-        for name in ("start", "count"):
-            old = getattr(self, name)
-            grown = torch.zeros(cap, dtype=old.dtype, device=old.device)  # [cap]
-            grown[:n] = old[:n]
-            setattr(self, name, grown)
-
-    def _make_room(self, m: int) -> None:
-        """Room for m more entries after `used`."""
-        if self.used + m <= len(self.codes):
-            return
-        if self.dead * 2 >= self.used:
-            alive = self.codes[: self.used] >= 0  # [M]
-            # Where each old entry lands, plus the end: rows keep their entries contiguous.
-            moved = torch.zeros(self.used + 1, dtype=torch.int64, device=alive.device)  # [M+1]
-            moved[1:] = torch.cumsum(alive, 0)
-            self.start = moved[self.start]
-            self.codes, self.owner = self.codes[: self.used][alive], self.owner[: self.used][alive]
-            self.used, self.dead = len(self.codes), 0
-        if self.used + m > len(self.codes):
-            size = max(self.used + m, 2 * len(self.codes))  # geometric: amortised O(1) copies
-            codes = torch.full((size,), -1, dtype=torch.int32, device=self.codes.device)  # [Mcap]
-            owner = torch.zeros(size, dtype=torch.int32, device=self.codes.device)  # [Mcap]
-            codes[: self.used], owner[: self.used] = (
-                self.codes[: self.used],
-                self.owner[: self.used],
-            )
-            self.codes, self.owner = codes, owner
-
-    def write(self, rows: torch.Tensor, codes: torch.Tensor, where: torch.Tensor) -> None:
-        """Set the sets of distinct rows [k]: entry j holds code codes[j] for row rows[where[j]];
-        (where, codes) pairs are distinct and grouped by `where` in ascending order."""
-        self._hits.clear()
-        old = self.count[rows]  # [k]
-        if bool((old > 0).any()):
-            self.codes[_ranges(self.start[rows], old)] = -1  # a rewritten row loses its words
-            self.dead += int(old.sum())
-        m = len(codes)
-        self._make_room(m)
-        count = torch.bincount(where, minlength=len(rows)).to(torch.int32)  # [k]
-        self.codes[self.used : self.used + m] = codes.to(torch.int32)
-        self.owner[self.used : self.used + m] = rows[where].to(torch.int32)
-        self.start[rows] = self.used + torch.cumsum(count, 0) - count
-        self.count[rows] = count
-        self.used += m
-
-    def gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(codes [m], counts [k]) of rows [k]: their entries, row after row."""
-        count = self.count[rows]  # [k]
-        return self.codes[_ranges(self.start[rows], count)], count
-
-    def contains(self, code: int, n: int) -> torch.Tensor:
-        """[n] bool, the caller's own (a copy: N bytes, against a scan of every entry)."""
-        mask = self._hits.get((code, n))
-        if mask is None:
-            mask = torch.zeros(n, dtype=torch.bool, device=self.codes.device)  # [N]
-            mask[self.owner[: self.used][self.codes[: self.used] == code]] = True
-            if len(self._hits) >= MAX_CACHED_MASKS:
-                self._hits.pop(next(iter(self._hits)))  # the oldest
-            self._hits[(code, n)] = mask
-        return mask.clone()
+from m31.index.list_column import ListColumn
 
 
 class AttributeTable:
@@ -261,7 +31,7 @@ class AttributeTable:
     * int / float fields: values [cap] (int64 / float64) and a validity mask [cap];
     * str fields: int64 codes [cap] into the field's vocabulary (-1 = null), so eq / in compare
       integers;
-    * str_list fields: the codes of each row's words in CSR form (`_Lists`), so memory grows
+    * str_list fields: the codes of each row's words in CSR form (`ListColumn`), so memory grows
       with the words rows hold, not with vocabulary x rows; `contains` compares the flat codes
       with one code and scatters the hits to their rows. Lists are sets: order and repeats are
       not kept, a list reads back sorted, and null reads back as the empty list.
@@ -278,7 +48,7 @@ class AttributeTable:
         self._n = 0
         self._values: dict[str, torch.Tensor] = {}  # [cap] of int, float and str fields
         self._valid: dict[str, torch.Tensor] = {}  # [cap] validity of int and float fields
-        self._lists: dict[str, _Lists] = {}
+        self._lists: dict[str, ListColumn] = {}
         self._vocab: dict[str, dict[str, int]] = {}
         self._words: dict[str, list[str]] = {}
         # A snapshot's vocabulary sizes: it shares the vocabularies of the table it was taken
@@ -286,7 +56,7 @@ class AttributeTable:
         self._sizes: dict[str, int] | None = None
         for name, kind in self.schema.items():
             if kind == "str_list":
-                self._lists[name] = _Lists(self._cap, self.device)
+                self._lists[name] = ListColumn(self._cap, self.device)
             else:
                 self._values[name], self._valid[name] = self._alloc(kind, self._cap)
             if kind in ("str", "str_list"):
@@ -415,7 +185,7 @@ class AttributeTable:
         out._sizes = {}
         for name, kind in self.schema.items():
             if kind == "str_list":
-                src, lists = self._lists[name], _Lists(0, self.device)
+                src, lists = self._lists[name], ListColumn(0, self.device)
                 lists.codes = src.codes[: src.used].clone()
                 lists.owner = src.owner[: src.used].clone()
                 lists.start, lists.count = src.start[:n].clone(), src.count[:n].clone()
@@ -452,7 +222,7 @@ class AttributeTable:
             renumber[held] = torch.arange(len(held), dtype=torch.int32, device=self.device)
             words = [known[c] for c in held.tolist()]
             out._words[name], out._vocab[name] = words, {w: c for c, w in enumerate(words)}
-            lists = _Lists(capacity, self.device)
+            lists = ListColumn(capacity, self.device)
             lists.codes = renumber[codes]  # [m]
             lists.owner = torch.repeat_interleave(
                 torch.arange(k, dtype=torch.int32, device=self.device),
@@ -582,7 +352,7 @@ class AttributeRows:
 def value_term(table: AttributeTable) -> torch.Tensor:
     """[N] fp32: each row's value term log(bid · pacing) (DESIGN §2, "The value term"), pacing
     null read as 1, and 0 for a row without a bid (which value-ranked requests filter out,
-    `m31.engine.requests.HAS_BID`). Computed in fp64 and rounded once."""
+    `m31.engine.prepare.HAS_BID`). Computed in fp64 and rounded once."""
     bid, has_bid = table.numeric("bid")
     pacing, has_pacing = table.numeric("pacing")
     term = torch.log(torch.where(has_bid, bid.double(), 1.0))

@@ -1,11 +1,16 @@
-"""The index's checks of what it is given (ids, vectors, attribute columns), each a pure
-function of its arguments: `AdIndex.check_upsert` and the other `check_*` methods run them, and
-what they return is what a mutation applies (and a `DurableIndex` logs)."""
+"""The index's checks of what it is given (ids, vectors, attribute columns, a snapshot's 8-bit
+rows), each a pure function of its arguments: `AdIndex.check_upsert` and the other `check_*`
+methods run them, and what they return is what a mutation applies (and a `DurableIndex` logs):
+a `CheckedUpsert` or a `CheckedUpdate`.
+
+Shapes: n ads in one call, G gate-key dim, D value dim.
+"""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -13,9 +18,31 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from m31.index.attributes import columns_from_arrow, columns_from_rows
+from m31.index.columns import columns_from_arrow, columns_from_rows
 from m31.index.errors import AdIndexError
 from m31.index.limits import COUNTRY_CODE, COUNTRY_FIELDS, MAX_LIST_VALUES, MAX_VALUE_CHARS
+from m31.ops.quant import Int8Table
+
+
+@dataclass(frozen=True)
+class CheckedUpsert:
+    """An upsert's arguments as `AdIndex.check_upsert` validated them: what is applied (and
+    what a `DurableIndex` logs)."""
+
+    ids: np.ndarray  # [n] int64, distinct
+    g: torch.Tensor  # [n, G] in the table dtype (int8: float32, quantized on apply), on its device
+    x: torch.Tensor  # [n, D]
+    b: torch.Tensor  # [n]
+    columns: pa.Table  # n rows of the attribute schema, normalised
+
+
+@dataclass(frozen=True)
+class CheckedUpdate:
+    """An attribute update as `AdIndex.check_update` validated it."""
+
+    ad_id: int
+    attrs: dict[str, Any]  # the attributes given, normalised as they are stored
+    columns: pa.Table  # the ad's whole new row of attributes (1 row of the schema)
 
 
 def ids_of(ad_ids: Any, what: str = "ad_ids") -> np.ndarray:
@@ -133,7 +160,7 @@ def columns(
     return table
 
 
-# The value fields' ranges (`m31.index.attributes.BASE_FIELDS`): lo < value <= hi.
+# The value fields' ranges (`m31.index.columns.BASE_FIELDS`): lo < value <= hi.
 VALUE_RANGES = {"bid": (0.0, math.inf), "pacing": (0.0, 1.0)}
 
 
@@ -150,3 +177,22 @@ def _check_value_fields(table: pa.Table, ids: np.ndarray) -> None:
             raise AdIndexError(
                 f"attributes: ad {int(ids[i])}: {name} {float(values[i])} is not {want}"
             )
+
+
+def int8_rows(arrays: Mapping[str, np.ndarray], device: torch.device) -> Int8Table:
+    """A snapshot's 8-bit rows (codes and scales as stored, shapes checked by
+    `m31.index.snapshot.read`) on `device`, if every scale is positive and finite, every b
+    finite and no code -128; AdIndexError naming the array and row otherwise."""
+    t = Int8Table(*(torch.from_numpy(arrays[k]).to(device) for k in Int8Table._fields))
+    ok = {"g_scale": t.g_scale > 0, "x_scale": t.x_scale > 0, "b": torch.isfinite(t.b)}
+    for name, good in ok.items():
+        bad = ~(good & torch.isfinite(getattr(t, name)))
+        if bad.any():
+            row = int(bad.nonzero()[0])
+            want = "a finite number" if name == "b" else "a positive finite scale"
+            raise AdIndexError(
+                f"{name}: row {row} holds {float(getattr(t, name)[row])}, not {want}"
+            )
+    if (t.g == -128).any() or (t.x == -128).any():
+        raise AdIndexError("g, x: an int8 code of -128 (the symmetric range is ±127)")
+    return t

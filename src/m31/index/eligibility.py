@@ -27,8 +27,10 @@ takes as it is.
   next write.
 
 A request's mask is `live & active & schedule(ts) & ages(age) & filter & AND over the targeting
-lists of (empty | holds(value))`. Requests of a batch with the same key (targeting context,
-second, filter) share one computation and one bitmap; exclusions come last, per request.
+lists of (empty | holds(value))`, evaluated against a `RequestContext`. Requests of a batch
+with the same key (targeting context, second, filter) share one computation and one bitmap;
+exclusions come last, per request. `m31.index.testing.reference_mask` is the definition from the
+attribute columns that the bitmaps are tested against.
 
 `AdIndex` (`m31.index.ad_index`) updates its `Eligibility` with every mutation and gives each
 `frozen_view` a copy of it, made once per version like the copy of the attributes. A predicate
@@ -40,7 +42,8 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,6 +51,22 @@ import torch
 from m31.index.attributes import AttributeTable
 from m31.index.filters import CompiledFilter, Node, Predicate, compile_filter
 from m31.ops.masks import PackedMask, n_bytes, pack
+
+
+@dataclass(frozen=True)
+class RequestContext:
+    """Who asks and where: what eligibility is evaluated against. None = unknown, which only
+    ads without that restriction accept."""
+
+    country: str | None
+    age: int | None
+    gender: str | None
+    platform: str | None
+    surface: str | None
+    ts: int  # Unix seconds
+    exclude_ads: Sequence[int] = ()  # e.g. already shown
+    exclude_advertisers: Sequence[int] = ()  # e.g. blocked by the user
+
 
 # Fields with a bitmap per value. Their vocabularies are bounded: closed ones, and at most 676
 # two-letter country codes (`m31.index.limits.COUNTRY_CODE`).
@@ -118,6 +137,13 @@ def _scheduled(table, ts: int) -> torch.Tensor:
     start, has_start = table.numeric("schedule_start")
     end, has_end = table.numeric("schedule_end")
     return (~has_start | (start <= ts)) & (~has_end | (ts < end))
+
+
+def _key(request: RequestContext, filter_key: Hashable) -> Hashable:
+    """What requests that share one eligibility bitmap have in common: the targeting context,
+    the second and the filter (not the exclusions, which come after)."""
+    r = request
+    return (r.country, r.age, r.gender, r.platform, r.surface, int(r.ts), filter_key)
 
 
 class _Family:
@@ -311,10 +337,14 @@ class Eligibility:
         return bits
 
     def key_bits(
-        self, request, filter_fn: CompiledFilter | None, attrs: AttributeTable, n: int
+        self,
+        request: RequestContext,
+        filter_fn: CompiledFilter | None,
+        attrs: AttributeTable,
+        n: int,
     ) -> Bitmap:
-        """[W] the rows eligible for `request` (a `RequestContext`) and `filter_fn`, before the
-        request's exclusions."""
+        """[W] the rows eligible for `request` and `filter_fn`, before the request's
+        exclusions."""
         self.key_masks += 1
         active = self._families["status"].get("active")
         if active is None:
@@ -341,7 +371,7 @@ class Eligibility:
 
     def masks(
         self,
-        requests: Sequence,
+        requests: Sequence[RequestContext],
         filters: Sequence[CompiledFilter | None],
         attrs: AttributeTable,
         row_ids: torch.Tensor,
@@ -355,8 +385,7 @@ class Eligibility:
         which: list[int] = []
         for request, filter_fn in zip(requests, filters, strict=True):
             f_key = None if filter_fn is None else filter_fn.key
-            key = (request.country, request.age, request.gender, request.platform,
-                   request.surface, int(request.ts), f_key)  # fmt: skip
+            key = _key(request, f_key)
             if key not in keys:
                 keys[key] = len(maps)
                 maps.append(self.key_bits(request, filter_fn, attrs, n))
@@ -381,51 +410,3 @@ class Eligibility:
         empty = torch.zeros(0, self.width, dtype=torch.uint8, device=self.device)
         bits = torch.stack(maps) if maps else empty  # [U, W]
         return PackedMask(bits, torch.tensor(which, dtype=torch.int64, device=self.device), n)
-
-
-def reference_mask(index, request, filter_fn: CompiledFilter | Mapping | None) -> torch.Tensor:
-    """The eligibility mask [N] of `index` (an `AdIndex`) for `request` (a `RequestContext`)
-    from the attribute columns alone: the definition the bitmaps of this module keep (tests
-    compare the two)."""
-    if isinstance(filter_fn, Mapping):
-        filter_fn = compile_filter(filter_fn, index._schema)
-    attrs, n = index._attrs, index._n
-    mask = index._live[:n].clone()  # [N]
-    active = attrs.code("status", "active")
-    if active is None:
-        return torch.zeros_like(mask)
-    mask &= attrs.codes("status") == active
-    ts = int(request.ts)
-    start, has_start = attrs.numeric("schedule_start")
-    end, has_end = attrs.numeric("schedule_end")
-    mask &= ~has_start | (start <= ts)
-    mask &= ~has_end | (ts < end)
-    lo, has_lo = attrs.numeric("target_age_min")
-    hi, has_hi = attrs.numeric("target_age_max")
-    if request.age is None:
-        mask &= ~has_lo & ~has_hi
-    else:
-        mask &= (~has_lo | (lo <= int(request.age))) & (~has_hi | (int(request.age) <= hi))
-    for name, value in (
-        ("target_countries", request.country),
-        ("target_genders", request.gender),
-        ("target_platforms", request.platform),
-        ("target_surfaces", request.surface),
-    ):
-        mask &= ~attrs.nonempty(name) | attrs.contains(name, value)
-    if len(request.exclude_ads):
-        # By id over the rows, not through the id -> row map, so that a frozen view needs
-        # no copy of that map; rows of other versions of an ad are not live anyway.
-        excluded = torch.tensor(
-            [int(a) for a in request.exclude_ads], dtype=torch.int64, device=index.device
-        )
-        mask &= ~torch.isin(index._row_ids[:n], excluded)
-    if len(request.exclude_advertisers):
-        blocked = torch.tensor(
-            [int(a) for a in request.exclude_advertisers], dtype=torch.int64, device=index.device
-        )
-        advertiser, has_advertiser = attrs.numeric("advertiser_id")
-        mask &= ~(has_advertiser & torch.isin(advertiser, blocked))
-    if filter_fn is not None:
-        mask &= filter_fn(attrs)
-    return mask

@@ -26,19 +26,24 @@ same filter over per-predicate row bitmaps and share them between requests. `eva
 the plain-Python definition of the same semantics:
 a null value never equals, lies in or contains anything (so `not` of such a predicate holds),
 and a value the table has never seen simply matches nothing.
+
+What the engine adds to a request's filter is typed, not JSON: `with_clauses` compiles a
+request's filter with clauses (`HasValue`, `NoneOf`) into one `CompiledFilter`, the clauses
+outside the request's own limits.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from m31.index.attributes import AttributeTable, cell_ok, check_schema
+from m31.index.attributes import AttributeTable
+from m31.index.columns import cell_ok, check_schema
 from m31.index.limits import COUNTRY_CODE, COUNTRY_FIELDS
 
 _ARGS = {
@@ -122,6 +127,50 @@ def compile_filter(expr: Any, schema: Mapping[str, str]) -> CompiledFilter:
             "on one field under one any count once: give the values as one in list)"
         )
     return CompiledFilter(node)
+
+
+@dataclass(frozen=True)
+class HasValue:
+    """A clause the engine adds to a request's filter: rows whose `field` holds a value (not
+    null). Ranking by value asks it of the bid (`m31.engine.requests.RANKS`)."""
+
+    field: str
+
+
+@dataclass(frozen=True)
+class NoneOf:
+    """A clause the engine adds to a request's filter: rows whose `field` is none of `values`
+    (a null is none of them). A frequency cap per campaign leaves out the capped campaigns."""
+
+    field: str
+    values: tuple[int | float | str, ...]
+
+
+# A typed clause: built by the engine from a request's options, never parsed from JSON
+Clause = HasValue | NoneOf
+
+
+def with_clauses(
+    base: CompiledFilter | None, clauses: Sequence[Clause], schema: Mapping[str, str]
+) -> CompiledFilter | None:
+    """`base` (a request's own filter, or None) and every clause, as one compiled filter (None
+    when there is neither). The request's own filter keeps its limits (`compile_filter`); the
+    clauses are the engine's, outside them."""
+    schema = check_schema(schema)
+    nodes: list[Node] = [] if base is None else [base.node]
+    for clause in clauses:
+        where = f"clause {clause!r}"
+        if isinstance(clause, HasValue):
+            nodes.append(_predicate("range", [clause.field, None, None], schema, where))
+        elif isinstance(clause, NoneOf):
+            nodes.append(
+                ("not", _predicate("in", [clause.field, list(clause.values)], schema, where))
+            )
+        else:
+            raise TypeError(f"not a filter clause: {clause!r}")
+    if not nodes:
+        return None
+    return CompiledFilter(nodes[0] if len(nodes) == 1 else ("all", tuple(nodes)))
 
 
 def check_size(expr: Any) -> None:

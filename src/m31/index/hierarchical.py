@@ -104,8 +104,13 @@ class Clusters:
         return out
 
     def save(self, folder: Path) -> None:
-        np.savez(Path(folder) / FILE, centroids=self.centroids.numpy(), ids=self.ids,
-                 cluster=self.cluster, dim_g=np.int64(self.dim_g))  # fmt: skip
+        np.savez(
+            Path(folder) / FILE,
+            centroids=self.centroids.numpy(),
+            ids=self.ids,
+            cluster=self.cluster,
+            dim_g=np.int64(self.dim_g),
+        )
 
     @classmethod
     def load(cls, folder: Path) -> Clusters | None:

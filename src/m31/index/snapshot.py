@@ -15,21 +15,15 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import torch
 
-from m31.data.dataset import DatasetError, write_atomic
-from m31.index.attributes import BASE_FIELDS, KINDS, LATER_FIELDS
+from m31.files import WriteRefused, write_folder_atomic
+from m31.index.ad_table import TABLE_DTYPES
+from m31.index.columns import BASE_FIELDS, KINDS, LATER_FIELDS
 from m31.index.errors import AdIndexError
 
 FORMAT = "m31.ad_index"
 FORMAT_VERSION = 1
-DTYPES = {  # the table dtypes a snapshot may hold, by their manifest name
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-    "int8": torch.int8,
-}
-# bf16 and fp16 tables are stored as float32 .npy (exact: both are subsets of float32), so
+# A bf16 table is stored as float32 .npy (exact: bf16 is a subset of float32), so
 # that numpy alone reads a snapshot; the manifest's "dtype" says what to cast back to. An int8
 # table is stored as its codes and per-row scales, so a snapshot reloads to the same bytes.
 _NPY = {"g": np.float32, "x": np.float32, "b": np.float32, "ids": np.int64}
@@ -73,8 +67,8 @@ def write(
             beside(tmp)
 
     try:
-        return write_atomic(Path(path), fill, overwrite=overwrite)
-    except DatasetError as e:
+        return write_folder_atomic(Path(path), fill, overwrite=overwrite)
+    except WriteRefused as e:
         raise AdIndexError(str(e)) from e
 
 
@@ -148,8 +142,8 @@ def read_manifest(path: str | Path) -> dict:
     for key, t in types.items():
         if not isinstance(manifest.get(key), t) or isinstance(manifest.get(key), bool):
             raise AdIndexError(f"{file}: {key!r} missing or not a {t.__name__}")
-    if manifest["dtype"] not in DTYPES:
-        raise AdIndexError(f"{file}: dtype {manifest['dtype']!r} not one of {list(DTYPES)}")
+    if manifest["dtype"] not in TABLE_DTYPES:
+        raise AdIndexError(f"{file}: dtype {manifest['dtype']!r} not one of {list(TABLE_DTYPES)}")
     fields = manifest["fields"]
     lacks = [k for k, v in BASE_FIELDS.items() if fields.get(k) != v]
     if any(k not in LATER_FIELDS or k in fields for k in lacks) or any(

@@ -18,7 +18,7 @@ import torch
 from m31.data.dataset import VOCABULARIES
 from m31.data.schema import N_AGE_BUCKETS
 from m31.features import Features
-from m31.files import write_atomic
+from m31.files import write_file_atomic
 from m31.model.config import ModelConfig
 from m31.model.dense import DenseModel
 from m31.model.ranking import RankingModel
@@ -111,8 +111,8 @@ def save_checkpoint(path: Path, model, feats: Features, history: list[dict]) -> 
 
 
 def save_atomic(blob: dict, path: Path) -> Path:
-    """`torch.save(blob)` to `path`, whole or not at all (`m31.files.write_atomic`)."""
-    return write_atomic(path, lambda f: torch.save(blob, f))
+    """`torch.save(blob)` to `path`, whole or not at all (`m31.files.write_file_atomic`)."""
+    return write_file_atomic(path, lambda f: torch.save(blob, f))
 
 
 def load_checkpoint(path: Path, feats: Features | None = None, device: str | torch.device = "cpu"):

@@ -182,8 +182,11 @@ def inline_requests(
             org[i, -len(topics) :] = topics
 
     demographics = {
-        "cohort": cohort, "age_bucket": age_bucket, "gender": gender, "country": country
-    }  # fmt: skip
+        "cohort": cohort,
+        "age_bucket": age_bucket,
+        "gender": gender,
+        "country": country,
+    }
     context = {"surface": surface, "hour": hour, "platform": platform}
     return request_inputs(demographics, ts, context, items, hist_surface, hist_ts, org)
 

@@ -3,10 +3,12 @@
 Shapes: B requests, N ads, E experts, G gate-key dim, D value dim, K results.
 
 Implementations of one contract (exact top-K, ties to the lower row):
-* `torch`  — the chunked plain-PyTorch reference (`torch_score_topk`), the definition of correct;
+* `torch`  — the chunked plain-PyTorch reference (`m31.ops.reference`: `torch_score_topk`), the
+  definition of correct;
 * `cpu`    — blocked bf16 (8-bit tables: int8) products, proven bounds, a threshold top-K
   (`m31.ops.cpu`: `cpu_score_topk`, `cpu_score_topk_int8`);
-* `triton` — the fused GPU kernel (`triton_score_topk`); on CPU only under `TRITON_INTERPRET=1`.
+* `triton` — the fused GPU kernel (`m31.ops.triton`: `triton_score_topk`,
+  `triton_score_topk_int8`); on CPU only under `TRITON_INTERPRET=1`.
 `kernel="auto"` takes triton for CUDA tensors and cpu otherwise. An 8-bit table
 (`m31.ops.quant.Int8Table`) is scored as its dequantized table; the `cpu` and `triton` kernels
 read it as stored (8-bit products), the reference dequantizes it.
@@ -19,9 +21,10 @@ import os
 
 import torch
 
+from m31.ops.contract import NO_ROW, NonFiniteQueryError, check_args
 from m31.ops.masks import PackedMask
 from m31.ops.quant import Int8Table
-from m31.ops.torch_score_topk import NO_ROW, NonFiniteQueryError, check_args, torch_score_topk
+from m31.ops.reference.score_topk import torch_score_topk
 
 KERNELS = ("torch", "cpu", "triton")
 
@@ -72,7 +75,7 @@ def score_topk(
     rows [B, min(k, N)] int64), best first; a request with fewer eligible ads than that ends in
     rows NO_ROW (-1). `kernel`: auto, or one of KERNELS (see the module docstring). `value`:
     None, or fp32 [N], one more per-ad column that every kernel adds to the bias as it streams
-    the table (`m31.ops.torch_score.value_bias`: the score is then s + value up to one fp32
+    the table (`m31.ops.reference.score.value_bias`: the score is then s + value up to one fp32
     rounding of b + value; DESIGN §2, "The value term").
 
     Every kernel scores the fp32 query against the table's values as stored (products summed in
@@ -100,11 +103,11 @@ def score_topk(
     check_args(q, v, p, g, x, b, mask, k, value)
     name = _pick(kernel, g.device)
     if name == "triton":
-        from m31.ops import triton_score_topk as tr
+        from m31.ops.triton import triton_score_topk, triton_score_topk_int8
 
         if quantized:
-            return tr.triton_score_topk_int8(q, v, p, ad_table, mask, k, value=value)
-        return tr.triton_score_topk(q, v, p, g, x, b, mask, k, value=value)
+            return triton_score_topk_int8(q, v, p, ad_table, mask, k, value=value)
+        return triton_score_topk(q, v, p, g, x, b, mask, k, value=value)
     if name == "cpu":
         from m31.ops.cpu import cpu_score_topk, cpu_score_topk_int8
 

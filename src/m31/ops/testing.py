@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from m31.ops.torch_score import score
-from m31.ops.torch_score_topk import NO_ROW
+from m31.ops.contract import NO_ROW
+from m31.ops.reference.score import score
 
 # Both sides read the same bf16 (or dequantized 8-bit) table, the reference in fp32; a kernel may
 # round the query to bf16 (about 2^-9 relative), and a real bug moves scores by O(1) at the unit

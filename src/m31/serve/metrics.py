@@ -41,8 +41,8 @@ class Metrics:
         self.index_version = Gauge("m31_index_version", "index version", registry=r)
         self.ready = Gauge("m31_ready", "1 once the index is loaded", registry=r)
 
-    def index_gauges(self, service) -> None:
-        """Size, rows and version of the served index, as the service last knew them."""
-        self.index_ads.set(service.ads)
-        self.index_rows.set(service.rows)
-        self.index_version.set(service.version)
+    def index_gauges(self, backend) -> None:
+        """Size, rows and version of the served index, as the backend last knew them."""
+        self.index_ads.set(backend.ads)
+        self.index_rows.set(backend.rows)
+        self.index_version.set(backend.version)

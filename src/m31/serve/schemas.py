@@ -23,8 +23,8 @@ from pydantic import (
     model_validator,
 )
 
-from m31.data.schema import STATUSES
 from m31.index.filters import check_size
+from m31.vocabularies import STATUSES
 
 MAX_K = 4096  # results per request
 MAX_REQUESTS = 1024  # requests per call

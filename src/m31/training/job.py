@@ -129,11 +129,9 @@ def train_checkpoint(
     gives the base's kind. `device` None: cuda when present. `resume`: go on from the state a
     stopped training of the same job left (`resume_path(out)`), if there is one; the result is
     the one an unstopped training gives."""
-    from m31.eval.runs import load_scorer
-    from m31.model import model_preset, save_checkpoint
+    from m31.features.folder import features_for
+    from m31.model import save_checkpoint
     from m31.model.checkpoint import features_fingerprint, save_atomic, split_fingerprint
-    from m31.model.towers import idle_inputs
-    from m31.pipeline import features_for
     from m31.progress import progress_bar
     from m31.training.train import default_device, train
 
@@ -141,32 +139,15 @@ def train_checkpoint(
     with bar:
         feats = features_for(data, split, progress=callback)
     log(f"features: {feats.describe()}")
-    for family, what in idle_inputs(cfg.experts, feats).items():
-        k = cfg.experts[family]
-        log(f"note: the {family} family ({k} slot{'s' if k != 1 else ''}): {what}")
+    _note_idle(cfg, feats, log)
     at = device if device is not None else default_device()
-    retrievers = {}
-    for option, path in (("--hard-negatives", hard_negatives), ("--base", base)):
-        if path is not None:
-            retrievers[option] = load_scorer(path, feats, at)
-            if retrievers[option].model.cfg.kind == "ranking":
-                raise ValueError(
-                    f"{option}: {path} is a ranking model; give a moe or two-tower checkpoint"
-                )
+    retrievers = _retrievers(feats, at, hard_negatives=hard_negatives, base=base)
     base_model = retrievers["--base"].model if base is not None else None
     if base_model is not None:
-        # it validates on the base's top ads only, so on as many requests as a retrieval model
-        val = model_preset(preset, base_model.cfg.kind).val_requests
-        cfg = cfg.with_overrides(ranking_base=base_model.cfg.to_dict(), val_requests=val)
+        cfg = _on_base(cfg, base_model, preset)
     state_file = resume_path(out)
     trained_on = (features_fingerprint(feats), split_fingerprint(feats))
-    state = _stopped_state(state_file, trained_on, at) if resume else None
-    if state is not None:
-        log(f"resuming {state_file} after epoch {state['epoch']} ({state['seconds']:.0f} s)")
-    elif resume:
-        log(f"no stopped training at {state_file}: training from the start")
-    elif state_file.is_file():
-        log(f"{state_file}: a stopped training's state, replaced (--resume goes on from it)")
+    state = _resumed(state_file, trained_on, at, resume, log)
     earlier = 0.0 if state is None else state["seconds"]
     start = time.perf_counter()
 
@@ -178,10 +159,17 @@ def train_checkpoint(
         )
 
     model, history = train(
-        cfg, feats, device=device, log=log, progress=progress,
-        retriever=retrievers.get("--hard-negatives"), base=base_model,
-        on_best=lambda m, h: save_checkpoint(out, m, feats, h), on_epoch=on_epoch, resume=state,
-    )  # fmt: skip
+        cfg,
+        feats,
+        device=device,
+        log=log,
+        progress=progress,
+        retriever=retrievers.get("--hard-negatives"),
+        base=base_model,
+        on_best=lambda m, h: save_checkpoint(out, m, feats, h),
+        on_epoch=on_epoch,
+        resume=state,
+    )
     save_checkpoint(out, model, feats, history)
     trained = Trained(model, history, cfg, earlier + time.perf_counter() - start)
     if trained.stopped_early:
@@ -192,6 +180,54 @@ def train_checkpoint(
             "without a validation gain could end it; --resume with more --epochs goes on from it"
         )
     return trained
+
+
+def _note_idle(cfg: ModelConfig, feats, log) -> None:
+    """Say which expert families have nothing to read in these features."""
+    from m31.model.towers import idle_inputs
+
+    for family, what in idle_inputs(cfg.experts, feats).items():
+        k = cfg.experts[family]
+        log(f"note: the {family} family ({k} slot{'s' if k != 1 else ''}): {what}")
+
+
+def _retrievers(feats, device, **paths: Path | None) -> dict:
+    """The retrieval models a ranking model's training reads, by option (`--hard-negatives`,
+    `--base`): checkpoints of these features, never ranking models."""
+    from m31.eval.runs import load_scorer
+
+    retrievers = {}
+    for name, path in paths.items():
+        option = "--" + name.replace("_", "-")
+        if path is None:
+            continue
+        retrievers[option] = load_scorer(path, feats, device)
+        if retrievers[option].model.cfg.kind == "ranking":
+            raise ValueError(
+                f"{option}: {path} is a ranking model; give a moe or two-tower checkpoint"
+            )
+    return retrievers
+
+
+def _on_base(cfg: ModelConfig, base_model, preset: str) -> ModelConfig:
+    """A ranking model's config over `base_model`: it validates on the base's top ads only,
+    so on as many requests as `preset` gives a retrieval model of the base's kind."""
+    from m31.model import model_preset
+
+    val = model_preset(preset, base_model.cfg.kind).val_requests
+    return cfg.with_overrides(ranking_base=base_model.cfg.to_dict(), val_requests=val)
+
+
+def _resumed(state_file: Path, trained_on: tuple, device, resume: bool, log) -> dict | None:
+    """The stopped training's state to go on from (None: train from the start), said."""
+    state = _stopped_state(state_file, trained_on, device) if resume else None
+    if state is not None:
+        log(f"resuming {state_file} after epoch {state['epoch']} ({state['seconds']:.0f} s)")
+    elif resume:
+        log(f"no stopped training at {state_file}: training from the start")
+    elif state_file.is_file():
+        log(f"{state_file}: a stopped training's state, replaced (--resume goes on from it)")
+    return state
 
 
 def _stopped_state(path: Path, trained_on: tuple, device) -> dict | None:

@@ -80,7 +80,7 @@ def choose(data: Path, kind: str, feats=None) -> Recipe:
     experts = None
     if kind == "moe":
         if feats is None:
-            from m31.pipeline import features_for
+            from m31.features.folder import features_for
 
             feats = features_for(data)
         slots = dict(model_preset(preset, kind).experts)

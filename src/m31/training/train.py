@@ -6,10 +6,11 @@ Retrieval models train with a sampled softmax over in-batch and uniform negative
 correction (a candidate's logit minus the log-probability that sampling put it in the set),
 plus the gate's load-balancing term; with `loss="full"`, the softmax over every ad of the
 catalogue instead (cross-entropy, nothing sampled, so no correction); or, with `loss="bce"`,
-SASRec's binary cross-entropy of each target against one uniformly drawn negative
-(`bce_loss`). The ranking model trains the same way, but scores each request against its own
-small candidate set (its positive, other requests' positives, uniform negatives), since every
-(request, ad) pair costs it a full forward pass; so does the dense interaction model. Such negatives are easy; where the ranking
+SASRec's binary cross-entropy of each target against one uniformly drawn negative (each batch's
+loss: `m31.training.losses`). The ranking model trains the same way, but scores each request
+against its own small candidate set (its positive, other requests' positives, uniform
+negatives), since every (request, ad) pair costs it a full forward pass; so does the dense
+interaction model. Such negatives are easy; where the ranking
 model re-ranks a retrieval model's top candidates it meets hard ones, so it can also draw
 `ranking_hard` negatives per request from that model's top `ranking_hard_pool` ads for the
 request (`hard_negative_pool`, computed once before training).
@@ -35,11 +36,12 @@ import copy
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from m31.data.dataset import repeat_engagement
 from m31.eval import evaluate
@@ -48,13 +50,8 @@ from m31.model.checkpoint import build_model, vocab_sizes
 from m31.model.config import ModelConfig
 from m31.model.inference import ScoreFunction
 from m31.model.inputs import Catalog, RequestInputs, make_requests
-from m31.model.retrieval import (
-    RetrievalModel,
-    balance_loss,
-    expert_usage,
-    sampled_softmax_loss,
-)
-from m31.ops import score
+from m31.model.retrieval import RetrievalModel, expert_usage
+from m31.training.losses import draw, position_loss, ranking_loss, retrieval_loss
 
 Log = Callable[[str], None]
 
@@ -169,18 +166,105 @@ def train(
     for the MoE the experts' usage; for a ranking model with a base it starts with epoch 0, the
     base alone (loss None).
     """
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
     device = torch.device(device) if device is not None else default_device()
     torch.manual_seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
+    run = _start(cfg, feats, device, rng, retriever, base, log, progress)
+    split = feats.splits["train"]
+    n = len(split["user"])
+    examples = _anchors(split, cfg.max_len) if cfg.trains_every_position else np.arange(n)
+    metric = cfg.val_metric
+    history: list[dict] = []
+    best, best_state, bad_epochs, first = -1.0, None, 0, 0
+    if resume is not None:
+        first, best, best_state, bad_epochs, history = _restore(
+            resume, cfg, run.model, run.opt, run.rng
+        )
+    with run.bar:
+        if base is not None and resume is None:  # epoch 0: the base's order, the one to beat
+            run.model.eval()
+            val = run.validate("epoch 0")
+            history.append({"epoch": 0, "loss": None, **{f"val_{k}": v for k, v in val.items()}})
+            log(f"epoch 0 (the base alone): val HR@10 {val['hr@10']:.4f}, HR@50 {val['hr@50']:.4f}")
+            best, best_state = val[metric], copy.deepcopy(run.model.state_dict())
+        for epoch in range(first, cfg.epochs):
+            if bad_epochs >= cfg.patience:  # a resumed training that had stopped early
+                break
+            entry = _epoch(run, examples, epoch)
+            history.append(entry)
+            log(_epoch_line(entry, metric))
+            if entry[f"val_{metric}"] > best:
+                best, best_state, bad_epochs = entry[f"val_{metric}"], run.weights(), 0
+                if on_best is not None:
+                    on_best(run.model, history)
+            else:
+                bad_epochs += 1
+            if on_epoch is not None:
+                on_epoch(run.state(epoch + 1, history, best, best_state, bad_epochs))
+            if bad_epochs >= cfg.patience:
+                log(f"early stop: no validation gain for {cfg.patience} epochs")
+                break
+    run.model.load_state_dict(best_state)
+    run.model.eval()
+    return run.model, history
+
+
+@dataclass
+class _Run:
+    """What one training holds while it runs: the model and its optimizer, the generator its
+    negatives and batches are drawn from, the in-batch sampling probabilities `pop` [A], the
+    hard negatives' pool of each example (or None) and the progress bar."""
+
+    cfg: ModelConfig
+    feats: Features
+    device: torch.device
+    catalog: Catalog
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    rng: np.random.Generator
+    pop: np.ndarray
+    hard: np.ndarray | None
+    exclude_seen: bool
+    bar: Any
+
+    def weights(self) -> dict:
+        return copy.deepcopy(self.model.state_dict())
+
+    def validate(self, title: str) -> dict:
+        """`_validate` with its own line on the progress bar: over a large catalogue, every
+        validation request's full ranking can take longer than the epoch's training."""
+        task = self.bar.add_task(f"{self.cfg.kind} {title}: validation", total=None, note="")
+        val = _validate(
+            self.model,
+            self.feats,
+            self.catalog,
+            self.cfg,
+            self.exclude_seen,
+            progress=lambda _, done, total: self.bar.update(task, completed=done, total=total),
+        )
+        self.bar.remove_task(task)
+        return val
+
+    def state(self, epoch: int, history, best, best_state, bad_epochs) -> dict:
+        """All a stopped training needs to go on after `epoch` (`train`'s `on_epoch`)."""
+        cuda = self.device.type == "cuda"
+        return {
+            "config": self.cfg.to_dict(),
+            "epoch": epoch,
+            "history": history,
+            "model": self.model.state_dict(),
+            "optimizer": self.opt.state_dict(),
+            "best": best,
+            "best_state": best_state,
+            "bad_epochs": bad_epochs,
+            "numpy_rng": self.rng.bit_generator.state,
+            "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if cuda else None,
+        }
+
+
+def _start(cfg, feats, device, rng, retriever, base, log: Log, progress: bool) -> _Run:
+    """The model (with its base's weights), its optimizer and what its batches draw from."""
     catalog = Catalog.from_features(feats).to(device)
     model = build_model(
         cfg, vocab_sizes(feats), feats.text_emb.shape[1], feats.cooc_emb.shape[1]
@@ -194,17 +278,17 @@ def train(
     trainable = [p for p in model.parameters() if p.requires_grad]
     # fused: one pass over each tensor, the same update (DESIGN §3)
     opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
-    train_split = feats.splits["train"]
-    n, n_ads = len(train_split["user"]), feats.n_ads
+    split = feats.splits["train"]
+    n = len(split["user"])
     if n == 0:
         raise ValueError("the train split is empty")
     exclude_seen = (
         not repeat_engagement(feats.meta) if cfg.val_exclude_seen is None else cfg.val_exclude_seen
     )
-    pop = np.bincount(train_split["item"], minlength=n_ads) / n  # in-batch sampling probability
-    hard = None  # [n, pool] the hard negatives' pool of each example
+    pop = np.bincount(split["item"], minlength=feats.n_ads) / n  # in-batch sampling probability
     if (cfg.ranking_hard > 0) != (retriever is not None):
         raise ValueError("hard negatives need both cfg.ranking_hard > 0 and a retriever")
+    hard = None  # [n, pool] the hard negatives' pool of each example
     if retriever is not None:
         start = time.perf_counter()
         hard = hard_negative_pool(retriever, feats, cfg.ranking_hard_pool)
@@ -212,14 +296,22 @@ def train(
             f"hard negatives: {cfg.ranking_hard} per request from the retriever's top "
             f"{cfg.ranking_hard_pool} ({time.perf_counter() - start:.0f} s)"
         )
-    examples = _anchors(train_split, cfg.max_len) if cfg.trains_every_position else np.arange(n)
-    steps = math.ceil(len(examples) / cfg.batch_size)
-    metric = cfg.val_metric
-    history: list[dict] = []
-    best, best_state, bad_epochs, first = -1.0, None, 0, 0
-    if resume is not None:
-        first, best, best_state, bad_epochs, history = _restore(resume, cfg, model, opt, rng)
-    bar = Progress(
+    return _Run(
+        cfg, feats, device, catalog, model, opt, rng, pop, hard, exclude_seen, _bar(progress)
+    )
+
+
+def _bar(progress: bool):
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    return Progress(
         TextColumn("{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
@@ -230,97 +322,72 @@ def train(
         transient=True,
     )
 
-    def validate(title: str) -> dict:
-        """`_validate` with its own line on the progress bar: over a large catalogue, every
-        validation request's full ranking can take longer than the epoch's training."""
-        task = bar.add_task(f"{cfg.kind} {title}: validation", total=None, note="")
-        val = _validate(
-            model, feats, catalog, cfg, exclude_seen,
-            progress=lambda _, done, total: bar.update(task, completed=done, total=total),
-        )  # fmt: skip
-        bar.remove_task(task)
-        return val
 
-    with bar:
-        if base is not None and resume is None:  # epoch 0: the base's order, the one to beat
-            model.eval()
-            val = validate("epoch 0")
-            history.append({"epoch": 0, "loss": None, **{f"val_{k}": v for k, v in val.items()}})
-            log(f"epoch 0 (the base alone): val HR@10 {val['hr@10']:.4f}, HR@50 {val['hr@50']:.4f}")
-            best, best_state = val[metric], copy.deepcopy(model.state_dict())
-        for epoch in range(first, cfg.epochs):
-            if bad_epochs >= cfg.patience:  # a resumed training that had stopped early
-                break
-            task = bar.add_task(f"{cfg.kind} epoch {epoch + 1}/{cfg.epochs}", total=steps, note="")
-            model.train()
-            start, losses, gates = time.perf_counter(), [], []
-            perm = rng.permutation(examples)
-            for step in range(steps):
-                rows = perm[step * cfg.batch_size : (step + 1) * cfg.batch_size]
-                r = requests_for(feats, train_split, rows, cfg.max_len).to(device)
-                pos = torch.from_numpy(train_split["item"][rows]).to(device)
-                if cfg.kind in ("ranking", "dense"):  # pair models: per-request candidates
-                    hard_ads = None if hard is None else _draw(hard[rows], cfg.ranking_hard, rng)
-                    loss = _ranking_step(
-                        model, r, catalog, pos, pop, n_ads, cfg, rng, device, hard_ads
-                    )
-                elif cfg.trains_every_position:
-                    _, _, hist_ts, _ = feats.history(
-                        train_split["user"][rows], train_split["ts"][rows], cfg.max_len
-                    )
-                    loss, gate = _position_step(
-                        model, r, catalog, pos, hist_ts, pop, n_ads, cfg, rng, device
-                    )
-                else:
-                    loss, gate = _retrieval_step(
-                        model, r, catalog, pos, pop, n_ads, cfg, rng, device
-                    )
-                    if cfg.kind == "moe" and step % 20 == 0:
-                        gates.append(gate.detach().mean((0, 1)))
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(trainable, 5.0)
-                opt.step()
-                losses.append(float(loss.detach()))
-                bar.update(task, advance=1, note=f"loss {np.mean(losses[-50:]):.3f}")
-            bar.remove_task(task)
-            val = validate(f"epoch {epoch + 1}")
-            entry = {
-                "epoch": epoch + 1,
-                "loss": float(np.mean(losses)),
-                "seconds": round(time.perf_counter() - start, 1),
-                **{f"val_{k}": v for k, v in val.items()},
-            }
-            if gates:
-                entry["experts"] = expert_usage(torch.stack(gates)[:, None, :])
-            history.append(entry)
-            log(
-                f"epoch {epoch + 1}: loss {entry['loss']:.4f}, val HR@10 {val['hr@10']:.4f}, "
-                f"HR@50 {val['hr@50']:.4f}"
-                + (f", {metric} {val[metric]:.4f}" if metric not in ("hr@10", "hr@50") else "")
-                + f" ({entry['seconds']:.0f} s)"
-                + (f", expert evenness {entry['experts']['evenness']:.3f}" if gates else "")
-            )
-            if val[metric] > best:
-                best, best_state, bad_epochs = val[metric], copy.deepcopy(model.state_dict()), 0
-                if on_best is not None:
-                    on_best(model, history)
-            else:
-                bad_epochs += 1
-            if on_epoch is not None:
-                on_epoch({
-                    "config": cfg.to_dict(), "epoch": epoch + 1, "history": history,
-                    "model": model.state_dict(), "optimizer": opt.state_dict(),
-                    "best": best, "best_state": best_state, "bad_epochs": bad_epochs,
-                    "numpy_rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state(),
-                    "cuda_rng": torch.cuda.get_rng_state_all() if device.type == "cuda" else None,
-                })  # fmt: skip
-            if bad_epochs >= cfg.patience:
-                log(f"early stop: no validation gain for {cfg.patience} epochs")
-                break
-    model.load_state_dict(best_state)
-    model.eval()
-    return model, history
+def _epoch(run: _Run, examples: np.ndarray, epoch: int) -> dict:
+    """One epoch: a step per batch of `examples` in a fresh order, then the validation; its
+    history entry."""
+    cfg = run.cfg
+    steps = math.ceil(len(examples) / cfg.batch_size)
+    task = run.bar.add_task(f"{cfg.kind} epoch {epoch + 1}/{cfg.epochs}", total=steps, note="")
+    run.model.train()
+    start, losses, gates = time.perf_counter(), [], []
+    perm = run.rng.permutation(examples)
+    trainable = [p for group in run.opt.param_groups for p in group["params"]]
+    for step in range(steps):
+        rows = perm[step * cfg.batch_size : (step + 1) * cfg.batch_size]
+        loss, gate = _loss(run, rows)
+        if gate is not None and cfg.kind == "moe" and step % 20 == 0:
+            gates.append(gate.detach().mean((0, 1)))
+        run.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, 5.0)
+        run.opt.step()
+        losses.append(float(loss.detach()))
+        run.bar.update(task, advance=1, note=f"loss {np.mean(losses[-50:]):.3f}")
+    run.bar.remove_task(task)
+    val = run.validate(f"epoch {epoch + 1}")
+    entry = {
+        "epoch": epoch + 1,
+        "loss": float(np.mean(losses)),
+        "seconds": round(time.perf_counter() - start, 1),
+        **{f"val_{k}": v for k, v in val.items()},
+    }
+    if gates:
+        entry["experts"] = expert_usage(torch.stack(gates)[:, None, :])
+    return entry
+
+
+def _loss(run: _Run, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(loss, the gate or None) of the batch of train examples `rows`, by the model's kind."""
+    cfg, feats, device, rng = run.cfg, run.feats, run.device, run.rng
+    split = feats.splits["train"]
+    r = requests_for(feats, split, rows, cfg.max_len).to(device)
+    pos = torch.from_numpy(split["item"][rows]).to(device)
+    n_ads = feats.n_ads
+    if cfg.kind in ("ranking", "dense"):  # pair models: per-request candidates
+        hard = None if run.hard is None else draw(run.hard[rows], cfg.ranking_hard, rng)
+        loss = ranking_loss(run.model, r, run.catalog, pos, run.pop, n_ads, cfg, rng, device, hard)
+        return loss, None
+    if cfg.trains_every_position:
+        _, _, hist_ts, _ = feats.history(split["user"][rows], split["ts"][rows], cfg.max_len)
+        args = (run.model, r, run.catalog, pos, hist_ts, run.pop, n_ads, cfg, rng, device)
+        loss, _ = position_loss(*args)
+        return loss, None  # the expert usage is read at the request's query only
+    return retrieval_loss(run.model, r, run.catalog, pos, run.pop, n_ads, cfg, rng, device)
+
+
+def _epoch_line(entry: dict, metric: str) -> str:
+    """The log line of an epoch's history entry."""
+    line = (
+        f"epoch {entry['epoch']}: loss {entry['loss']:.4f}, val HR@10 {entry['val_hr@10']:.4f}, "
+        f"HR@50 {entry['val_hr@50']:.4f}"
+    )
+    if metric not in ("hr@10", "hr@50"):
+        line += f", {metric} {entry[f'val_{metric}']:.4f}"
+    line += f" ({entry['seconds']:.0f} s)"
+    if "experts" in entry:
+        line += f", expert evenness {entry['experts']['evenness']:.3f}"
+    return line
 
 
 def _restore(state: dict, cfg: ModelConfig, model, opt, rng: np.random.Generator):
@@ -344,37 +411,6 @@ def _restore(state: dict, cfg: ModelConfig, model, opt, rng: np.random.Generator
     return state["epoch"], state["best"], state["best_state"], state["bad_epochs"], history
 
 
-def bce_loss(pos: torch.Tensor, neg: torch.Tensor) -> torch.Tensor:
-    """SASRec's loss: −log σ(s⁺) − log(1 − σ(s⁻)) of each target's score and its one negative's,
-    both [P], averaged over the P targets."""
-    return (F.softplus(-pos) + F.softplus(neg)).mean()
-
-
-def _with_balance(loss: torch.Tensor, gate: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """`loss` plus the moe gate's specialisation term (`balance_loss`), if it has one."""
-    if cfg.kind == "moe" and cfg.balance_weight > 0:
-        return loss + cfg.balance_weight * balance_loss(gate)
-    return loss
-
-
-def _retrieval_step(model, r, catalog, pos, pop, n_ads, cfg, rng, device):
-    b = len(pos)
-    if cfg.loss == "bce":  # each request's positive against one uniform negative, its own ads
-        neg = torch.from_numpy(rng.integers(0, n_ads, b)).to(device)
-        scores, gate = model(r, catalog, catalog.take(torch.stack([pos, neg], dim=1)))  # [B, 2]
-        return _with_balance(bce_loss(scores[:, 0], scores[:, 1]), gate, cfg), gate
-    if cfg.loss == "full":
-        scores, gate = model(r, catalog, catalog)  # [B, A], [B, A, E]
-        return _with_balance(F.cross_entropy(scores, pos), gate, cfg), gate
-    neg = torch.from_numpy(rng.integers(0, n_ads, cfg.uniform_negatives)).to(device)
-    cand = torch.cat([pos, neg])  # [C] in-batch positives, then uniform negatives
-    # Probability that a candidate was drawn into the set: by popularity in-batch, or uniformly.
-    q = b * torch.from_numpy(pop).to(device)[cand] + cfg.uniform_negatives / n_ads
-    scores, gate = model(r, catalog, catalog.take(cand))  # [B, C], [B, C, E]
-    loss = sampled_softmax_loss(scores, q.log(), torch.arange(b, device=device), cand, pos)
-    return _with_balance(loss, gate, cfg), gate
-
-
 def _anchors(split: dict[str, np.ndarray], every: int) -> np.ndarray:
     """Rows of the anchor examples of training with a target at every position: each user's
     last train example (by time) and every `every`-th before it."""
@@ -384,127 +420,3 @@ def _anchors(split: dict[str, np.ndarray], every: int) -> np.ndarray:
     ends = np.r_[starts[1:], len(user)]
     from_end = np.repeat(ends, ends - starts) - 1 - np.arange(len(user))  # 0: the user's last
     return np.sort(order[from_end % every == 0])
-
-
-def _position_step(model, r, catalog, pos, hist_ts, pop, n_ads, cfg, rng, device):
-    """The loss with a target at every position: the request's query against the anchors'
-    ads (in-batch) and uniform negatives, as `_retrieval_step`; the query after each history
-    position against the next engagement and the same candidates (module docstring).
-    hist_ts [B, L] the history's times."""
-    b = len(pos)
-    if cfg.loss == "bce":
-        return _position_step_bce(model, r, catalog, pos, hist_ts, n_ads, cfg, rng, device)
-    if cfg.loss == "full":
-        return _position_step_full(model, r, catalog, pos, hist_ts, cfg, device)
-    neg = torch.from_numpy(rng.integers(0, n_ads, cfg.uniform_negatives)).to(device)
-    cand = torch.cat([pos, neg])  # [C]
-    pop_t = torch.from_numpy(pop).to(device)
-    log_q = (b * pop_t[cand] + cfg.uniform_negatives / n_ads).log()  # [C]
-    (qf, vf, pf), (q, v, p) = model.encode_positions(r, catalog)
-    g, x, bias = model.encode_ads(catalog.take(cand))  # [C, G], [C, D], [C]
-    scores, gate = score(qf, vf, pf, g, x, bias, return_gate=True)  # [B, C], [B, C, E]
-    final = sampled_softmax_loss(scores, log_q, torch.arange(b, device=device), cand, pos)
-    has, target = _next_targets(r, hist_ts, device)  # [B, L-1], [P]
-    loss = final
-    if len(target):
-        qp, vp, pp = q[:, :-1][has], v[:, :-1][has], p[:, :-1][has]  # [P, E', G] ...
-        gt, xt, bt = model.encode_ads(catalog.take(target))  # [P, G], [P, D], [P]
-        own = score(qp, vp, pp, gt[:, None], xt[:, None], bt[:, None])  # [P, 1]
-        shared = score(qp, vp, pp, g, x, bias)  # [P, C]
-        own_q = (b * pop_t[target] + cfg.uniform_negatives / n_ads).log()  # [P]
-        at = sampled_softmax_loss(
-            torch.cat([own, shared], dim=1),
-            torch.cat([own_q[:, None], log_q.expand(len(target), -1)], dim=1),
-            torch.zeros(len(target), dtype=torch.long, device=device),
-            torch.cat([target[:, None], cand.expand(len(target), -1)], dim=1),
-            target,
-        )
-        loss = (final * b + at * len(target)) / (b + len(target))
-    return _with_balance(loss, gate, cfg), gate
-
-
-def _next_targets(r, hist_ts, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(has [B, L-1]: the history positions with a target, target [P]: the engagement after
-    each): a position's next engagement, unless padding or in the same second."""
-    items = r.hist_item  # [B, L]
-    ts = torch.from_numpy(hist_ts).to(device)
-    nxt = items[:, 1:]
-    has = (items[:, :-1] >= 0) & (nxt >= 0) & (ts[:, 1:] > ts[:, :-1])  # [B, L-1]
-    return has, nxt[has]
-
-
-def _position_step_full(model, r, catalog, pos, hist_ts, cfg, device):
-    """`_position_step` with the full softmax: the request's query and the query after each
-    history position, each scoring every ad of the catalogue, cross-entropy of its target."""
-    (qf, vf, pf), (q, v, p) = model.encode_positions(r, catalog)
-    g, x, bias = model.encode_ads(catalog)  # [A, G], [A, D], [A]
-    scores, gate = _every_item(qf, vf, pf, g, x, bias)  # [B, A], [B, A or 1, E]
-    has, target = _next_targets(r, hist_ts, device)  # [B, L-1], [P]
-    loss = F.cross_entropy(scores, pos, reduction="sum")
-    if len(target):
-        at, _ = _every_item(q[:, :-1][has], v[:, :-1][has], p[:, :-1][has], g, x, bias)  # [P, A]
-        loss = loss + F.cross_entropy(at, target, reduction="sum")
-    return _with_balance(loss / (len(pos) + len(target)), gate, cfg), gate
-
-
-def _every_item(q, v, p, g, x, bias):
-    """(scores [n, A] of queries q [n, E, G], v [n, E, D], p [n, E] against every ad, the gate
-    [n, A, E]). Without gate keys (G = 0) every ad gets the same expert weights softmax(p), so
-    the score is one dot product with the weighted value (as the engine folds it,
-    `m31.engine.retriever.fold`): one matrix product instead of E of them and a softmax over
-    [n, A, E], the same value and gradient; the gate is then [n, 1, E], which the balance term
-    reads as it reads every ad's copy of it."""
-    if q.shape[-1]:
-        return score(q, v, p, g, x, bias, return_gate=True)
-    w = torch.softmax(p.float(), dim=1)  # [n, E]
-    folded = (w[:, :, None] * v.float()).sum(1)  # [n, D]
-    return folded @ x.float().T + bias.float(), w[:, None, :]
-
-
-def _position_step_bce(model, r, catalog, pos, hist_ts, n_ads, cfg, rng, device):
-    """`_position_step` with SASRec's loss: the request's query and the query after each
-    history position, each scoring its target against one uniformly drawn negative."""
-    (qf, vf, pf), (q, v, p) = model.encode_positions(r, catalog)
-    has, target = _next_targets(r, hist_ts, device)  # [B, L-1], [P]
-
-    def pairs(targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(g [n, 2, G], x [n, 2, D], b [n, 2]): each target ad [n], then one uniform negative."""
-        negatives = torch.from_numpy(rng.integers(0, n_ads, len(targets))).to(device)
-        return model.encode_ads(catalog.take(torch.stack([targets, negatives], dim=1)))
-
-    # The request's query (every slot) and each position's (E' slots): two score calls.
-    final, gate = score(qf, vf, pf, *pairs(pos), return_gate=True)  # [B, 2]
-    scores = [final]
-    if len(target):
-        scores.append(score(q[:, :-1][has], v[:, :-1][has], p[:, :-1][has], *pairs(target)))
-    pair = torch.cat(scores)  # [B + P, 2]
-    return _with_balance(bce_loss(pair[:, 0], pair[:, 1]), gate, cfg), gate
-
-
-def _draw(pool: np.ndarray, count: int, rng: np.random.Generator) -> np.ndarray:
-    """[B, count]: from each row of pool [B, P], `count` ads drawn uniformly (with replacement)."""
-    pick = rng.integers(0, pool.shape[1], (len(pool), count))
-    return np.take_along_axis(pool, pick, axis=1)
-
-
-def _ranking_step(model, r, catalog, pos, pop, n_ads, cfg, rng, device, hard=None):
-    """The ranking model's loss on candidates [B, C]: the positive, in-batch and uniform
-    negatives, and `hard` [B, H] (drawn from each request's pool of P ads) if given."""
-    b = len(pos)
-    k = min(cfg.ranking_in_batch, b - 1)
-    shifts = torch.arange(1, k + 1, device=device)
-    in_batch = pos[(torch.arange(b, device=device)[:, None] + shifts[None, :]) % b]  # [B, k]
-    uniform = torch.from_numpy(rng.integers(0, n_ads, (b, cfg.ranking_negatives))).to(device)
-    parts = [pos[:, None], in_batch, uniform]
-    if hard is not None:
-        parts.append(torch.from_numpy(hard).to(device, torch.long))
-    cand = torch.cat(parts, dim=1)  # [B, C]
-    # expected count of each candidate in the set: in-batch (popularity), uniform, and for the
-    # hard columns their draw from the pool (an ad's chance to be in the pool otherwise ignored)
-    q = k * torch.from_numpy(pop).to(device)[cand] + cfg.ranking_negatives / n_ads
-    if hard is not None:
-        q[:, -hard.shape[1] :] += hard.shape[1] / cfg.ranking_hard_pool
-    scores = model(r, catalog, cand)
-    return sampled_softmax_loss(
-        scores, q.log(), torch.zeros(b, dtype=torch.long, device=device), cand, pos
-    )

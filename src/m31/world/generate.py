@@ -19,22 +19,16 @@ import torch
 
 from m31.data import dataset
 from m31.data.dataset import Dataset
-from m31.data.schema import (
-    ADS,
-    ADVERTISERS,
-    AGE_EDGES,
+from m31.data.schema import ADS, ADVERTISERS, AGE_EDGES, EVENTS, ORGANIC, USERS, age_bucket
+from m31.vocabularies import (
     BUILT_IN_VOCAB,
-    EVENTS,
     FORMATS,
     GENDERS,
     OBJECTIVES,
-    ORGANIC,
     ORGANIC_SURFACES,
     PLATFORMS,
     STATUSES,
     SURFACES,
-    USERS,
-    age_bucket,
 )
 from m31.world import vocab
 from m31.world.config import DAY, EPOCH, WorldConfig
@@ -54,7 +48,7 @@ HOUR_P = np.array(
 )
 HOUR_P /= HOUR_P.sum()
 
-# Logit bonus of (image, video, carousel) on each surface of schema.SURFACES.
+# Logit bonus of (image, video, carousel) on each surface of SURFACES.
 SURFACE_FORMAT = np.array(
     [
         [0.0, 0.1, 0.1],  # feed
@@ -405,6 +399,11 @@ def _event_log(
         done += n
         if progress:
             progress("impressions", done, n_total)
+    return _events_table(parts)
+
+
+def _events_table(parts: list[dict[str, np.ndarray]]) -> pa.Table:
+    """The impressions' chunks as one events table, in time order (then user, then ad)."""
     cols = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
     order = np.lexsort((cols["ad_id"], cols["user_id"], cols["ts"]))
     cols = {k: v[order] for k, v in cols.items()}

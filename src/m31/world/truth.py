@@ -37,9 +37,9 @@ class GroundTruth:
     facet_topic: np.ndarray  # [U, F] leaf topic of each facet (-1 where padded)
     ad_vec: np.ndarray  # [A, L] unit vectors
     ad_quality: np.ndarray  # [A]
-    ad_format: np.ndarray  # [A] index into schema.FORMATS
+    ad_format: np.ndarray  # [A] index into m31.vocabularies.FORMATS
     ad_category: np.ndarray  # [A]
-    ad_objective: np.ndarray  # [A] index into schema.OBJECTIVES
+    ad_objective: np.ndarray  # [A] index into m31.vocabularies.OBJECTIVES
     surface_format: np.ndarray  # [S, 3] logit bonus of a format on a surface
     hour_category: np.ndarray  # [24, C] logit bonus of a category at an hour of day
     platform_objective: np.ndarray  # [P, 3] logit bonus of an objective on a platform

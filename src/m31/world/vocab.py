@@ -31,7 +31,7 @@ from importlib import resources
 
 import numpy as np
 
-from m31.data.schema import FORMATS
+from m31.vocabularies import FORMATS
 
 
 @dataclass(frozen=True)
@@ -215,7 +215,7 @@ def make_texts(
 ) -> list[str]:
     """One creative text per leaf topic id in `topics`.
 
-    `formats` (same length, optional) holds format names from `m31.data.schema.FORMATS` or
+    `formats` (same length, optional) holds format names from `m31.vocabularies.FORMATS` or
     their integer codes; it picks the call to action ("Watch the video." for video). Without it
     every ad takes its category's image calls to action. The result depends only on the inputs
     and the state of `rng`, which advances by one fixed-size draw.

@@ -26,7 +26,8 @@ Modules, in the order of a call:
 * `int8`        — an 8-bit table's query in integers, exact int8 products;
 * `partition`   — spans of ads and the worker threads that take them;
 * `worker`      — steps 1-3 in torch ops (`Worker`, the shared `Threshold`);
-* `native_pass` — steps 1-3 of an 8-bit table in compiled code (`m31_pass`, `m31.ops.native`);
+* `native_pass` — steps 1-3 of an 8-bit table in compiled code (`m31_pass`);
+* `native`      — builds `csrc/` (the compiled steps, in C) on first use and loads it;
 * `finish`      — step 4, and the requests with few eligible ads.
 """
 

@@ -18,7 +18,7 @@ U32 = 2.0**-24  # fp32 unit roundoff
 BF16_U = 2.0**-8  # bf16 unit roundoff (8 significant bits, round to nearest)
 SLACK = 2.0**-20  # relative slack for the fp32 arithmetic of the filters themselves
 # step 2's exponentials may be off by a relative 2^-19 (the compiled ones, `exp_f` in
-# cpu_native/step2.c; torch's are within an ulp): as a logit error, < 2^-18, added to η
+# csrc/step2.c; torch's are within an ulp): as a logit error, < 2^-18, added to η
 _EXP_ETA = 2.0**-18
 _FP32_ROWS = 32  # B·E from which bf16 tables take fp32 products without native bf16 (B = 4: 1.3x)
 # survivors gathered before the sparse gate step runs: amortises per-op overhead (65,536 measured
@@ -87,7 +87,7 @@ class Plan:
     # q[r]/√G ≈ q_scale[r]·w, v[r] ≈ v_scale[r]·w
     q_scale: torch.Tensor | None = None  # [B] fp32
     v_scale: torch.Tensor | None = None  # [B] fp32
-    # ... and the same integers whole, for the compiled helpers (`m31.ops.native`): w = 255·hi + lo
+    # ... and the same integers whole, for the compiled helpers (`native`): w = 255·hi + lo
     q_int: torch.Tensor | None = None  # int16 [B, E, G]
     v_int: torch.Tensor | None = None  # int16 [B, E, D]
 

@@ -11,11 +11,11 @@ import math
 
 import torch
 
+from m31.ops.contract import NO_ROW
 from m31.ops.cpu.partition import spans_in_threads
 from m31.ops.masks import PackedMask
 from m31.ops.quant import Int8Table
-from m31.ops.torch_score import rounded_score, value_bias
-from m31.ops.torch_score_topk import NO_ROW
+from m31.ops.reference.score import rounded_score, value_bias
 
 _RESCORE_PAIRS = 1 << 15  # (request, candidate) pairs per chunk of the exact rescoring
 

@@ -79,10 +79,21 @@ def plan_int8(q, v, p, k) -> Plan:
     vq, v_scale, dv, v_norm = _split_query(v.double(), (1, 2))
     vh = vq.reshape(-1, ddim)  # [P·B·E, D]
     return bounds_plan(
-        k, qh, vh, p, eta_g, dv, v_norm, ddim, INT8_U, INT8_U,
-        q_scale=q_scale.reshape(-1).contiguous(), v_scale=v_scale.reshape(-1).contiguous(),
-        q_int=q_int, v_int=_joined(vq),
-    )  # fmt: skip
+        k,
+        qh,
+        vh,
+        p,
+        eta_g,
+        dv,
+        v_norm,
+        ddim,
+        INT8_U,
+        INT8_U,
+        q_scale=q_scale.reshape(-1).contiguous(),
+        v_scale=v_scale.reshape(-1).contiguous(),
+        q_int=q_int,
+        v_int=_joined(vq),
+    )
 
 
 def int_products(query: torch.Tensor, ads: torch.Tensor, rows: int, buf: torch.Tensor | None):

@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from m31.ops.contract import NO_ROW, check_args
 from m31.ops.cpu import native_pass
 from m31.ops.cpu.bounds import plan_float
 from m31.ops.cpu.finish import by_request, every_eligible, exact_topk, few_eligible, rows_of
@@ -21,8 +22,8 @@ from m31.ops.cpu.stats import in_range, table_stats
 from m31.ops.cpu.worker import Threshold, Worker
 from m31.ops.masks import PackedMask
 from m31.ops.quant import Int8Table, checked_int8_table
+from m31.ops.reference.score_topk import torch_score_topk
 from m31.ops.threads import single_threaded
-from m31.ops.torch_score_topk import NO_ROW, check_args, torch_score_topk
 
 # B·E·n elements per block (a bf16 product of 2 MiB). A sweep of blocks of 2^9..2^17 ads at
 # B = 1, 16, 64 on the 2-core development machine favoured this size (65,536 ads at B = 1, 8,192 at

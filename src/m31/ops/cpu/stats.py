@@ -17,7 +17,7 @@ import torch
 from m31.ops.cpu.bounds import BF16_U, SLACK
 from m31.ops.cpu.int8 import INT8_U
 from m31.ops.quant import Int8Table
-from m31.ops.torch_score import value_bias
+from m31.ops.reference.score import value_bias
 
 _CHUNK = 1 << 16  # rows of an 8-bit table dequantized at a time (for its norms)
 

@@ -1,8 +1,8 @@
-"""The cpu kernel's compiled helpers (`cpu_native/`), built on first use with the system C compiler.
+"""The cpu kernel's compiled helpers (`csrc/`), built on first use with the system C compiler.
 
 In torch, the cpu kernel's steps 1 and 2 on an 8-bit table (`cpu_score_topk_int8`) are a dozen
 small operations per block, each a pass over [B·E, n] products, and the per-op cost dominated.
-`cpu_native/scan.c` does step 1 in one pass per block that touches only the eligible pairs, with
+`csrc/scan.c` does step 1 in one pass per block that touches only the eligible pairs, with
 the torch ops' values bit for bit, `step2.c` step 2 in one pass over the survivors (another fp32
 evaluation, with exponentials of its own, which its bounds allow for), and `pass.c`'s `m31_pass`
 runs the steps over the whole table for one worker thread; `native.h` holds what they share.
@@ -39,7 +39,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = Path(__file__).with_name("cpu_native")  # its .c files, and the header they include
+SOURCES = Path(__file__).with_name("csrc")  # its .c files, and the header they include
 # IEEE fp32 as written: the values must be the torch path's bit for bit (see the source)
 _FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-fast-math")
 _ARCH = ("-march=native",)
@@ -219,12 +219,15 @@ def _compile_and_load(defines: tuple[str, ...]) -> ctypes.CDLL | None:
             fn.restype, fn.argtypes = restype, argtypes
         if lib.m31_pass_args_size() != ctypes.sizeof(PassArgs):  # a mirror out of step
             raise RuntimeError(
-                f"{SOURCES.name}: m31_pass_args is {lib.m31_pass_args_size()} bytes, "
+                f"{SOURCES}: m31_pass_args is {lib.m31_pass_args_size()} bytes, "
                 f"native.PassArgs {ctypes.sizeof(PassArgs)}: update one to the other"
             )
         return lib
-    log.warning("building %s failed, the cpu kernel's 8-bit path runs in torch ops:\n%s",
-                SOURCES.name, "\n".join(errors))  # fmt: skip
+    log.warning(
+        "building %s failed, the cpu kernel's 8-bit path runs in torch ops:\n%s",
+        SOURCES,
+        "\n".join(errors),
+    )
     return None
 
 

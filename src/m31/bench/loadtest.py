@@ -10,11 +10,15 @@ With `events` (`EventLoad`), more clients stream engagement events meanwhile (PO
 batches of random stored users and ads at the current time, closed loop or paced, with the
 admin token), from a process of their own so that making their calls does not delay the
 retrieve clients': events acknowledged per second and the event calls' p99 join the row.
+
+`m31 loadtest` prints the rows and appends their figures to the results table (`figures`,
+`m31.bench.results`), as `m31 bench` does.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 import time
 from collections.abc import Sequence
@@ -23,6 +27,8 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+
+from m31.bench.results import Figure
 
 
 @dataclass(frozen=True)
@@ -82,6 +88,33 @@ def _metric(text: str, name: str) -> float:
     return total
 
 
+class _Window:
+    """The measured window of `clients` concurrent clients: it opens when every client is
+    connected (so a slow start is not counted as idle time) and lasts `duration` seconds; each
+    client makes at least one call in it, however slow the machine, and a call started inside
+    it is finished and counted."""
+
+    def __init__(self, clients: int, duration: float) -> None:
+        self._barrier = asyncio.Barrier(clients)
+        self._duration = duration
+        self._stop = math.inf
+
+    async def ready(self) -> None:
+        """Wait until every client is connected; the window is open after it."""
+        if await self._barrier.wait() == 0:  # one of them opens it
+            self._stop = time.perf_counter() + self._duration
+        await self._barrier.wait()  # every client sees it open
+
+    @property
+    def opened(self) -> float:
+        """When the window opened (`time.perf_counter`)."""
+        return self._stop - self._duration
+
+    def closed(self) -> bool:
+        """Whether a client that has made a call stops (checked after each call)."""
+        return time.perf_counter() >= self._stop
+
+
 async def _run(
     url: str,
     user_ids: np.ndarray,
@@ -97,7 +130,7 @@ async def _run(
     async with httpx.AsyncClient(base_url=url, timeout=30) as http:
         before = (await http.get("/metrics")).text
     result = LoadResult(concurrency, duration)
-    stop = time.perf_counter() + duration
+    clock = _Window(concurrency, duration)
 
     async def client(i: int) -> None:
         # One connection per client, each with its own httpx client: a shared pool of many
@@ -105,7 +138,8 @@ async def _run(
         # 880 calls/s on /health/live at 64 connections), and would measure the load generator.
         rng = np.random.default_rng(seed * 1000 + i)
         async with httpx.AsyncClient(base_url=url, timeout=30, headers=headers) as http:
-            while time.perf_counter() < stop:
+            await clock.ready()
+            while True:
                 request = {"user_id": int(rng.choice(user_ids)), "k": k}
                 if surfaces:
                     request["surface"] = surfaces[rng.integers(len(surfaces))]
@@ -122,10 +156,11 @@ async def _run(
                     result.latencies_ms.append(1000 * (time.perf_counter() - start))
                 else:
                     result.errors[kind] = result.errors.get(kind, 0) + 1
+                if clock.closed():
+                    break
 
-    t0 = time.perf_counter()
     await asyncio.gather(*(client(i) for i in range(concurrency)))
-    result.seconds = time.perf_counter() - t0
+    result.seconds = time.perf_counter() - clock.opened  # the measured window, calls finished
     async with httpx.AsyncClient(base_url=url, timeout=30) as http:
         after = (await http.get("/metrics")).text
     for name, attr in (("m31_device_calls", "device_calls"), ("m31_ads_scored", "ads_scored")):
@@ -143,16 +178,17 @@ async def _stream(
     result: LoadResult,
 ) -> None:
     """`events.clients` event senders for `duration` seconds, counted into `result`."""
-    stop = time.perf_counter() + duration
+    clock = _Window(events.clients, duration)
     auth = {"Authorization": f"Bearer {events.token}"}
     # Paced: each client's calls at fixed times (a late call is not made up for later).
     every = events.clients * events.batch / events.rate if events.rate else 0.0
 
     async def sender(i: int) -> None:
         rng = np.random.default_rng(seed * 1000 + 500 + i)
-        due = time.perf_counter() + i * every / events.clients
         async with httpx.AsyncClient(base_url=url, timeout=30, headers=auth) as http:
-            while time.perf_counter() < stop:
+            await clock.ready()
+            due = time.perf_counter() + i * every / events.clients
+            while True:
                 if every:
                     await asyncio.sleep(max(0.0, due - time.perf_counter()))
                     due = max(due + every, time.perf_counter())
@@ -177,6 +213,8 @@ async def _stream(
                     result.event_latencies_ms.append(1000 * (time.perf_counter() - start))
                 else:
                     result.errors[kind] = result.errors.get(kind, 0) + 1
+                if clock.closed():
+                    break
 
     await asyncio.gather(*(sender(i) for i in range(events.clients)))
 
@@ -307,11 +345,47 @@ def run_levels(
             with_events = f", {event_clients} event clients" if stream else ""
             log(f"concurrency {c}{with_events}: {duration:.0f} s …")
             result = run(
-                url, user_ids, c, vocab["surface"], vocab["platform"], duration, k, token,
+                url,
+                user_ids,
+                c,
+                vocab["surface"],
+                vocab["platform"],
+                duration,
+                k,
+                token,
                 events=stream,
-            )  # fmt: skip
-            rows.append(result.row())
+            )
+            streamed = (
+                {"event_clients": stream.clients, "event_rate": stream.rate} if stream else {}
+            )
+            rows.append(result.row() | {"event_clients": 0, "event_rate": 0.0} | streamed)
     return rows
+
+
+_UNITS = {
+    "qps": "calls/s", "p50_ms": "ms", "p99_ms": "ms", "requests_per_device_call": "",
+    "ads_scored_per_s": "ads/s", "errors": "calls", "events_per_s": "events/s",
+    "event_p99_ms": "ms",
+}  # fmt: skip
+_RETRIEVES = {"qps", "p50_ms", "p99_ms", "requests_per_device_call", "ads_scored_per_s"}
+_EVENTS = {"events_per_s", "event_p99_ms"}
+
+
+def figures(rows: list[dict], variant: str, k: int, duration: float) -> list[Figure]:
+    """`run_levels`' rows as results rows: the retrieves' figures where there were retrieves,
+    the events' where events were streamed; `variant` names the server's set-up."""
+    out = []
+    for r in rows:
+        case = f"concurrency={r['concurrency']} K={k} seconds={duration:g}"
+        if r["event_clients"]:
+            case += f" event_clients={r['event_clients']} event_rate={r['event_rate']:g}"
+        for metric, unit in _UNITS.items():
+            if (metric in _RETRIEVES and not r["calls"]) or (
+                metric in _EVENTS and not r["event_clients"]
+            ):
+                continue  # no call of that kind: no latency to tell
+            out.append(Figure("loadtest", case, variant, metric, r[metric], unit))
+    return out
 
 
 def format_rows(rows: list[dict]) -> str:

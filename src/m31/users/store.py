@@ -5,7 +5,8 @@ B requests.
 
 The store is seeded from the online features (`UserStore.seed`: the users of the dataset and
 their last L engagements) and grows with the engagement events a server takes
-(`m31.index.durable.DurableIndex.add_events`, which logs them first). An event of a user the
+(`m31.index.durable.DurableIndex.add_events`, which logs them first: the store is the
+`UserState` it logs beside the ads). An event of a user the
 store does not hold creates that user with no attributes (every one unknown: no input from it,
 and targeting on it reaches the user only through ads without that restriction). A user's
 engagements are kept in time order (ties in arrival order); when more than L are held, the
@@ -13,7 +14,7 @@ oldest roll off, and an event older than all L a full user holds is dropped.
 
 Engagements are kept by ad id, whatever the ad: one the model's catalogue does not hold (an ad
 upserted after training, or one deleted or never indexed) is kept too. The model reads only
-the ones its catalogue holds (it has no features for the others; `m31.engine.retriever`), and
+the ones its catalogue holds (it has no features for the others; `m31.engine.user_inputs`), and
 frequency caps count them all (`engaged`).
 
 Memory: per user, L × 18 bytes of engagements (ad id and time int64, surface int16), 21 bytes
@@ -36,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from m31.index.idempotency import IdempotencyKeys
+from m31.users.idempotency import IdempotencyKeys, call_digest
 
 # Demographic codes as the model reads them (`m31.features.build`): the vocabulary's length is
 # the unknown value; `age` is the raw age for targeting, -1 unknown.
@@ -78,6 +79,9 @@ class Events:
 
 
 class UserStore:
+    """Each stored user's attribute codes and last `length` engagements; see the module
+    docstring."""
+
     def __init__(self, length: int, vocab: Vocab, capacity: int = 1024) -> None:
         if length < 1:
             raise ValueError(f"length must be positive, got {length}")
@@ -194,6 +198,12 @@ class UserStore:
         KeyReused (a ValueError) if that call's digest is not `digest` (`call_digest`)."""
         return self._keys.applied(key, digest)
 
+    @staticmethod
+    def call_digest(user_ids, ad_ids, ts, surfaces, types=None, weights=None) -> str:
+        """The digest an events call's idempotency key is remembered with
+        (`m31.users.idempotency.call_digest`)."""
+        return call_digest(user_ids, ad_ids, ts, surfaces, types, weights)
+
     def nbytes_per_user(self) -> float:
         """Bytes of the store per user it holds (its arrays' capacity and the id map)."""
         import sys
@@ -206,14 +216,16 @@ class UserStore:
         map_bytes = sys.getsizeof(self._row) + sum(sys.getsizeof(k) for k in self._row) * 2
         return per_row + map_bytes / max(self._n_users, 1)
 
-    # ---- checking and writing (the DurableIndex logs what `check` returns, then applies it) --
+    # ---- checking and writing (the DurableIndex logs what `check` returns, then applies it) -
 
     def check(self, user_ids, ad_ids, ts, surfaces: Sequence[str | None]) -> Events:
         """Validate events given as sequences [n]; ValueError naming `events[i].field`."""
         n = len(user_ids)
         if not n or not (len(ad_ids) == len(ts) == len(surfaces) == n):
-            raise ValueError(f"events: {n} user ids, {len(ad_ids)} ad ids, {len(ts)} times and "
-                             f"{len(surfaces)} surfaces; give at least one event, each complete")  # fmt: skip
+            raise ValueError(
+                f"events: {n} user ids, {len(ad_ids)} ad ids, {len(ts)} times and "
+                f"{len(surfaces)} surfaces; give at least one event, each complete"
+            )
         codes = {s: i for i, s in enumerate(self.vocab.surfaces)}
         surface = np.empty(n, np.int16)
         for i, s in enumerate(surfaces):
@@ -225,9 +237,11 @@ class UserStore:
                 known = ", ".join(self.vocab.surfaces) or "none: the model knows no surfaces"
                 raise ValueError(f"events[{i}].surface: {s!r} is not one of {known}")
         return Events(
-            np.asarray(user_ids, np.int64), np.asarray(ad_ids, np.int64),
-            np.asarray(ts, np.int64), surface,
-        )  # fmt: skip
+            np.asarray(user_ids, np.int64),
+            np.asarray(ad_ids, np.int64),
+            np.asarray(ts, np.int64),
+            surface,
+        )
 
     def add(
         self, events: Events, version: int, key: str | None = None, digest: str | None = None

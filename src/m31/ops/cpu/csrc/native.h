@@ -1,5 +1,5 @@
 /* The per-block steps of the cpu kernel on an 8-bit table, fused: step 1 in scan.c, step 2 in
- * step2.c, the pass over the table in pass.c, and here what they share (m31.ops.native
+ * step2.c, the pass over the table in pass.c, and here what they share (m31.ops.cpu.native
  * compiles the three into one library and loads it).
  *
  * Shapes: B requests, E experts, D value dim, G gate-key dim, n ads in a block, S pairs.

@@ -1,0 +1,96 @@
+"""The actors of a cluster and where they run (DESIGN §7, "The cluster on Ray"): a shard
+actor per shard folder, one coordinator, placed by `ClusterOptions` and started by
+`start_actors`. Both restart when they die (`max_restarts=-1`): a shard rebuilds from its
+snapshot, write-ahead log and transaction log; the coordinator from its decisions log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from m31.cluster import channel
+from m31.cluster.coordinator import Coordinator
+from m31.cluster.layout import coordinator_dir, read_layout, shard_dir
+from m31.cluster.read import RECOVERY_POLL_S
+from m31.cluster.shard import Answer, Moved, Shard
+
+
+@dataclass
+class ClusterOptions:
+    """How the actors are placed: one GPU each on a GPU cluster, CPU workers otherwise."""
+
+    device: str = "cpu"
+    shard_cpus: float = 1.0
+    shard_gpus: float = 0.0
+    max_concurrency: int = 8  # calls a shard serves at once (searches beside a commit)
+
+
+class Cancelled(RuntimeError):
+    """A start-up stopped before its end."""
+
+
+class _ShardActor(Shard):
+    """A shard as its Ray actor runs it: it also serves its searches on a channel, whose endpoint
+    its answers through Ray carry (`m31.cluster.channel`)."""
+
+    def __init__(self, path: str, index: int, device: str = "cpu", workers: int = 8) -> None:
+        import ray
+
+        super().__init__(path, index, device)
+        self.endpoint = None
+        if channel.available():
+            server = channel.Server({"search": super().search}, workers)
+            self.endpoint = (ray.get_runtime_context().get_node_id(), server.name)
+            self._server = server
+
+    def search(self, payload, at: int | None = None) -> Answer | Moved:
+        got = super().search(payload, at)
+        return dataclasses.replace(got, endpoint=self.endpoint) if isinstance(got, Answer) else got
+
+
+def _actor_classes():
+    import ray
+
+    shard = ray.remote(max_restarts=-1, max_task_retries=0)(_ShardActor)
+    coordinator = ray.remote(max_restarts=-1, max_task_retries=0, num_cpus=0)(Coordinator)
+    return shard, coordinator
+
+
+def start_actors(state: str | Path, options: ClusterOptions, stop: threading.Event | None):
+    """(shard actors, coordinator) of the cluster state folder `state` (`m31 cluster init`
+    makes one), started on the Ray cluster this process is connected to; once every shard
+    opened and the coordinator resolved them (`Cancelled` if `stop` is set first: the actors
+    go with this process's connection)."""
+    import ray
+
+    def wait(refs) -> None:
+        while ray.wait(refs, num_returns=len(refs), timeout=0.2)[1]:
+            if stop is not None and stop.is_set():
+                raise Cancelled("stopped while the cluster started")
+
+    state = Path(state).resolve()
+    shard_cls, coordinator_cls = _actor_classes()
+    shards = [
+        shard_cls.options(
+            num_cpus=options.shard_cpus,
+            num_gpus=options.shard_gpus,
+            max_concurrency=options.max_concurrency,
+        ).remote(str(shard_dir(state, i)), i, options.device, options.max_concurrency)
+        for i in range(read_layout(state))
+    ]
+    # A shard whose folder cannot be opened fails here, with its error (a constructor that
+    # fails is not restarted).
+    refs = [s.pid.remote() for s in shards]
+    wait(refs)
+    ray.get(refs)
+    coordinator = coordinator_cls.options(max_concurrency=32).remote(
+        str(coordinator_dir(state)), shards
+    )
+    while True:
+        ref = coordinator.read_point.remote(RECOVERY_POLL_S)
+        wait([ref])
+        if not ray.get(ref)[2]:
+            return shards, coordinator

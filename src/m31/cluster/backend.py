@@ -1,0 +1,296 @@
+"""`ClusterBackend`: the `Backend` the HTTP routes drive (`m31.serve.backend`), over a sharded
+index on Ray, so the routes, batcher, middleware and metrics of one server are reused as they
+are (DESIGN §7, "The cluster on Ray").
+
+The ingress holds the model: it checks and prepares requests (`Retriever.prepare`, against a
+schema-only index of the shards' schema), encodes each batch's queries once
+(`Retriever.encode`) and new ads (ad tower, sentence encoder), then hands the shards the rest
+through `Cluster`; `m31.cluster.batches` answers each call of a batch as its shards answer.
+Versions are the coordinator's global sequence (`m31.cluster.coordinator`).
+
+Outages answer 503 naming what is down, never 500: every error this backend raises for an
+outage is an `Unavailable`. /health/ready is 503 while a shard or the coordinator is down or
+recovering, and names them.
+
+Users: the shards own them (`m31.cluster.shard`); events and attribute writes are mutations
+routed to their owners through the coordinator, under one idempotency key per call. Each
+replica keeps a copy of every user, which the retrieve path reads as one server reads its
+store, and follows the owners' changes (`Shard.user_changes`): every `USERS_FOLLOW_S` in the
+background, and before a call with `min_version` proceeds, until the copy holds every user
+change up to that version (`reached`). Without `min_version`, a call sees what was
+acknowledged about `USERS_FOLLOW_S` (plus one round trip) before it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
+from typing import Any
+
+import numpy as np
+import torch
+
+from m31.cluster.batches import Batches
+from m31.cluster.cluster import Cluster
+from m31.cluster.read import Gathered
+from m31.cluster.shard import take_user_changes
+from m31.engine import Retriever
+from m31.engine.ad_encoder import AdEncoder
+from m31.engine.load import model_and_features
+from m31.features.embedding_cache import embedding_cache_dir
+from m31.index import AdIndex
+from m31.index.errors import NotFound, Unavailable
+from m31.ops.threads import single_threaded
+from m31.serve.backend import Ask
+from m31.serve.batcher import DynamicBatcher
+from m31.serve.bodies import ad_attributes, encode_ads, event_columns, user_codes
+from m31.serve.config import ServeConfig
+from m31.serve.schemas import AdIn, EventIn, UserAttributesIn, check_bounds
+
+log = logging.getLogger("m31.cluster")
+
+# How long readiness and metrics wait for the shards before naming those that did not answer.
+STATUS_TIMEOUT_S = 2.0
+# How long a replica starting waits for a first shard to answer (it needs one's schema).
+LOAD_WAIT_S = 300.0
+# How often a replica takes the shards' user changes in the background (the freshness bound
+# of a call without min_version), and how long it waits for a shard's answer.
+USERS_FOLLOW_S = 0.2
+USERS_WAIT_S = 2.0
+
+
+def schema_index(info: dict, device: str) -> AdIndex:
+    """An empty index with a shard's dims, dtype and attribute schema: what `prepare` compiles
+    filters against."""
+    base = AdIndex(0, 0, capacity=1).schema
+    extra = {k: v for k, v in info["schema"].items() if k not in base}
+    return AdIndex(info["dim_g"], info["dim_x"], device, getattr(torch, info["dtype"]), 1, extra)
+
+
+def check_model(info: dict, net) -> None:
+    """The shards' vectors and user histories are what the model reads."""
+    if info["dim_g"] != net.G or info["dim_x"] != net.D:
+        raise ValueError(
+            f"the shards' vectors are G = {info['dim_g']}, D = {info['dim_x']}; the "
+            f"model's are G = {net.G}, D = {net.D}"
+        )
+    if info["users_length"] not in (None, net.cfg.max_len):
+        raise ValueError(
+            f"the shards keep {info['users_length']} engagements per user; the model reads "
+            f"{net.cfg.max_len}"
+        )
+
+
+class ClusterBackend:
+    def __init__(
+        self, retriever: Retriever, encoder: AdEncoder, cluster: Cluster, timeout_s: float = 1.0
+    ) -> None:
+        """`timeout_s`: how long a read of one ad waits for its shard (the server's deadline)."""
+        self.retriever, self.encoder, self.cluster = retriever, encoder, cluster
+        self.timeout_s = timeout_s
+        self._ads = self._rows = self._version = 0
+        self._shards: dict[int, tuple[int, int]] = {}  # shard -> (ads, rows), last known
+        self.batches = Batches(cluster, self._gathered)
+        # Whether `retrieve_batch` may answer a chunk with a Future (the batcher settles it).
+        self.defer = DynamicBatcher.deferred_results
+        # The user copy holds every change of shard s's users up to version _users_at[s]; -1:
+        # none taken yet (the first take is each shard's whole state).
+        self._users_at = [-1] * len(cluster.shards)
+        self._users_lock = threading.Lock()  # one take of user changes at a time
+        self._closed = threading.Event()
+
+    @classmethod
+    def load(cls, config: ServeConfig, cluster: Cluster) -> ClusterBackend:
+        """The model of `config` with the online features of its cluster state (`index`; the
+        shards hold the ads). Shards that are down are waited for, up to `LOAD_WAIT_S`, only
+        until one answers."""
+        net, feats = model_and_features(config.model, config.index, config.device)
+        info = cluster.any_info(LOAD_WAIT_S)
+        check_model(info, net)
+        # Caps per campaign or advertiser are refused: the ads' groups are on the shards.
+        index = schema_index(info, config.device)
+        retriever = Retriever(net, feats, index, group_caps=False)
+        encoder = AdEncoder(net, feats, embedding_cache_dir())
+        encoder.load_text_encoder()
+        backend = cls(retriever, encoder, cluster, config.timeout_ms / 1000)
+        try:
+            backend.stats()
+        except Unavailable:
+            pass  # what is known is kept; readiness says what is down
+        backend.follow_users()
+        threading.Thread(target=backend._follow, name="m31-users", daemon=True).start()
+        return backend
+
+    # -- state ----------------------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def ads(self) -> int:
+        return self._ads
+
+    @property
+    def rows(self) -> int:
+        return self._rows
+
+    @property
+    def users(self) -> int:
+        """Users the replica's copy holds."""
+        return len(self.retriever.users)
+
+    def stats(self) -> tuple[int, int, int]:
+        """(ads, rows, version), from the shards that answer (the last known of the others);
+        `Unavailable` naming what is down, after refreshing what answered."""
+        info, point, down = self.cluster.status(STATUS_TIMEOUT_S)
+        for s, i in info.items():
+            self._shards[s] = (i["ads"], i["rows"])
+        self._ads = sum(a for a, _ in self._shards.values())
+        self._rows = sum(r for _, r in self._shards.values())
+        if point is not None:
+            self._seen(point[0])
+        untaken = [s for s, at in enumerate(self._users_at) if at < 0]
+        if point is None or down or untaken:
+            parts = [f"shard {s} {why}" for s, why in down.items()]
+            if point is None:
+                parts.insert(0, "the coordinator is down or restarting")
+            if untaken and not down:
+                parts.append(f"the users of shards {untaken} are not taken yet")
+            raise Unavailable(f"not ready: {'; '.join(parts)}", sorted({*down, *untaken}))
+        return self._ads, self._rows, self._version
+
+    def _seen(self, version: int) -> None:
+        self._version = max(self._version, version)
+
+    def _gathered(self, out: Gathered) -> None:
+        self._seen(out.version)
+        if not out.missing:
+            self._rows = out.rows
+
+    def reached(self, version: int) -> bool:
+        """Whether the shards are at `version` or newer and the user copy holds every user
+        change up to it (taken from the shards that changed since, if needed)."""
+        if self._version < version or min(self._users_at) < version:
+            point = self.cluster.read_point(self.timeout_s)
+            self._seen(point[0])
+            if point[0] >= version:
+                self._users_up_to(point)
+        return self._version >= version and min(self._users_at) >= version
+
+    def close(self) -> None:
+        """Stop following the users; the actors belong to whoever started the cluster."""
+        self._closed.set()
+
+    # -- the user copy --------------------------------------------------------------------------
+
+    def _users_up_to(self, point: tuple[int, list[int]]) -> None:
+        """Make the user copy hold every user change up to the read point (version, touched):
+        a shard whose copy reaches touched[s] has no change after it up to `version`; the
+        others are asked for theirs. `Unavailable` naming those that do not answer."""
+        version, touched = point
+        with self._users_lock:
+            behind = {s: at for s, at in enumerate(self._users_at) if at < touched[s]}
+            if behind:
+                self._take_users(behind, self.timeout_s)
+            for s, at in enumerate(self._users_at):
+                if at >= touched[s]:
+                    self._users_at[s] = max(at, version)
+
+    def follow_users(self) -> list[int]:
+        """Take every shard's user changes since the copy's version of it; the shards that did
+        not answer (their changes are taken next time)."""
+        with self._users_lock:
+            return self._take_users(dict(enumerate(self._users_at)), USERS_WAIT_S, strict=False)
+
+    def _take_users(
+        self, since: dict[int, int], timeout_s: float, strict: bool = True
+    ) -> list[int]:
+        answers, down = self.cluster.user_changes(since, timeout_s)
+        for s, answer in answers.items():
+            version = take_user_changes(self.retriever.users, answer)
+            self._users_at[s] = max(self._users_at[s], version)
+        if down and strict:
+            raise Unavailable(
+                f"shards {down} did not give their users' changes within {timeout_s:g} s (down "
+                "or restarting)",
+                down,
+            )
+        return down
+
+    def _follow(self) -> None:
+        """Take the shards' user changes every `USERS_FOLLOW_S` until closed."""
+        failing = False
+        while not self._closed.wait(USERS_FOLLOW_S):
+            try:
+                self.follow_users()
+                failing = False
+            except Exception as e:  # a shard's bug, or Ray going away: the next round tries again
+                if not failing:  # once per run of failures, not every round
+                    log.warning("taking the shards' user changes failed: %s", e)
+                failing = True
+
+    # -- retrieval ------------------------------------------------------------------------------
+
+    def retrieve_batch(self, chunks: Sequence[Sequence[Ask]]):
+        """The batch's queries encoded once, then scattered to the shards and merged; each
+        chunk answered as `m31.cluster.batches` says (a `concurrent.futures.Future` for a
+        chunk handed to the waiter)."""
+        prepared = [a.prepared for chunk in chunks for a in chunk]
+        t0 = time.perf_counter()
+        # Small ops on one core, as the engine runs them (`m31.ops.threads`: on a busy machine
+        # an OpenMP team's barriers made a B = 1 encoding 7 times slower).
+        with single_threaded() if self.retriever.device.type == "cpu" else nullcontext():
+            query = tuple(t.float().cpu().numpy() for t in self.retriever.encode(prepared))
+        encode_ms = round(1000 * (time.perf_counter() - t0), 3)
+        return self.batches.run(query, chunks, encode_ms, self.defer)  # q, v, p [B, E, *]
+
+    # -- reads and mutations --------------------------------------------------------------------
+
+    def get_ad(self, ad_id: int) -> tuple[dict, int]:
+        found = self.cluster.get(ad_id, self.timeout_s)
+        if found is None:
+            raise NotFound(f"ad id {ad_id} is not in the index")
+        return found
+
+    def _mutated(self, version: int) -> int:
+        self._seen(version)
+        if self.cluster.ads is not None:
+            self._ads = self.cluster.ads
+        return version
+
+    def upsert(self, ads: list[AdIn]) -> int:
+        g, x, b = (np.asarray(t.float().cpu().numpy()) for t in encode_ads(self.encoder, ads))
+        ids = np.array([a.ad_id for a in ads], dtype=np.int64)
+        attributes = ad_attributes(self.retriever, ads)
+        return self._mutated(self.cluster.upsert(ids, g, x, b, attributes))
+
+    def update(self, ad_id: int, changes: Mapping[str, Any]) -> int:
+        """The range check runs on the owning shard, in its prepare, against the stored ad."""
+        if self.cluster.get(ad_id, self.timeout_s) is None:
+            raise NotFound(f"ad id {ad_id} is not in the index")
+        return self._mutated(self.cluster.update_attributes(ad_id, dict(changes), check_bounds))
+
+    def delete(self, ad_id: int) -> int:
+        if self.cluster.get(ad_id, self.timeout_s) is None:
+            raise NotFound(f"ad id {ad_id} is not in the index")
+        return self._mutated(self.cluster.delete([ad_id]))
+
+    def snapshot(self) -> int:
+        return self._mutated(self.cluster.snapshot())
+
+    # -- users ----------------------------------------------------------------------------------
+
+    def add_events(self, events: list[EventIn], key: str | None) -> int:
+        """Checked here (a ValueError naming `events[i].field`), then committed on the shards
+        owning the users, all or none; the global version that holds them."""
+        users, ads, ts, surfaces, types, weights = event_columns(events)
+        self.retriever.users.check(users, ads, ts, surfaces)
+        return self._mutated(self.cluster.add_events(users, ads, ts, surfaces, key, types, weights))
+
+    def set_users(self, users: list[UserAttributesIn]) -> int:
+        """Replace the attributes of each user (created if new) on its shard."""
+        return self._mutated(self.cluster.set_users(user_codes(self.retriever, users)))

@@ -1,0 +1,154 @@
+"""Request preparation: check each request once, resolve its user and compile what limits its
+ads into one filter (`PreparedRequest`), so that a batch runs without checking again.
+
+The request's own filter is compiled as given; what the engine adds to it is typed
+(`m31.index.filters.Clause`), never spliced into the request's JSON: ranking by value keeps the
+ads with a bid (`HAS_BID`), and a frequency cap per campaign leaves out the capped campaigns
+(`NoneOf`); caps per ad and per advertiser add to the request's exclusions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from m31.engine.caps import GROUP_FIELDS
+from m31.engine.requests import RANKS, AdRequest, PreparedRequest, RequestError, one_of
+from m31.engine.user_inputs import UserInputs
+from m31.index import AdIndex, CompiledFilter, compile_filter
+from m31.index.filters import Clause, HasValue, NoneOf, with_clauses
+
+# What ranking by value keeps: only ads with a bid have a value term (DESIGN §2, "The value term")
+HAS_BID = HasValue("bid")
+# What a frequency cap counts by: the index field of an ad's group (None: the ad itself).
+CAP_GROUPS = {"ad": None, "campaign": "campaign_id", "advertiser": "advertiser_id"}
+
+
+def _positive(where: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise RequestError(f"{where}: must be a positive integer, got {value!r}")
+
+
+class RequestPreparer:
+    """Prepares requests for `index` and the users of `users`. `group_caps`: whether frequency
+    caps per campaign or advertiser are answered; they read the ads' groups from `index`, which
+    a cluster's ingress does not hold (`m31.cluster.backend`)."""
+
+    def __init__(self, index: AdIndex, users: UserInputs, *, group_caps: bool = True) -> None:
+        self.index = index
+        self.users = users
+        self.group_caps = group_caps
+
+    def prepare(
+        self, requests: Sequence[AdRequest], k: int | Sequence[int]
+    ) -> list[PreparedRequest]:
+        """Check requests without running them (RequestError naming the first bad field),
+        resolve their users and compile their filters. `k`: one for all, or one per request."""
+        ks = [k] * len(requests) if isinstance(k, numbers.Integral) else list(k)
+        if len(ks) != len(requests):
+            raise RequestError(f"k: {len(ks)} values for {len(requests)} requests")
+        for i, (r, k_) in enumerate(zip(requests, ks, strict=True)):
+            self._check(i, r, k_)
+        rows = np.full(len(requests), -1, dtype=np.int64)  # store row of stored users
+        stored = [i for i, r in enumerate(requests) if r.user is None]
+        if stored:
+            ids = np.array([requests[i].user_id for i in stored], np.int64)
+            rows[stored] = self.users.stored_rows(ids, stored)
+        return [
+            self._prepared(i, r, int(k_), row)
+            for i, (r, k_, row) in enumerate(zip(requests, ks, rows.tolist(), strict=True))
+        ]
+
+    def _check(self, i: int, r: AdRequest, k: int) -> None:
+        """RequestError naming requests[i]'s first bad field."""
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
+            raise RequestError(f"requests[{i}]: k must be positive, got {k!r}")
+        for name in ("surface", "platform"):
+            if getattr(r, name) is not None:
+                one_of(f"requests[{i}].{name}", getattr(r, name), self.users.vocab[name])
+        if r.hour is not None and not 0 <= r.hour < 24:
+            raise RequestError(f"requests[{i}].hour: {r.hour} is not an hour of day")
+        if (r.user_id is None) == (r.user is None):
+            raise RequestError(f"requests[{i}]: give exactly one of user_id and user")
+        if r.user is not None:
+            self.users.check(f"requests[{i}].user", r.user)
+        if r.max_per is not None:
+            self._check_max_per(i, r.max_per)
+        one_of(f"requests[{i}].rank", r.rank, RANKS)
+        if r.rank == "value" and self.index.schema.get("bid") is None:
+            raise RequestError(f"requests[{i}].rank: value ranks by the bid; the index has none")
+
+    def _prepared(self, i: int, r: AdRequest, k: int, row: int) -> PreparedRequest:
+        clauses: list[Clause] = [HAS_BID] if r.rank == "value" else []
+        if r.frequency_cap is not None:
+            r, clauses = self._frequency_capped(i, r, row, clauses)
+        if r.user is not None:
+            who = {"country": r.user.country, "age": r.user.age, "gender": r.user.gender}
+        else:
+            who = self.users.users.targeting(row)
+        compiled = with_clauses(self._compiled(i, r.filter), clauses, self.index.schema)
+        return PreparedRequest(r, k, row, compiled, who, tuple(clauses))
+
+    def _frequency_capped(
+        self, i: int, r: AdRequest, row: int, clauses: list[Clause]
+    ) -> tuple[AdRequest, list[Clause]]:
+        """`r` with what its frequency cap leaves out added to its exclusions, or (per
+        campaign) a clause: counted over the store's engagements of the user (row `row`) or
+        the inline user's history, in the cap's window."""
+        cap, where = r.frequency_cap, f"requests[{i}].frequency_cap"
+        if cap.per not in CAP_GROUPS:
+            raise RequestError(f"{where}.per: {cap.per!r} is not one of {', '.join(CAP_GROUPS)}")
+        _positive(f"{where}.max", cap.max)
+        _positive(f"{where}.window_s", cap.window_s)
+        field_ = CAP_GROUPS[cap.per]
+        if field_ is not None and not self.group_caps:
+            raise RequestError(f"{where}.per: {cap.per} caps are not served here (per ad are)")
+        if field_ is not None and field_ not in self.index.schema:
+            raise RequestError(f"{where}.per: the index has no {field_} to cap by")
+        if r.user is None:
+            store = self.users.users
+            ((ads, counts),) = store.engaged(np.array([row]), np.array([r.ts]), cap.window_s)
+        else:
+            inside = [e.ad_id for e in r.user.history if r.ts - cap.window_s <= e.ts < r.ts]
+            ads, counts = np.unique(np.array(inside, np.int64), return_counts=True)
+        capped = self._reached(ads, counts, field_, cap.max)
+        if not capped:
+            return r, clauses
+        if cap.per == "ad":
+            return dataclasses.replace(r, exclude_ads=(*r.exclude_ads, *capped)), clauses
+        if cap.per == "advertiser":
+            excluded = (*r.exclude_advertisers, *capped)
+            return dataclasses.replace(r, exclude_advertisers=excluded), clauses
+        return r, [*clauses, NoneOf(field_, tuple(capped))]
+
+    def _reached(self, ads: np.ndarray, counts: np.ndarray, field_: str | None, most: int):
+        """The ads (`field_` None) or groups whose engagements `counts` of `ads` reach `most`,
+        ascending."""
+        if field_ is None:
+            return ads[counts >= most].tolist()
+        groups = self.index.numeric_values(ads, field_)  # None: not (or no longer) held
+        totals: dict[int, int] = {}
+        for g, c in zip(groups, counts.tolist(), strict=True):
+            if g is not None:
+                totals[g] = totals.get(g, 0) + c
+        return sorted(g for g, c in totals.items() if c >= most)
+
+    def _check_max_per(self, i: int, max_per: Mapping) -> None:
+        where = f"requests[{i}].max_per"
+        if not isinstance(max_per, Mapping) or len(max_per) != 1:
+            raise RequestError(f'{where}: give one grouping, e.g. {{"advertiser": 2}}')
+        ((name, most),) = max_per.items()
+        if name not in GROUP_FIELDS:
+            raise RequestError(f"{where}: {name!r} is not one of {', '.join(GROUP_FIELDS)}")
+        _positive(f"{where}.{name}", most)
+        if self.index.schema.get(GROUP_FIELDS[name]) != "int":
+            raise RequestError(f"{where}.{name}: the index has no {GROUP_FIELDS[name]} to cap by")
+
+    def _compiled(self, i: int, tree: Mapping | None) -> CompiledFilter | None:
+        try:
+            return compile_filter(tree, self.index.schema) if tree else None
+        except ValueError as e:
+            raise RequestError(f"requests[{i}].filter: {e}") from e
