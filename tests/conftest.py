@@ -1,9 +1,19 @@
 """Shared test setup."""
 
+from __future__ import annotations
+
 import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
+
+if TYPE_CHECKING:
+    from m31.data.dataset import Dataset
+    from m31.features import Features
+    from m31.world.truth import GroundTruth
 
 # Without a GPU the Triton kernels run under Triton's interpreter, which is chosen when a kernel
 # is decorated: the flag has to be set before any test module imports triton.
@@ -36,6 +46,32 @@ def bench_results(tmp_path_factory):
     path = tmp_path_factory.mktemp("bench") / "results.csv"
     os.environ["M31_BENCH_RESULTS"] = str(path)
     return path
+
+
+@dataclass(frozen=True)
+class TinyWorld:
+    """The tiny marketplace the modules that train, evaluate or validate share."""
+
+    folder: Path  # the dataset folder: its tables, meta.json and truth.npz
+    ds: Dataset
+    truth: GroundTruth
+    feats: Features  # L = 8, no text encoder (zero text vectors); never changed in place
+
+
+@pytest.fixture(scope="session")
+def tiny_world(tmp_path_factory) -> TinyWorld:
+    """`TinyWorld`, generated once per worker (its 20,000 impressions take seconds). A module
+    that needs other features builds them from `ds`; one that changes them makes a copy."""
+    from m31.data import dataset
+    from m31.features import FeatureConfig, build_features
+    from m31.world.config import preset
+    from m31.world.generate import generate
+
+    ds, truth = generate(preset("tiny").with_overrides(n_impressions=20_000), seed=3)
+    folder = tmp_path_factory.mktemp("tiny") / "world"
+    dataset.save(ds, folder, extra=truth.to_arrays())
+    feats = build_features(ds, FeatureConfig(max_len=8, text_embeddings=False))
+    return TinyWorld(folder, ds, truth, feats)
 
 
 @pytest.fixture(scope="session")

@@ -36,8 +36,6 @@ from m31.model import (
     save_checkpoint,
     vocab_sizes,
 )
-from m31.world.config import preset
-from m31.world.generate import generate
 from m31.world.truth import GroundTruth
 
 
@@ -83,12 +81,10 @@ def test_the_controller_paces_toward_an_even_spend():
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(tmp_path_factory, tiny_world):
     """A tiny marketplace with its truth, features and an untrained moe (retriever and ranker)."""
     root = tmp_path_factory.mktemp("auction")
-    data = root / "world"
-    ds, truth = generate(preset("tiny").with_overrides(n_impressions=20_000), seed=3)
-    dataset.save(ds, data, extra=truth.to_arrays())
+    data, ds = tiny_world.folder, tiny_world.ds
     feats = features_for(data)
     torch.manual_seed(0)
     net = build_model(model_preset("tiny", "moe"), vocab_sizes(feats), feats.text_emb.shape[1],

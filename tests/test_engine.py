@@ -8,19 +8,15 @@ import torch
 
 from m31.engine import AdRequest, Engagement, InlineUser, RequestError, Retriever
 from m31.engine.build import index_from_table
-from m31.features import FeatureConfig, build_features
 from m31.index import RequestContext
 from m31.index.testing import eligible
 from m31.model import Catalog, build_model, encode_ads, model_preset, vocab_sizes
 from m31.vocabularies import SURFACES
-from m31.world.config import preset
-from m31.world.generate import generate
 
 
 @pytest.fixture(scope="module")
-def world():
-    ds, _ = generate(preset("tiny").with_overrides(n_impressions=10_000), seed=4)
-    feats = build_features(ds, FeatureConfig(max_len=8, text_embeddings=False))
+def world(tiny_world):
+    ds, feats = tiny_world.ds, tiny_world.feats
     torch.manual_seed(0)
     model = build_model(model_preset("tiny", "moe"), vocab_sizes(feats), 384, 32).eval()
     g, x, b = encode_ads(model, Catalog.from_features(feats))

@@ -24,15 +24,11 @@ from m31.eval import (
     topk_rows,
 )
 from m31.eval.plot import pareto_front, plot_pareto
-from m31.features import FeatureConfig, build_features
-from m31.world.config import preset
-from m31.world.generate import generate
 
 
 @pytest.fixture(scope="module")
-def world():
-    ds, truth = generate(preset("tiny").with_overrides(n_impressions=20_000), seed=0)
-    return build_features(ds, FeatureConfig(max_len=8, text_embeddings=False)), truth
+def world(tiny_world):
+    return tiny_world.feats, tiny_world.truth
 
 
 def true_conversion(truth):

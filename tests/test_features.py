@@ -7,19 +7,16 @@ from m31.data.dataset import DatasetError
 from m31.features import EventSequences, FeatureConfig, Features, build_features
 from m31.features.attributes import MAX_TOKENS, attribute_tokens, token
 from m31.features.cooc import cooc_embeddings, cooccurrence_pairs
-from m31.world.config import preset
-from m31.world.generate import generate
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    ds, _ = generate(preset("tiny").with_overrides(n_impressions=20_000), seed=3)
-    return ds
+def tiny(tiny_world):
+    return tiny_world.ds
 
 
 @pytest.fixture(scope="module")
-def feats(tiny):
-    return build_features(tiny, FeatureConfig(max_len=8, text_embeddings=False))
+def feats(tiny_world):
+    return tiny_world.feats
 
 
 def brute_force_before(user, ts, item, u, cutoff, max_len):

@@ -9,7 +9,15 @@ from hypothesis import strategies as st
 
 from m31.index import AttributeTable, FilterError, compile_filter, evaluate_row
 from m31.index.columns import columns_from_rows
-from m31.index.filters import MAX_NODES, MAX_PREDICATES, MAX_VALUES, Predicate
+from m31.index.filters import (
+    MAX_NODES,
+    MAX_PREDICATES,
+    MAX_VALUES,
+    HasValue,
+    NoneOf,
+    Predicate,
+    with_clauses,
+)
 
 SCHEMA = {"n": "int", "m": "int", "f": "float", "s": "str", "u": "str", "t": "str_list"}
 I64 = (-(2**63), 2**63 - 1)
@@ -93,6 +101,40 @@ def test_compiled_filter_equals_reference_on_every_row(data, expr):
     mask = compile_filter(expr, SCHEMA)(table)
     assert mask.dtype == torch.bool and mask.shape == (len(rows),)
     assert mask.tolist() == [evaluate_row(expr, row) for row in rows]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    data=tables(),
+    expr=st.one_of(st.none(), filters),
+    present=st.sampled_from([None, "n", "f"]),
+    none_of=st.one_of(st.none(), st.lists(st.integers(-3, 3), max_size=4)),
+)
+def test_the_engines_clauses_are_the_filter_they_stand_for(data, expr, present, none_of):
+    """A request's filter with the engine's typed clauses (value ranking's `HasValue`, a cap's
+    `NoneOf`) holds on the rows where the filter and each clause, written as the JSON it stands
+    for, all hold."""
+    rows, table = data
+    expr = json.loads(json.dumps(expr))
+    clauses, parts = [], [expr] if expr else []
+    if present is not None:
+        clauses.append(HasValue(present))
+        parts.append({"range": [present, None, None]})
+    if none_of is not None:
+        clauses.append(NoneOf("m", tuple(none_of)))
+        parts.append({"not": {"in": ["m", none_of]}})
+    got = with_clauses(compile_filter(expr, SCHEMA) if expr else None, clauses, SCHEMA)
+    if not parts:
+        assert got is None
+    else:
+        assert got(table).tolist() == [evaluate_row({"all": parts}, row) for row in rows]
+
+
+def test_a_clause_on_a_field_it_cannot_test_is_refused():
+    with pytest.raises(FilterError, match="numeric field"):
+        with_clauses(None, [HasValue("s")], SCHEMA)
+    with pytest.raises(FilterError, match="unknown field"):
+        with_clauses(None, [NoneOf("campaign_id", (1,))], SCHEMA)
 
 
 def _same(kind, a, b):

@@ -102,6 +102,44 @@ class _Down:
         pass
 
 
+def _unit(module: str) -> str | None:
+    """The top-level unit of m31 a module belongs to: its package (`m31.index`), or a module of
+    m31's own (`m31.files`); None outside m31."""
+    parts = module.split(".")
+    if parts[0] != "m31" or len(parts) < 2:
+        return None
+    return ".".join(parts[:2])
+
+
+def test_the_packages_import_each_other_without_a_circle():
+    """The packages form a graph without a circle, counting every import at any depth (a
+    function-level import is a dependency as much as a module-level one): each package can be
+    read, tested and replaced from the bottom up."""
+    graph: dict[str, set[str]] = {}
+    for path in SOURCE.rglob("*.py"):
+        unit = _unit("m31." + ".".join(path.relative_to(SOURCE).with_suffix("").parts))
+        targets = {_unit(name) for name in imports(path)} - {None, unit, "m31.__init__"}
+        graph.setdefault(unit, set()).update(
+            t for t in targets if (SOURCE / t[4:]).exists() or (SOURCE / f"{t[4:]}.py").exists()
+        )
+    assert {"m31.index", "m31.engine", "m31.serve", "m31.cluster"} <= set(graph)
+    done: set[str] = set()
+
+    def visit(unit: str, path: tuple[str, ...]) -> None:
+        if unit in path:
+            raise AssertionError(
+                f"an import circle: {' -> '.join((*path[path.index(unit) :], unit))}"
+            )
+        if unit in done:
+            return
+        for target in sorted(graph.get(unit, ())):
+            visit(target, (*path, unit))
+        done.add(unit)
+
+    for unit in sorted(graph):
+        visit(unit, ())
+
+
 def test_the_app_maps_a_backends_errors():
     """No such ad is 404; an outage is 503 with Retry-After on every route it reaches,
     readiness and `min_version` included (never 500); /metrics keeps answering."""

@@ -1,3 +1,4 @@
+import dataclasses
 import math
 
 import numpy as np
@@ -21,21 +22,17 @@ from m31.model.towers import ItemEncoder, hash_ids, idle_inputs
 from m31.ops import score
 from m31.training.losses import retrieval_loss
 from m31.training.train import requests_for
-from m31.world.config import preset
-from m31.world.generate import generate
 
 # Each categorical vocabulary of two values, plus the unknown row (`vocab_sizes`).
 VOCAB_SIZES = dict.fromkeys(VOCABULARIES, 3)
 
 
 @pytest.fixture(scope="module")
-def feats():
-    ds, _ = generate(preset("tiny").with_overrides(n_impressions=20_000), seed=2)
-    f = build_features(ds, FeatureConfig(max_len=8, text_embeddings=False))
+def feats(tiny_world):
     # Stand-in text vectors (the real encoder is tested in test_features): non-zero, so the
-    # text projections get gradients.
-    f.text_emb = np.random.default_rng(0).standard_normal(f.text_emb.shape).astype(np.float32)
-    return f
+    # text projections get gradients. A copy: the shared features stay as they are.
+    text = np.random.default_rng(0).standard_normal(tiny_world.feats.text_emb.shape)
+    return dataclasses.replace(tiny_world.feats, text_emb=text.astype(np.float32))
 
 
 def make(kind, feats, seed=0):
@@ -498,20 +495,19 @@ def test_checkpoint_errors(feats, tmp_path):
         load_checkpoint(tmp_path / "bad.pt")
 
 
-def test_checkpoint_refuses_another_split(feats, tmp_path):
+def test_checkpoint_refuses_another_split(feats, tiny_world, tmp_path):
     """A model trained on one split has seen the other split's test period: never evaluate it
     there (an outside review scored such a model 0.158 instead of 0.144)."""
     path = save_checkpoint(tmp_path / "m.pt", make("moe", feats), feats, history=[])
     other = build_features(
-        generate(preset("tiny").with_overrides(n_impressions=20_000), seed=2)[0],
-        FeatureConfig(max_len=8, text_embeddings=False, split="time"),
+        tiny_world.ds, FeatureConfig(max_len=8, text_embeddings=False, split="time")
     )
     with pytest.raises(
         ValueError, match="trained on the leave-last-out split, these features are the time split"
     ):
         load_checkpoint(path, other)
     shorter = build_features(
-        generate(preset("tiny").with_overrides(n_impressions=20_000), seed=2)[0],
+        tiny_world.ds,
         FeatureConfig(max_len=8, text_embeddings=False, time_split=(0.7, 0.9), split="time"),
     )
     timed = save_checkpoint(tmp_path / "t.pt", make("moe", other), other, history=[])

@@ -25,8 +25,6 @@ from m31.index import AdIndexError
 from m31.model import build_model, model_preset, save_checkpoint, vocab_sizes
 from m31.serve.app import ServeConfig, create_app
 from m31.serve.local import LocalBackend
-from m31.world.config import preset
-from m31.world.generate import generate
 
 # The built-in world's values, renamed into another team's: (column vocabulary, old, new).
 RENAMED = {
@@ -59,11 +57,11 @@ def _renamed(column: pa.ChunkedArray, mapping: dict[str, str]) -> pa.ChunkedArra
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
+def world(tmp_path_factory, tiny_world):
     """The tiny world with renamed values (and a declared gender no user has), its features,
     an untrained tiny moe and the index it makes."""
     root = tmp_path_factory.mktemp("open-vocab")
-    ds, _ = generate(preset("tiny").with_overrides(n_impressions=10_000), seed=3)
+    ds = tiny_world.ds
     tables = {name: ds.table(name) for name in dataset.TABLES}
     for (name, column), vocab in COLUMNS.items():
         t = tables[name]

@@ -11,11 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from m31.cli import app
-from m31.data import dataset
 from m31.data.importer import Interactions, import_dataset
 from m31.training.recipe import choose
-from m31.world.config import preset
-from m31.world.generate import generate
 
 
 def sequences(path: Path, users: int = 60, items: int = 40, seed: int = 0) -> Path:
@@ -39,10 +36,8 @@ def test_sequence_files_get_the_sequence_recipe_under_the_standard_protocol(tmp_
     assert (ranking.preset, ranking.protocol) == ("sasrec", None)
 
 
-def test_a_clock_and_contexts_get_the_demo_preset(tmp_path):
-    ds, _ = generate(preset("tiny").with_overrides(n_impressions=5_000), seed=1)
-    dataset.save(ds, tmp_path / "world")
-    recipe = choose(tmp_path / "world", "moe")
+def test_a_clock_and_contexts_get_the_demo_preset(tiny_world):
+    recipe = choose(tiny_world.folder, "moe")
     assert (recipe.preset, recipe.protocol, recipe.experts) == ("demo", None, None)
 
 

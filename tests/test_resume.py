@@ -12,19 +12,15 @@ import dataclasses
 import pytest
 import torch
 
-from m31.features import FeatureConfig, build_features
 from m31.model import model_preset
 from m31.model.checkpoint import save_atomic
 from m31.training import train
 from m31.training.job import resume_path, train_checkpoint
-from m31.world.config import preset
-from m31.world.generate import generate
 
 
 @pytest.fixture(scope="module")
-def feats():
-    ds, _ = generate(preset("tiny").with_overrides(n_impressions=8_000), seed=5)
-    return build_features(ds, FeatureConfig(max_len=8, text_embeddings=False))
+def feats(tiny_world):
+    return tiny_world.feats
 
 
 # the attention pool; the transformer (a target at every position, dropout); a pair model

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-from m31.features import FeatureConfig, build_features
 from m31.model import model_preset
 from m31.model.checkpoint import build_model, load_checkpoint, save_checkpoint, vocab_sizes
 from m31.model.config import ModelConfig
@@ -19,14 +18,11 @@ from m31.model.sequence import CausalSequenceEncoder, causal_mask
 from m31.model.towers import AttentionPool
 from m31.training import train
 from m31.training.train import _anchors, requests_for
-from m31.world.config import preset
-from m31.world.generate import generate
 
 
 @pytest.fixture(scope="module")
-def feats():
-    ds, _ = generate(preset("tiny").with_overrides(n_impressions=20_000), seed=3)
-    return build_features(ds, FeatureConfig(max_len=8, text_embeddings=False))
+def feats(tiny_world):
+    return tiny_world.feats
 
 
 def make(feats, **overrides):
