@@ -180,6 +180,16 @@ def _pick(u: np.ndarray, offsets: np.ndarray, counts: np.ndarray) -> np.ndarray:
     return offsets + np.minimum((u * counts).astype(np.int64), counts - 1)
 
 
+def _digits(codes: np.ndarray, radix: tuple[int, ...]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Mixed-radix codes [n] taken apart: (what is left above the radix, the digits, last
+    base's first)."""
+    rest, digits = codes.copy(), []
+    for base in reversed(radix):
+        digits.append(rest % base)
+        rest = rest // base
+    return rest, digits
+
+
 def _materialise(codes: np.ndarray, build) -> list[str]:
     """Strings for integer codes, building each distinct code's string once."""
     if codes.size == 0:
@@ -239,11 +249,7 @@ def make_texts(
         code = code * base + part
 
     def build(uniq: np.ndarray) -> list[str]:
-        rest = uniq.copy()
-        parts = []
-        for base in reversed(radix):
-            parts.append(rest % base)
-            rest = rest // base
+        rest, parts = _digits(uniq, radix)
         c_i, a_i, b_i, n_i = (p.tolist() for p in parts)
         return [
             TEMPLATES[k].format(
@@ -307,11 +313,7 @@ def make_advertiser_names(categories: np.ndarray, rng: np.random.Generator) -> l
         return f"{BRAND_GENERIC[g]} & {tb.words[w]}"
 
     def build(uniq: np.ndarray) -> list[str]:
-        rest = uniq.copy()
-        parts = []
-        for base in reversed(radix):
-            parts.append(rest % base)
-            rest = rest // base
+        rest, parts = _digits(uniq, radix)
         b_i, a_i, s_i, w_i, g_i = (p.tolist() for p in parts)
         return [one(*row) for row in zip(rest.tolist(), g_i, w_i, s_i, a_i, b_i, strict=True)]
 
