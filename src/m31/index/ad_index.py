@@ -12,7 +12,7 @@ attribute columns). Its reads and views are those of its base, `AdIndexReads`
 (`m31.index.reads`); this module adds the writes. Beside it: `checks` (what a mutation is
 given), `snapshot` (the format on disk), `durable` (an index behind a write-ahead log).
 
-The table is stored in bfloat16 (the default), float32 or int8 (`TABLE_DTYPES`). An int8 index holds the
+The table is stored in bfloat16 (the default), float16, float32 or int8 (`TABLE_DTYPES`). An int8 index holds the
 8-bit table of DESIGN §4 (`m31.ops.quant`): each row is quantized on upsert with its own scales
 (a row's codes depend on that row alone, so replaying an upsert gives the same bytes), b stays
 float32, and a view's `ad_table` is an `Int8Table` that the kernels read as stored. What goes in

@@ -4,7 +4,7 @@ and whether it is live.
 Shapes: cap allocated rows, N <= cap of them in use (live and tombstoned), G gate-key dim, D
 value dim, n rows in one call.
 
-The table is stored in one of `TABLE_DTYPES`: bfloat16, float32 or int8. An 8-bit table holds each row's
+The table is stored in one of `TABLE_DTYPES`: bfloat16, float16, float32 or int8. An 8-bit table holds each row's
 codes with its own scales (`m31.ops.quant`: one fp32 scale for g and one for x per row) and b
 in float32, so a row's bytes depend on that row alone.
 
@@ -26,7 +26,12 @@ from m31.ops.quant import Int8Table
 
 # The dtypes the ad table is stored in, by the name a snapshot's manifest, `m31 index build
 # --dtype` and `m31.build_index(dtype=...)` give them: the one table of them
-TABLE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.int8}
+TABLE_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "int8": torch.int8,
+}
 
 
 class AdTable:

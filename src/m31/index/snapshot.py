@@ -23,7 +23,7 @@ from m31.index.errors import AdIndexError
 
 FORMAT = "m31.ad_index"
 FORMAT_VERSION = 1
-# A bf16 table is stored as float32 .npy (exact: bf16 is a subset of float32), so
+# bf16 and fp16 tables are stored as float32 .npy (exact: both are subsets of float32), so
 # that numpy alone reads a snapshot; the manifest's "dtype" says what to cast back to. An int8
 # table is stored as its codes and per-row scales, so a snapshot reloads to the same bytes.
 _NPY = {"g": np.float32, "x": np.float32, "b": np.float32, "ids": np.int64}
