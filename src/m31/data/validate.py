@@ -299,29 +299,24 @@ class _Validator(FolderReader):
             )
 
     def check_numbers(self) -> None:
-        for table, columns in NON_NEGATIVE.items():
-            for column in columns:
-                if self.has(table, column):
-                    values = self.col(table, column)
-                    self.flag(
-                        ERROR,
-                        "numbers",
-                        table,
-                        column,
-                        (values < 0) & self.valid(table, column),
-                        lambda row, values=values: f"{values[row]} is negative",
-                    )
-        for (table, column), (lo, hi) in RANGES.items():
-            if self.has(table, column):
-                values = self.col(table, column)
-                self.flag(
-                    ERROR,
-                    "numbers",
-                    table,
-                    column,
-                    ((values < lo) | (values > hi)) & self.valid(table, column),
-                    lambda row, values=values, lo=lo, hi=hi: f"{values[row]} is outside {lo}..{hi}",
-                )
+        bounds = [((t, c), (0, None)) for t, cs in NON_NEGATIVE.items() for c in cs]
+        for (table, column), (lo, hi) in [*bounds, *RANGES.items()]:
+            if not self.has(table, column):
+                continue
+            values = self.col(table, column)
+            outside = (values < lo) if hi is None else (values < lo) | (values > hi)
+            self.flag(
+                ERROR,
+                "numbers",
+                table,
+                column,
+                outside & self.valid(table, column),
+                lambda row, values=values, lo=lo, hi=hi: (
+                    f"{values[row]} is negative"
+                    if hi is None
+                    else f"{values[row]} is outside {lo}..{hi}"
+                ),
+            )
         if self.has("ads", "target_age_min", "target_age_max"):
             # A warning, not an error: the synthetic generator draws the two ends apart (35 and
             # 34 happen), so 2-3% of its ads have an empty range and are never shown. They are
