@@ -156,6 +156,10 @@ def age_over_150(folder):
     set_values(folder, "users", "age", {4: 200})
 
 
+def negative_topic(folder):
+    set_values(folder, "ads", "topic", {5: -3})
+
+
 def null_status(folder):
     """A null in a required column (users' country may be null: no country)."""
     path = folder / "ads.parquet"
@@ -192,6 +196,7 @@ BROKEN = [
     (unknown_target_gender, "vocabularies", "ads.parquet", 2, "target_genders", "'X'"),
     (nan_quality, "numbers", "ads.parquet", 6, "quality", "nan is not a finite number"),
     (age_over_150, "numbers", "users.parquet", 4, "age", "200 is outside 0..150"),
+    (negative_topic, "numbers", "ads.parquet", 5, "topic", "-3 is negative"),
     (null_status, "types", "ads.parquet", 8, "status", "null (a required column)"),
     (event_outside_time_range, "time", "events.parquet", 13, "ts", "outside meta.json's"),
     (unreadable_meta, "meta", "meta.json", 2, None, "not valid JSON"),
