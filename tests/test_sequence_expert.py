@@ -71,6 +71,34 @@ def test_padding_is_no_input_and_an_empty_history_is_defined():
     assert torch.isfinite(a).all()
 
 
+def _histories(b, length, seed):
+    """valid [b, length]: right-aligned histories of every length 0..length, and gaps."""
+    g = torch.Generator().manual_seed(seed)
+    spans = torch.randint(0, length + 1, (b,), generator=g)
+    spans[:3] = torch.tensor([0, length, 1])[: min(3, b)]  # empty, full, one engagement
+    valid = torch.arange(length)[None, :] >= (length - spans)[:, None]
+    gaps = torch.rand(b, length, generator=g) < 0.1
+    return valid & ~gaps
+
+
+@pytest.mark.parametrize("b,length", [(0, 7), (1, 7), (9, 3), (33, 7), (64, 50), (17, 33)])
+def test_grouping_rows_by_history_length_changes_nothing(b, length):
+    """`forward` trims each row to its history's bucket; `encode` runs every column: the same
+    outputs at every position (padding's included) and the same gradients."""
+    torch.manual_seed(2)
+    enc = CausalSequenceEncoder(12, 50, blocks=2, heads=3, dropout=0.3).eval()
+    valid = _histories(b, length, seed=length)
+    seq = torch.randn(b, length, 12, requires_grad=True)
+    weights = torch.randn(b, length, 12)
+    fast, plain = enc(seq, valid), enc.encode(seq, valid)
+    torch.testing.assert_close(fast, plain, atol=1e-5, rtol=1e-5)
+    grads = []
+    for out in (fast, plain):
+        grads.append(torch.autograd.grad((out * weights).sum(), [seq, *enc.parameters()]))
+    for a, c in zip(*grads, strict=True):
+        torch.testing.assert_close(a, c, atol=1e-5, rtol=1e-4)
+
+
 def test_dropout_trains_and_eval_is_deterministic():
     enc = encoder()
     seq, valid = torch.randn(2, 7, 12), torch.ones(2, 7, dtype=torch.bool)

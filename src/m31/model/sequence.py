@@ -66,7 +66,39 @@ class CausalSequenceEncoder(nn.Module):
         nn.init.normal_(self.position.weight, std=0.02)
 
     def forward(self, seq: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """seq [B, L, h], valid [B, L] -> [B, L, h]; position L - 1 is the request's state."""
+        """seq [B, L, h], valid [B, L] -> [B, L, h]; position L - 1 is the request's state.
+
+        The same as `encode` (its reference), computed on less padding: each row runs in a
+        group trimmed to the smallest of 4, 8, 16, ... L columns that holds its history (on
+        Amazon Beauty a sixth of the [B, 50] positions), and its trimmed columns take the
+        padding's output, which depends on the column alone (padding reads only itself)."""
+        b, length, _ = seq.shape
+        widths = _widths(length)
+        if b == 0 or len(widths) == 1:
+            return self.encode(seq, valid)
+        any_valid = valid.any(1)
+        first = torch.where(any_valid, valid.to(torch.int8).argmax(1), length - 1)  # [B]
+        group = torch.bucketize(length - first, torch.tensor(widths, device=seq.device))
+        if bool((group == len(widths) - 1).all()):
+            return self.encode(seq, valid)
+        padding = self.encode(torch.zeros_like(seq[:1]), torch.zeros_like(valid[:1]))  # [1, L, h]
+        rows, parts = [], []
+        for i, w in enumerate(widths):
+            idx = torch.nonzero(group == i).flatten()
+            if len(idx) == 0:
+                continue
+            out = self.encode(seq[idx, length - w :], valid[idx, length - w :])  # [n, w, h]
+            if w < length:
+                out = torch.cat([padding[:, : length - w].expand(len(idx), -1, -1), out], dim=1)
+            rows.append(idx)
+            parts.append(out)
+        order = torch.cat(rows)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(b, device=seq.device)
+        return torch.cat(parts)[inverse]
+
+    def encode(self, seq: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """`forward` over every column as given: seq [B, L, h], valid [B, L] -> [B, L, h]."""
         length = seq.shape[1]
         # A history shorter than max_len (the engine may pass fewer columns) takes the last rows.
         pos = self.position.weight[-length:]  # [L, h]
@@ -75,3 +107,12 @@ class CausalSequenceEncoder(nn.Module):
         for block in self.blocks:
             x = block(x, allowed)
         return self.norm(x)
+
+
+def _widths(length: int) -> list[int]:
+    """The column counts rows are grouped at: 4, 8, 16, ... below `length`, then `length`."""
+    widths, w = [], 4
+    while w < length:
+        widths.append(w)
+        w *= 2
+    return [*widths, length]

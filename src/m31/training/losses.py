@@ -127,7 +127,7 @@ def every_item(q, v, p, g, x, bias):
         return score(q, v, p, g, x, bias, return_gate=True)
     w = torch.softmax(p.float(), dim=1)  # [n, E]
     folded = (w[:, :, None] * v.float()).sum(1)  # [n, D]
-    return folded @ x.float().T + bias.float(), w[:, None, :]
+    return torch.addmm(bias.float(), folded, x.float().T), w[:, None, :]
 
 
 def _position_loss_bce(model, r, catalog, pos, hist_ts, n_ads, cfg, rng, device):
