@@ -12,6 +12,8 @@ from typer.testing import CliRunner
 
 from m31.cli import app
 from m31.data.importer import Interactions, import_dataset
+from m31.model import model_preset
+from m31.model.config import MODEL_KINDS
 from m31.training.recipe import choose
 
 
@@ -34,6 +36,10 @@ def test_sequence_files_get_the_sequence_recipe_under_the_standard_protocol(tmp_
     # a pair model reads 150 items and scores every item with its network: no protocol
     ranking = choose(tmp_path / "ds", "ranking")
     assert (ranking.preset, ranking.protocol) == ("sasrec", None)
+    # the retrieval models learn with the softmax over every item; the pair models keep theirs
+    assert "the softmax over every item" in recipe.reasons[0]
+    losses = {kind: model_preset("sasrec", kind).loss for kind in MODEL_KINDS}
+    assert losses == {"moe": "full", "two-tower": "full", "ranking": "softmax", "dense": "softmax"}
 
 
 def test_a_clock_and_contexts_get_the_demo_preset(tiny_world):
