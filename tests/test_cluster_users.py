@@ -31,6 +31,7 @@ from m31.cluster.cluster import Cluster  # noqa: E402
 from m31.cluster.layout import init_cluster, reshard, shard_dir, shard_of  # noqa: E402
 from m31.cluster.shard import Shard, take_user_changes  # noqa: E402
 from m31.engine.load import copy_online, load_engine, online_users  # noqa: E402
+from m31.engine.requests import AdRequest, FrequencyCap  # noqa: E402
 from m31.index import AdIndexError  # noqa: E402
 from m31.serve.app import ServeConfig  # noqa: E402
 
@@ -231,10 +232,41 @@ def test_an_event_reaches_the_next_retrieve_with_its_owner_killed(served):
                       {"user_id": 4, "ad_id": 1, "ts": 1, "surface": "tv"}]}  # fmt: skip
     r = httpx.post(f"{served.url}/v1/events", json=bad, headers=HEADERS, timeout=BOUND_S)
     assert r.status_code == 422 and "events[1].surface" in r.text, r.text
-    per_campaign = {**body, "frequency_cap": {"per": "campaign", "max": 1, "window_s": 60}}
-    r = httpx.post(f"{served.url}/v1/retrieve", json={"requests": [per_campaign]},
-                   timeout=BOUND_S)  # fmt: skip
-    assert r.status_code == 422 and "campaign caps are not served here" in r.text, r.text
+
+
+@pytest.mark.parametrize("per,most", [("campaign", 1), ("advertiser", 2)])
+def test_frequency_caps_per_group_answer_as_one_server_does(served, world, per, most):
+    """The ingress holds no ads: a cap per campaign or advertiser asks the shards for the
+    groups of the ads the user engaged with, and answers what one server answers."""
+    user, now = {"campaign": 5, "advertiser": 6}[per], int(time.time())
+    body = {"user_id": user, "ts": now, "surface": "feed", "platform": "ios", "k": 60}
+    r = httpx.post(f"{served.url}/v1/retrieve", json={"requests": [body]}, timeout=BOUND_S)
+    # four ads engaged twice each (the store keeps the last L = 8): every group reached
+    ads = r.json()["results"][0]["ad_ids"][:4] * 2
+    ts = [now - 100 + i for i in range(len(ads))]
+    stream = [
+        {"user_id": user, "ad_id": a, "ts": t, "surface": "feed"}
+        for a, t in zip(ads, ts, strict=True)
+    ]
+    events = {"events": stream, "idempotency_key": f"caps-{per}"}
+    r = httpx.post(f"{served.url}/v1/events", json=events, headers=HEADERS, timeout=BOUND_S)
+    assert r.status_code == 200, r.text
+    cap = {"per": per, "max": most, "window_s": 3600}
+    version = r.json()["index_version"]
+    ask = {"requests": [body, {**body, "frequency_cap": cap}], "min_version": version}
+    r = httpx.post(f"{served.url}/v1/retrieve", json=ask, timeout=BOUND_S)
+    assert r.status_code == 200, r.text
+    plain, capped = (res["ad_ids"] for res in r.json()["results"])
+    one = load_engine(fresh_state(world, f"caps-{per}"), world.model)
+    one.store.add_events([user] * len(ads), ads, ts, ["feed"] * len(ads))
+    request = AdRequest(user, now, "feed", "ios", frequency_cap=FrequencyCap(per, most, 3600))
+    assert capped == one.retriever.retrieve([request], 60).results[0].ad_ids.tolist()
+    field = "campaign_id" if per == "campaign" else "advertiser_id"
+    reached = set(one.retriever.index.numeric_values(ads, field)) - {None}
+    held = one.retriever.index.numeric_values(plain, field)
+    gone = {a for a, g in zip(plain, held, strict=True) if g in reached}
+    assert reached and gone and not gone & set(capped)  # the cap took something out
+    one.close()
 
 
 def test_killed_owners_lose_no_acknowledged_event(served):

@@ -23,6 +23,7 @@ acknowledged about `USERS_FOLLOW_S` (plus one round trip) before it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -110,9 +111,10 @@ class ClusterBackend:
         net, feats = model_and_features(config.model, config.index, config.device)
         info = cluster.any_info(LOAD_WAIT_S)
         check_model(info, net)
-        # Caps per campaign or advertiser are refused: the ads' groups are on the shards.
+        # The index here holds no ads: frequency caps per group ask the shards for the groups.
         index = schema_index(info, config.device)
-        retriever = Retriever(net, feats, index, group_caps=False)
+        groups = functools.partial(cluster.groups, timeout_s=config.timeout_ms / 1000)
+        retriever = Retriever(net, feats, index, groups=groups)
         encoder = AdEncoder(net, feats, embedding_cache_dir())
         encoder.load_text_encoder()
         backend = cls(retriever, encoder, cluster, config.timeout_ms / 1000)

@@ -278,6 +278,48 @@ class Cluster:
                 [s],
             )
 
+    def groups(self, ad_ids: Sequence[int], name: str, timeout_s: float = 60.0) -> list:
+        """The int field `name` of each ad (None: null, or no shard holds it), each asked of
+        the shard that would hold it, in parallel; `Unavailable` naming the shards that did
+        not answer within `timeout_s` (asked again while they restart)."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        ids = np.asarray(ad_ids, dtype=np.int64)
+        owner = shard_of(ids, len(self.shards)) if len(ids) else np.zeros(0, np.int64)
+        out: list = [None] * len(ids)
+        todo = {int(s): np.flatnonzero(owner == s) for s in np.unique(owner)}
+        deadline = time.monotonic() + timeout_s
+        while todo:
+            refs = {
+                s: self.shards[s].groups.remote(ids[at].tolist(), name) for s, at in todo.items()
+            }
+            ray.wait(
+                list(refs.values()),
+                num_returns=len(refs),
+                timeout=max(deadline - time.monotonic(), 0),
+            )
+            for s, ref in refs.items():
+                if not ray.wait([ref], timeout=0)[0]:
+                    continue
+                try:
+                    values = ray.get(ref)
+                except RayActorError:
+                    self.down.add(s)
+                    continue
+                self.down.discard(s)
+                for i, v in zip(todo.pop(s).tolist(), values, strict=True):
+                    out[i] = v
+            if todo and time.monotonic() >= deadline:
+                raise Unavailable(
+                    f"shards {sorted(todo)} (which hold the ads a frequency cap counts) did not "
+                    f"answer within {timeout_s:g} s (down or restarting)",
+                    sorted(todo),
+                )
+            if todo:
+                time.sleep(min(0.05, max(deadline - time.monotonic(), 0)))
+        return out
+
     # ---- mutations ----------------------------------------------------------------------
 
     def _mutate(self, ops: mutations.Ops, key: str | None = None) -> int:

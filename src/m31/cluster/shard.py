@@ -249,6 +249,12 @@ class Shard:
                 return None
             return index.get(ad_id).attributes, self.applied
 
+    def groups(self, ad_ids: list[int], name: str) -> list[int | None]:
+        """The int field `name` of each ad (None: null, or an ad this shard does not hold):
+        the groups a frequency cap per campaign or advertiser counts (`Cluster.groups`)."""
+        with self._state:
+            return self._store.index.numeric_values(ad_ids, name)
+
     def contains(self, ad_id: int) -> bool:
         return ad_id in self._store.index
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -32,21 +32,29 @@ def _positive(where: str, value) -> None:
         raise RequestError(f"{where}: must be a positive integer, got {value!r}")
 
 
-class RequestPreparer:
-    """Prepares requests for `index` and the users of `users`. `group_caps`: whether frequency
-    caps per campaign or advertiser are answered; they read the ads' groups from `index`, which
-    a cluster's ingress does not hold (`m31.cluster.backend`)."""
+# The groups of ads: (ad ids, an int field of the index) -> each ad's value, None for a null or
+# an ad not held (`AdIndex.numeric_values`; a cluster's ingress asks the shards that hold them).
+GroupLookup = Callable[[Sequence[int], str], list]
 
-    def __init__(self, index: AdIndex, users: UserInputs, *, group_caps: bool = True) -> None:
+
+class RequestPreparer:
+    """Prepares requests for `index` and the users of `users`. `groups`: where frequency caps
+    per campaign or advertiser read the groups of the ads a user engaged with (default: `index`,
+    which a cluster's ingress holds without ads: it passes the shards', `m31.cluster.backend`)."""
+
+    def __init__(
+        self, index: AdIndex, users: UserInputs, *, groups: GroupLookup | None = None
+    ) -> None:
         self.index = index
         self.users = users
-        self.group_caps = group_caps
+        self.groups = index.numeric_values if groups is None else groups
 
     def prepare(
         self, requests: Sequence[AdRequest], k: int | Sequence[int]
     ) -> list[PreparedRequest]:
         """Check requests without running them (RequestError naming the first bad field),
-        resolve their users and compile their filters. `k`: one for all, or one per request."""
+        resolve their users and compile their filters. `k`: one for all, or one per request.
+        The frequency caps per group of the batch read the ads' groups in one lookup a field."""
         ks = [k] * len(requests) if isinstance(k, numbers.Integral) else list(k)
         if len(ks) != len(requests):
             raise RequestError(f"k: {len(ks)} values for {len(requests)} requests")
@@ -57,8 +65,14 @@ class RequestPreparer:
         if stored:
             ids = np.array([requests[i].user_id for i in stored], np.int64)
             rows[stored] = self.users.stored_rows(ids, stored)
+        engaged = {
+            i: self._engaged(r, int(rows[i]))
+            for i, r in enumerate(requests)
+            if r.frequency_cap is not None
+        }
+        groups = self._groups_of(requests, engaged)
         return [
-            self._prepared(i, r, int(k_), row)
+            self._prepared(i, r, int(k_), row, engaged.get(i), groups)
             for i, (r, k_, row) in enumerate(zip(requests, ks, rows.tolist(), strict=True))
         ]
 
@@ -77,14 +91,18 @@ class RequestPreparer:
             self.users.check(f"requests[{i}].user", r.user)
         if r.max_per is not None:
             self._check_max_per(i, r.max_per)
+        if r.frequency_cap is not None:
+            self._check_frequency_cap(i, r.frequency_cap)
         one_of(f"requests[{i}].rank", r.rank, RANKS)
         if r.rank == "value" and self.index.schema.get("bid") is None:
             raise RequestError(f"requests[{i}].rank: value ranks by the bid; the index has none")
 
-    def _prepared(self, i: int, r: AdRequest, k: int, row: int) -> PreparedRequest:
+    def _prepared(
+        self, i: int, r: AdRequest, k: int, row: int, engaged, groups: dict[str, dict]
+    ) -> PreparedRequest:
         clauses: list[Clause] = [HAS_BID] if r.rank == "value" else []
         if r.frequency_cap is not None:
-            r, clauses = self._frequency_capped(i, r, row, clauses)
+            r, clauses = self._frequency_capped(r, engaged, groups, clauses)
         if r.user is not None:
             who = {"country": r.user.country, "age": r.user.age, "gender": r.user.gender}
         else:
@@ -92,29 +110,47 @@ class RequestPreparer:
         compiled = with_clauses(self._compiled(i, r.filter), clauses, self.index.schema)
         return PreparedRequest(r, k, row, compiled, who, tuple(clauses))
 
+    def _engaged(self, r: AdRequest, row: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ad ids, engagements of each) of the stored user in row `row` or the inline user,
+        in the window of `r`'s frequency cap."""
+        window = r.frequency_cap.window_s
+        if r.user is None:
+            ((ads, counts),) = self.users.users.engaged(np.array([row]), np.array([r.ts]), window)
+            return ads, counts
+        inside = [e.ad_id for e in r.user.history if r.ts - window <= e.ts < r.ts]
+        return np.unique(np.array(inside, np.int64), return_counts=True)
+
+    def _groups_of(self, requests: Sequence[AdRequest], engaged: dict) -> dict[str, dict]:
+        """{field: {ad id: its group or None}} of every ad that a frequency cap per group in
+        `requests` counts: one lookup per field."""
+        wanted: dict[str, set[int]] = {}
+        for i, (ads, _) in engaged.items():
+            field_ = CAP_GROUPS[requests[i].frequency_cap.per]
+            if field_ is not None:
+                wanted.setdefault(field_, set()).update(ads.tolist())
+        out = {}
+        for field_, ads in wanted.items():
+            ordered = sorted(ads)
+            out[field_] = dict(zip(ordered, self.groups(ordered, field_), strict=True))
+        return out
+
     def _frequency_capped(
-        self, i: int, r: AdRequest, row: int, clauses: list[Clause]
+        self, r: AdRequest, engaged, groups: dict[str, dict], clauses: list[Clause]
     ) -> tuple[AdRequest, list[Clause]]:
         """`r` with what its frequency cap leaves out added to its exclusions, or (per
-        campaign) a clause: counted over the store's engagements of the user (row `row`) or
-        the inline user's history, in the cap's window."""
-        cap, where = r.frequency_cap, f"requests[{i}].frequency_cap"
-        if cap.per not in CAP_GROUPS:
-            raise RequestError(f"{where}.per: {cap.per!r} is not one of {', '.join(CAP_GROUPS)}")
-        _positive(f"{where}.max", cap.max)
-        _positive(f"{where}.window_s", cap.window_s)
+        campaign) a clause: counted over the `engaged` ads (the stored or inline user's, in
+        the cap's window), grouped by `groups`."""
+        cap, (ads, counts) = r.frequency_cap, engaged
         field_ = CAP_GROUPS[cap.per]
-        if field_ is not None and not self.group_caps:
-            raise RequestError(f"{where}.per: {cap.per} caps are not served here (per ad are)")
-        if field_ is not None and field_ not in self.index.schema:
-            raise RequestError(f"{where}.per: the index has no {field_} to cap by")
-        if r.user is None:
-            store = self.users.users
-            ((ads, counts),) = store.engaged(np.array([row]), np.array([r.ts]), cap.window_s)
+        if field_ is None:
+            capped = ads[counts >= cap.max].tolist()
         else:
-            inside = [e.ad_id for e in r.user.history if r.ts - cap.window_s <= e.ts < r.ts]
-            ads, counts = np.unique(np.array(inside, np.int64), return_counts=True)
-        capped = self._reached(ads, counts, field_, cap.max)
+            totals: dict[int, int] = {}
+            for a, c in zip(ads.tolist(), counts.tolist(), strict=True):
+                g = groups[field_][a]
+                if g is not None:
+                    totals[g] = totals.get(g, 0) + c
+            capped = sorted(g for g, c in totals.items() if c >= cap.max)
         if not capped:
             return r, clauses
         if cap.per == "ad":
@@ -124,17 +160,15 @@ class RequestPreparer:
             return dataclasses.replace(r, exclude_advertisers=excluded), clauses
         return r, [*clauses, NoneOf(field_, tuple(capped))]
 
-    def _reached(self, ads: np.ndarray, counts: np.ndarray, field_: str | None, most: int):
-        """The ads (`field_` None) or groups whose engagements `counts` of `ads` reach `most`,
-        ascending."""
-        if field_ is None:
-            return ads[counts >= most].tolist()
-        groups = self.index.numeric_values(ads, field_)  # None: not (or no longer) held
-        totals: dict[int, int] = {}
-        for g, c in zip(groups, counts.tolist(), strict=True):
-            if g is not None:
-                totals[g] = totals.get(g, 0) + c
-        return sorted(g for g, c in totals.items() if c >= most)
+    def _check_frequency_cap(self, i: int, cap) -> None:
+        where = f"requests[{i}].frequency_cap"
+        if cap.per not in CAP_GROUPS:
+            raise RequestError(f"{where}.per: {cap.per!r} is not one of {', '.join(CAP_GROUPS)}")
+        _positive(f"{where}.max", cap.max)
+        _positive(f"{where}.window_s", cap.window_s)
+        field_ = CAP_GROUPS[cap.per]
+        if field_ is not None and field_ not in self.index.schema:
+            raise RequestError(f"{where}.per: the index has no {field_} to cap by")
 
     def _check_max_per(self, i: int, max_per: Mapping) -> None:
         where = f"requests[{i}].max_per"

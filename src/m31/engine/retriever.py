@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from m31.engine.caps import group_cap
-from m31.engine.prepare import RequestPreparer
+from m31.engine.prepare import GroupLookup, RequestPreparer
 from m31.engine.requests import AdRequest, InlineUser, PreparedRequest, RequestError
 from m31.engine.search import RetrievalResult, eligible_masks, fold, request_context, search
 from m31.engine.user_inputs import UserInputs, seed_users
@@ -52,15 +52,15 @@ class Retriever:
         *,
         fold: bool = True,
         probe: Prober | None = None,
-        group_caps: bool = True,
+        groups: GroupLookup | None = None,
     ) -> None:
         """`feats`: the features the model reads (its catalogue; the online ones suffice).
         `users`: the stored users (default: those `feats` seed, `seed_users`), whose targeting
         (country, age, gender) is read from the store; a null one is unknown, which only ads
         without that restriction accept. `fold`: whether a model without gate keys is scored as
         one query vector (`m31.engine.search.fold`). `probe`: the clusters to probe instead of
-        scoring every row (`m31.engine.probe.Prober`). `group_caps`: whether frequency caps per
-        campaign or advertiser are answered (`RequestPreparer`)."""
+        scoring every row (`m31.engine.probe.Prober`). `groups`: where frequency caps per
+        campaign or advertiser read the ads' groups (default: `index`; `RequestPreparer`)."""
         if not isinstance(model, RetrievalModel):
             raise TypeError(
                 f"the engine serves retrieval models (moe, two-tower), not {model.cfg.kind} models"
@@ -81,7 +81,7 @@ class Retriever:
             users = seed_users(feats, length)
         self.users = users
         self.inputs = UserInputs(feats, users, model.cfg.max_len)
-        self.preparer = RequestPreparer(index, self.inputs, group_caps=group_caps)
+        self.preparer = RequestPreparer(index, self.inputs, groups=groups)
         self.fold = fold
         self.probe = probe
 
