@@ -95,7 +95,16 @@ def ray_local():
     # processes inherit this environment).
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "300")
     os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "300")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # Ray gives its node a fixed 30 s to register (`ray._private.node`), which a machine busy
+    # with other runs can miss: started again, up to three times in all.
+    for attempt in range(3):
+        try:
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+            break
+        except Exception as e:
+            if "timed out during startup" not in str(e) or attempt == 2:
+                raise
+            ray.shutdown()
     yield
     ray.shutdown()
 

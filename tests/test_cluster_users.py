@@ -27,8 +27,12 @@ from serve_helpers import (  # noqa: E402
     stop_cluster,
 )
 
+from m31.cluster.actors import ClusterOptions, start_shards  # noqa: E402
 from m31.cluster.cluster import Cluster  # noqa: E402
-from m31.cluster.layout import init_cluster, reshard, shard_dir, shard_of  # noqa: E402
+from m31.cluster.coordinator import Coordinator  # noqa: E402
+from m31.cluster.group import Call, merged  # noqa: E402
+from m31.cluster.layout import coordinator_dir, init_cluster, reshard, shard_dir, shard_of  # noqa: E402
+from m31.cluster.mutations import event_ops  # noqa: E402
 from m31.cluster.shard import Shard, take_user_changes  # noqa: E402
 from m31.engine.load import copy_online, load_engine, online_users  # noqa: E402
 from m31.engine.requests import AdRequest, FrequencyCap  # noqa: E402
@@ -141,6 +145,83 @@ def test_users_carry_over_from_a_serving_folder_and_through_a_reshard(world):
     out = reshard(state, 3, state.with_name(state.name + "3"))
     copy_online(state, out)
     assert all_users(out, 3) == want
+
+
+def test_a_group_is_its_calls_one_after_the_other():
+    """`merged`: one operation per shard, the calls' columns (or users) in queue order, the
+    optional columns None per event where a call gave none."""
+    a = Call({0: ("events", {"user_id": [1, 2], "ad_id": [5, 6], "ts": [7, 8],
+                             "surface": ["feed", None], "type": None, "weight": None}, None)})  # fmt: skip
+    b = Call({0: ("events", {"user_id": [3], "ad_id": [9], "ts": [10], "surface": ["reels"],
+                             "type": ["view"], "weight": None}, None),
+              1: ("events", {"user_id": [4], "ad_id": [1], "ts": [2], "surface": [None],
+                             "type": None, "weight": [0.5]}, None)})  # fmt: skip
+    got = merged([a, b])
+    assert got[0] == ("events", {"user_id": [1, 2, 3], "ad_id": [5, 6, 9], "ts": [7, 8, 10],
+                                 "surface": ["feed", None, "reels"],
+                                 "type": [None, None, "view"], "weight": None}, None)  # fmt: skip
+    assert got[1][1]["weight"] == [0.5] and got[1][1]["type"] is None
+    users = [Call({1: ("users", {"users": [[4, {"age": 3}]]}, None)}),
+             Call({1: ("users", {"users": [[7, {"age": 5}]]}, None)})]  # fmt: skip
+    assert merged(users) == {1: ("users", {"users": [[4, {"age": 3}], [7, {"age": 5}]]}, None)}
+    with pytest.raises(ValueError, match="one of"):
+        merged([a, users[0]])
+    assert Call({0: ("upsert", {}, None)}).kind is None
+
+
+def test_concurrent_calls_share_one_transaction(world, ray_local):
+    """Event calls queued while a transaction runs are committed as one (one version, one change
+    per shard, in queue order); a keyed retry queued beside its call is answered as a retry;
+    a group a shard refuses runs call by call, the invalid call alone refused."""
+    state = new_state(world, 2)
+    shards = start_shards(state, ClusterOptions(shard_cpus=0))
+    coordinator = Coordinator(coordinator_dir(state), shards)
+    assert coordinator.read_point(BOUND_S)[2] == []  # resolved
+    base = coordinator.version
+    ids = online_users(state).dump()["ids"]
+    u0, u1 = (int(ids[shard_of(ids, 2) == s][0]) for s in (0, 1))
+
+    def ops(events):
+        users, ads, ts, surfaces = zip(*events, strict=True)
+        return event_ops(users, ads, ts, surfaces, None, None, 2)
+
+    def together(calls):
+        """The calls sent at once while the coordinator is busy: one group."""
+        out = [None] * len(calls)
+
+        def send(i, ops_, key):
+            out[i] = coordinator.mutate(ops_, key)
+
+        with coordinator._mutex:
+            threads = [threading.Thread(target=send, args=(i, *c)) for i, c in enumerate(calls)]
+            for t in threads:
+                t.start()
+            deadline = time.monotonic() + BOUND_S
+            while len(coordinator._queue) < len(calls):  # every call queued
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        for t in threads:
+            t.join()
+        return out
+
+    a = ops([(u0, 40, 10**9, "feed"), (u1, 41, 10**9, "feed")])
+    b, c = ops([(u0, 42, 10**9 + 1, "reels")]), ops([(u1, 43, 10**9 + 2, None)])
+    got = together([(a, "a"), (b, "b"), (c, None), (a, "a")])
+    assert [r[:2] for r in got] == [("ok", base + 1)] * 4 and coordinator.version == base + 1
+    for s, want in ((0, [[u0, u0], [40, 42]]), (1, [[u1, u1], [41, 43]])):
+        changes, at = ray.get(shards[s].user_changes.remote(base))[1:]
+        assert at == base + 1 and [(v, op) for v, op, _ in changes] == [(base + 1, "events")]
+        assert [list(map(int, changes[0][2][k])) for k in ("user_id", "ad_id")] == want
+    assert coordinator.mutate(a, "a")[:2] == ("ok", base + 1)  # a later retry
+    bad = ops([(u1, 44, 10**9 + 3, "tv")])  # a surface the shard does not know
+    good = [ops([(u0, 45, 10**9 + 4, "feed")]), ops([(u1, 46, 10**9 + 5, "feed")])]
+    got = together([(good[0], None), (bad, None), (good[1], None)])
+    assert got[1][0] == "invalid" and "surface" in got[1][1]
+    assert sorted(r[1] for r in (got[0], got[2])) == [base + 2, base + 3]
+    held = [ray.get(shards[s].user_changes.remote(base + 1))[1] for s in (0, 1)]
+    assert [int(a) for ch in held for _, _, args in ch for a in args["ad_id"]] == [45, 46]
+    for shard in shards:
+        ray.kill(shard)
 
 
 # ------------------------------------------------------------------- on the server, over Ray
@@ -269,11 +350,12 @@ def test_frequency_caps_per_group_answer_as_one_server_does(served, world, per, 
     one.close()
 
 
-def test_killed_owners_lose_no_acknowledged_event(served):
-    """The owner of a stream's users SIGKILLed `CYCLES` times while events come, each time
-    after a random number of acknowledgements: every acknowledged call is held by its users
-    exactly once (retries carry the call's key), the call in flight all or nothing."""
-    s = 1
+def test_killed_owners_and_coordinator_lose_no_acknowledged_event(served):
+    """Three senders stream events (so that their calls commit in groups) while the owner of
+    their users and the coordinator are SIGKILLed in turn, `CYCLES` times, each after a random
+    number of acknowledgements: every acknowledged call is held by its users exactly once
+    (retries carry the call's key), every call in flight all or nothing."""
+    s, senders = 1, 3
     candidates = np.arange(2 * 10**9, 2 * 10**9 + 200_000, dtype=np.int64)
     ids = candidates[shard_of(candidates, S) == s]
     batch = lambda n: ids[5 * n : 5 * n + 5].tolist()  # noqa: E731  users of their own
@@ -281,9 +363,9 @@ def test_killed_owners_lose_no_acknowledged_event(served):
     progress = threading.Condition()
     stop = threading.Event()
 
-    def stream() -> None:
+    def stream(first: int) -> None:
         with httpx.Client(timeout=BOUND_S) as c:
-            for n in range(len(ids) // 5):
+            for n in range(first, len(ids) // 5, senders):
                 events = [{"user_id": u, "ad_id": 7, "ts": 1_000 + n} for u in batch(n)]
                 body = {"events": events, "idempotency_key": f"kill-{n}"}
                 while not stop.is_set():
@@ -293,36 +375,43 @@ def test_killed_owners_lose_no_acknowledged_event(served):
                         continue
                     if r.status_code == 200:
                         break
-                    assert r.status_code == 503, r.text  # its owner restarting: again
+                    assert r.status_code == 503, r.text  # a restart under way: again
                 if stop.is_set():
                     return
                 with progress:
                     acked.append(n)
                     progress.notify_all()
 
-    t = threading.Thread(target=stream)
-    t.start()
+    threads = [threading.Thread(target=stream, args=(k,)) for k in range(senders)]
+    for t in threads:
+        t.start()
+    alive = lambda: all(t.is_alive() for t in threads)  # noqa: E731
+    coordinator = served.cluster.coordinator
     rng = np.random.default_rng(0)
     try:
-        for _ in range(CYCLES):
+        for cycle in range(CYCLES):
             with progress:
                 want = len(acked) + int(rng.integers(1, 6))
-                assert progress.wait_for(lambda w=want: len(acked) >= w or not t.is_alive(),
+                assert progress.wait_for(lambda w=want: len(acked) >= w or not alive(),
                                          BOUND_S), "no acknowledgement"  # fmt: skip
-            assert t.is_alive()
-            kill_shard(served, s)
+            assert alive()
+            if cycle % 2:
+                os.kill(ray.get(coordinator.pid.remote(), timeout=BOUND_S), signal.SIGKILL)
+            else:
+                kill_shard(served, s)
         with progress:  # one more after the last restart
             want = len(acked) + 1
             assert progress.wait_for(lambda: len(acked) >= want, BOUND_S)
     finally:
         stop.set()
-        t.join(BOUND_S)
+        for t in threads:
+            t.join(BOUND_S)
     held = shard_users(served, s)
-    for n in [*acked, max(acked) + 1]:
+    for n in range(max(acked) + senders + 1):
         users = batch(n)
         rows = held.rows_of(users)
         if n not in acked and (rows < 0).all():
-            continue  # the call in flight, not applied
+            continue  # a call in flight, not applied
         assert (rows >= 0).all(), n
         _, ads, _, when = held.history(rows, np.full(len(users), 10**9))
         assert ((ads == 7).sum(1) == 1).all() and (when[:, -1] == 1_000 + n).all(), n

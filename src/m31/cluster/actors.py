@@ -59,6 +59,19 @@ def _actor_classes():
     return shard, coordinator
 
 
+def start_shards(state: str | Path, options: ClusterOptions) -> list:
+    """The shard actors of the cluster state folder `state`, started (not waited for)."""
+    shard_cls, _ = _actor_classes()
+    return [
+        shard_cls.options(
+            num_cpus=options.shard_cpus,
+            num_gpus=options.shard_gpus,
+            max_concurrency=options.max_concurrency,
+        ).remote(str(shard_dir(state, i)), i, options.device, options.max_concurrency)
+        for i in range(read_layout(state))
+    ]
+
+
 def start_actors(state: str | Path, options: ClusterOptions, stop: threading.Event | None):
     """(shard actors, coordinator) of the cluster state folder `state` (`m31 cluster init`
     makes one), started on the Ray cluster this process is connected to; once every shard
@@ -72,15 +85,8 @@ def start_actors(state: str | Path, options: ClusterOptions, stop: threading.Eve
                 raise Cancelled("stopped while the cluster started")
 
     state = Path(state).resolve()
-    shard_cls, coordinator_cls = _actor_classes()
-    shards = [
-        shard_cls.options(
-            num_cpus=options.shard_cpus,
-            num_gpus=options.shard_gpus,
-            max_concurrency=options.max_concurrency,
-        ).remote(str(shard_dir(state, i)), i, options.device, options.max_concurrency)
-        for i in range(read_layout(state))
-    ]
+    _, coordinator_cls = _actor_classes()
+    shards = start_shards(state, options)
     # A shard whose folder cannot be opened fails here, with its error (a constructor that
     # fails is not restarted).
     refs = [s.pid.remote() for s in shards]

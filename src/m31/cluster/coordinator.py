@@ -2,20 +2,22 @@
 (DESIGN §7). Plain Python run as one Ray actor (`m31.cluster.actors`); ingress replicas send
 it mutations already encoded and split by shard, and ask it for read points.
 
-Versions. One global sequence: every acknowledged mutation (an upsert batch, however many shards
-it spans; an update; a delete) gets the next integer, and only after every shard it touches has
+Versions. One global sequence: every transaction (an upsert batch, however many shards it
+spans; an update; a delete; a group of concurrent events or users calls, `m31.cluster.group`)
+gets the next integer, and only after every shard it touches has
 committed it. So `version` (the last acknowledged one) is a state every shard holds, and
 `read_point()` = (version, touched, recovering) where touched[s] is the last version that
 changed shard s: a read answered by each shard s at touched[s] is the whole index at `version`,
 never older, and never a half-applied batch. That version is what the HTTP API calls
 `index_version`.
 
-Two-phase commit of one mutation (one at a time, under a mutex):
+Two-phase commit of one transaction (one at a time, under a mutex):
 
 1. prepare on every shard it touches (in parallel): each validates and fsyncs a prepare record,
    or says no (an invalid mutation: the error is the caller's 422) or is unreachable (down,
    restarting, or silent for `PREPARE_WAIT_S`);
-2. all said yes: append ("commit", txn, version, shards, key) to `decisions.log` and fsync — the
+2. all said yes: append ("commit", txn, version, shards, [[key, digest], ...]) to
+   `decisions.log` and fsync — the
    commit point; otherwise send abort to every participant and answer at once (nothing was
    changed; a participant that missed the abort drops the transaction at its next prepare);
 3. commit on every participant, retrying a shard that died until its restarted actor takes it
@@ -45,6 +47,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from m31.cluster.group import GROUPED, Call, keys_of, merged
 from m31.cluster.records import RecordLog
 from m31.users.idempotency import IdempotencyKeys, KeyReused, call_digest
 
@@ -69,7 +72,9 @@ class Coordinator:
         """`shards`: the shard actors, in shard order."""
         self.path, self.shards = Path(path), list(shards)
         self._log, records = RecordLog.open(self.path / "decisions.log")
-        self._mutex = threading.Lock()  # one mutation at a time
+        self._mutex = threading.Lock()  # one transaction at a time
+        self._queue: list[Call] = []  # events and users calls waiting for the next group
+        self._queue_lock = threading.Lock()
         self._state = threading.Condition()  # guards version, touched, ads, recovering
         self._failed: str | None = None
         self.version, self.touched = 0, [0] * len(self.shards)
@@ -84,8 +89,8 @@ class Coordinator:
                 self.version = version
                 for s in participants:
                     self.touched[s], last[s] = version, (txn, version)
-                if len(record) > 4 and record[4] is not None:
-                    self._keys.remember(record[4], version, record[5] if len(record) > 5 else None)
+                for key, digest in _logged_keys(record):
+                    self._keys.remember(key, version, digest)
         self._last = last  # per shard: (txn, version) of the last commit that touched it
         self.ads = [0] * len(self.shards)
         self._recovering = set(range(len(self.shards)))
@@ -154,70 +159,125 @@ class Coordinator:
         """Apply {shard: (op, args, check)} atomically. ("ok", version, live ads), ("invalid",
         message) when a shard refused it, or ("unavailable", message, shards). A mutation
         whose idempotency `key` was committed already: ("ok", that version, live ads), or
-        ("invalid", message) if that mutation applied other events (`events_digest`)."""
+        ("invalid", message) if that mutation applied other events (`events_digest`). Events
+        and users calls that arrive while another transaction runs share the next one
+        (`m31.cluster.group`), and its version."""
+        call = Call(ops, key, None if key is None else events_digest(ops))
+        if call.kind is None:
+            with self._mutex:
+                return self._alone(call)
+        with self._queue_lock:
+            self._queue.append(call)
+        with self._mutex:
+            if call.result is None:  # not taken by the group before: this thread commits
+                with self._queue_lock:
+                    calls, self._queue = self._queue, []
+                self._group(calls)
+        return call.result
+
+    def _checked(self, call: Call) -> tuple | None:
+        """The answer of a call that needs no transaction (its key was committed, or used for
+        another call) or cannot have one now (refused or recovering shards); else None."""
+        if call.key is not None:
+            try:
+                done = self._keys.applied(call.key, call.digest)
+            except KeyReused as e:
+                return ("invalid", str(e))
+            if done is not None:
+                return ("ok", done, sum(self.ads))
+        if self._failed is not None:
+            return ("unavailable", self._failed, [])
+        with self._state:
+            waiting = sorted(set(call.ops) & self._recovering)
+        if waiting:
+            why = "are recovering (the coordinator restarted and waits for them)"
+            return ("unavailable", f"shards {waiting} {why}; nothing was changed", waiting)
+        return None
+
+    def _alone(self, call: Call) -> tuple:
+        return self._checked(call) or self._transaction(call.ops, keys_of([call]))
+
+    def _group(self, calls: list[Call]) -> None:
+        """Answer every queued call: those of one kind in one transaction. A call repeating
+        the key of one before it in the queue (a retry sent while the first was queued) is
+        answered after that one, as a retry."""
+        live, retries, keys = [], [], set()
+        for call in calls:
+            if call.key in keys:
+                retries.append(call)
+                continue
+            call.result = self._checked(call)
+            if call.result is None:
+                live.append(call)
+                keys.add(call.key)
+        for kind in GROUPED:
+            self._commit_group([c for c in live if c.kind == kind])
+        for call in retries:
+            call.result = self._alone(call)
+
+    def _commit_group(self, calls: list[Call]) -> None:
+        """One transaction for `calls` (of one kind). Refused by a shard: each call alone,
+        for its own answer. A shard down: its calls answered unavailable, the rest again."""
+        while len(calls) > 1:
+            out = self._transaction(merged(calls), keys_of(calls))
+            if out[0] == "invalid":
+                break
+            down = set(out[2]) if out[0] == "unavailable" else set()
+            rest = [c for c in calls if down and not down & set(c.ops)]
+            for call in calls:
+                if call not in rest:
+                    call.result = out
+            calls = rest
+        for call in calls:
+            call.result = self._alone(call)
+
+    def _transaction(self, ops: Mapping[int, tuple[str, dict[str, Any], Any]], keys) -> tuple:
+        """The two-phase commit of `ops` (module docstring), logging the [key, digest] pairs
+        `keys` with its decision: ("ok", version, live ads), ("invalid", message) or
+        ("unavailable", message, shards)."""
         import ray
         from ray.exceptions import RayActorError, RayTaskError
 
-        with self._mutex:
-            digest = None if key is None else events_digest(ops)
-            if key is not None:
-                try:
-                    done = self._keys.applied(key, digest)
-                except KeyReused as e:
-                    return ("invalid", str(e))
-                if done is not None:
-                    return ("ok", done, sum(self.ads))
-            if self._failed is not None:
-                return ("unavailable", self._failed, [])
-            participants = sorted(ops)
-            with self._state:
-                waiting = sorted(set(participants) & self._recovering)
-            if waiting:
-                why = "are recovering (the coordinator restarted and waits for them)"
-                return ("unavailable", f"shards {waiting} {why}; nothing was changed", waiting)
-            txn = uuid.uuid4().hex
-            refs = {
-                s: self.shards[s].prepare.remote(txn, *ops[s], self._last[s]) for s in participants
-            }
-            ray.wait(list(refs.values()), num_returns=len(refs), timeout=PREPARE_WAIT_S)
-            invalid, down = None, []
-            for s in participants:
-                ready, _ = ray.wait([refs[s]], timeout=0)
-                if not ready:
-                    down.append(s)  # silent: stopped, or its machine unreachable
-                    continue
-                try:
-                    ray.get(refs[s])
-                except RayTaskError as e:
-                    cause = e.cause
-                    if isinstance(cause, ValueError) and invalid is None:
-                        invalid = str(cause)
-                    elif not isinstance(cause, ValueError):
-                        down.append(s)
-                except RayActorError:
+        participants = sorted(ops)
+        txn = uuid.uuid4().hex
+        refs = {s: self.shards[s].prepare.remote(txn, *ops[s], self._last[s]) for s in participants}
+        ray.wait(list(refs.values()), num_returns=len(refs), timeout=PREPARE_WAIT_S)
+        invalid, down = None, []
+        for s in participants:
+            ready, _ = ray.wait([refs[s]], timeout=0)
+            if not ready:
+                down.append(s)  # silent: stopped, or its machine unreachable
+                continue
+            try:
+                ray.get(refs[s])
+            except RayTaskError as e:
+                cause = e.cause
+                if isinstance(cause, ValueError) and invalid is None:
+                    invalid = str(cause)
+                elif not isinstance(cause, ValueError):
                     down.append(s)
-            if invalid is not None or down:
-                # Not waited for: a shard still holding the transaction (it missed this abort,
-                # or prepared after it) aborts it at its next prepare (`Shard.prepare`).
-                for s in participants:
-                    self.shards[s].abort.remote(txn)
-                if invalid is not None:
-                    return ("invalid", invalid)
-                why = "unavailable (down or restarting); nothing was changed"
-                return ("unavailable", f"shards {down} {why}", down)
-            version = self.version + 1
-            self._log.append(("commit", txn, version, participants, key, digest))
-            if key is not None:
-                self._keys.remember(key, version, digest)
-            ads = self._decide_all(
-                participants, lambda s: self.shards[s].commit.remote(txn, version)
-            )
-            with self._state:
-                self.version = version
-                for s in participants:
-                    self.touched[s], self.ads[s] = version, ads[s]
-                    self._last[s] = (txn, version)
-            return ("ok", version, sum(self.ads))
+            except RayActorError:
+                down.append(s)
+        if invalid is not None or down:
+            # Not waited for: a shard still holding the transaction (it missed this abort,
+            # or prepared after it) aborts it at its next prepare (`Shard.prepare`).
+            for s in participants:
+                self.shards[s].abort.remote(txn)
+            if invalid is not None:
+                return ("invalid", invalid)
+            why = "unavailable (down or restarting); nothing was changed"
+            return ("unavailable", f"shards {down} {why}", down)
+        version = self.version + 1
+        self._log.append(("commit", txn, version, participants, keys))
+        for key, digest in keys:
+            self._keys.remember(key, version, digest)
+        ads = self._decide_all(participants, lambda s: self.shards[s].commit.remote(txn, version))
+        with self._state:
+            self.version = version
+            for s in participants:
+                self.touched[s], self.ads[s] = version, ads[s]
+                self._last[s] = (txn, version)
+        return ("ok", version, sum(self.ads))
 
     def _decide_all(self, participants: list[int], send) -> dict[int, Any]:
         """Send a decision to every participant, again to those that died meanwhile (their
@@ -274,6 +334,15 @@ class Coordinator:
         import os
 
         return os.getpid()
+
+
+def _logged_keys(record: tuple) -> list:
+    """[key, digest] pairs a commit record logged: a list of them, or (records written before
+    group commit) one key and its digest, or none."""
+    logged = record[4] if len(record) > 4 else None
+    if logged is None or isinstance(logged, list):
+        return logged or []
+    return [[logged, record[5] if len(record) > 5 else None]]
 
 
 def events_digest(ops: Mapping[int, tuple[str, dict[str, Any], Any]]) -> str:
