@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Events on one server and on the cluster, same index, same run (docs/SCALING.md, "Users"):
-# events acknowledged per second (batches of 100, two senders, no retrieves), then retrieve
+# events acknowledged per second (batches of 100, SENDERS senders, default 2, no retrieves; more
+# senders give the cluster's group commit more calls to share a transaction), then retrieve
 # p50/p99 (B = 1, K = 100, one client) alone and beside 2,000 events/s, for `m31 serve` and for
 # `m31 serve --ray` over SHARDS shards (a local Ray cluster).
 #   .venv/bin/python scripts/serve_limits.py build data/events --ads 50000   # once
@@ -9,6 +10,7 @@ set -euo pipefail
 WORLD=${1:-data/events}
 SHARDS=${2:-2}
 SECONDS_PER_LEVEL=${3:-10}
+SENDERS=${SENDERS:-2}
 M31=${M31:-.venv/bin/m31}
 PORT=${PORT:-8751}
 OUT=${OUT:-runs/cluster-events}
@@ -28,7 +30,7 @@ for kind in single ray; do
     --timeout-ms 30000 "${extra[@]}"
   echo "## $kind"
   "$M31" loadtest --data "$WORLD/index" --url "http://127.0.0.1:$PORT" --concurrency 0 \
-    --duration "$SECONDS_PER_LEVEL" --event-clients 2 --event-batch 100 \
+    --duration "$SECONDS_PER_LEVEL" --event-clients "$SENDERS" --event-batch 100 \
     --out "$OUT/events-$kind.json" --variant "$kind"
   "$M31" loadtest --data "$WORLD/index" --url "http://127.0.0.1:$PORT" --concurrency 1 \
     --duration "$((2 * SECONDS_PER_LEVEL))" --event-clients 2 --event-batch 100 \
