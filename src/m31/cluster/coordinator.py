@@ -40,6 +40,7 @@ logged.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -50,6 +51,8 @@ from typing import Any
 from m31.cluster.group import GROUPED, Call, keys_of, merged
 from m31.cluster.records import RecordLog
 from m31.users.idempotency import IdempotencyKeys, KeyReused, call_digest
+
+logger = logging.getLogger(__name__)
 
 
 def ray_get(refs):
@@ -172,7 +175,14 @@ class Coordinator:
             if call.result is None:  # not taken by the group before: this thread commits
                 with self._queue_lock:
                     calls, self._queue = self._queue, []
-                self._group(calls)
+                try:
+                    self._group(calls)
+                except Exception as e:  # every queued call gets an answer, this one's too
+                    logger.exception("a group of %d calls failed", len(calls))
+                    why = self._failed or f"the coordinator failed during the transaction ({e})"
+                    for queued in calls:
+                        if queued.result is None:
+                            queued.result = ("unavailable", f"{why}; it may have been applied", [])
         return call.result
 
     def _checked(self, call: Call) -> tuple | None:
