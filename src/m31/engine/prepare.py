@@ -16,7 +16,14 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from m31.engine.caps import GROUP_FIELDS
-from m31.engine.requests import RANKS, AdRequest, PreparedRequest, RequestError, one_of
+from m31.engine.requests import (
+    RANKS,
+    AdRequest,
+    PreparedRequest,
+    RequestError,
+    StoredUser,
+    one_of,
+)
 from m31.engine.user_inputs import UserInputs
 from m31.index import AdIndex, CompiledFilter, compile_filter
 from m31.index.filters import Clause, HasValue, NoneOf, with_clauses
@@ -60,20 +67,22 @@ class RequestPreparer:
             raise RequestError(f"k: {len(ks)} values for {len(requests)} requests")
         for i, (r, k_) in enumerate(zip(requests, ks, strict=True)):
             self._check(i, r, k_)
-        rows = np.full(len(requests), -1, dtype=np.int64)  # store row of stored users
+        users: list[StoredUser | None] = [None] * len(requests)
         stored = [i for i, r in enumerate(requests) if r.user is None]
         if stored:
             ids = np.array([requests[i].user_id for i in stored], np.int64)
-            rows[stored] = self.users.stored_rows(ids, stored)
+            ts = np.array([requests[i].ts for i in stored], np.int64)
+            for i, user in zip(stored, self.users.stored(ids, ts, stored), strict=True):
+                users[i] = user
         engaged = {
-            i: self._engaged(r, int(rows[i]))
+            i: self._engaged(r, users[i])
             for i, r in enumerate(requests)
             if r.frequency_cap is not None
         }
         groups = self._groups_of(requests, engaged)
         return [
-            self._prepared(i, r, int(k_), row, engaged.get(i), groups)
-            for i, (r, k_, row) in enumerate(zip(requests, ks, rows.tolist(), strict=True))
+            self._prepared(i, r, int(k_), user, engaged.get(i), groups)
+            for i, (r, k_, user) in enumerate(zip(requests, ks, users, strict=True))
         ]
 
     def _check(self, i: int, r: AdRequest, k: int) -> None:
@@ -98,7 +107,7 @@ class RequestPreparer:
             raise RequestError(f"requests[{i}].rank: value ranks by the bid; the index has none")
 
     def _prepared(
-        self, i: int, r: AdRequest, k: int, row: int, engaged, groups: dict[str, dict]
+        self, i: int, r: AdRequest, k: int, user: StoredUser | None, engaged, groups: dict
     ) -> PreparedRequest:
         clauses: list[Clause] = [HAS_BID] if r.rank == "value" else []
         if r.frequency_cap is not None:
@@ -106,17 +115,16 @@ class RequestPreparer:
         if r.user is not None:
             who = {"country": r.user.country, "age": r.user.age, "gender": r.user.gender}
         else:
-            who = self.users.users.targeting(row)
+            who = user.targeting
         compiled = with_clauses(self._compiled(i, r.filter), clauses, self.index.schema)
-        return PreparedRequest(r, k, row, compiled, who, tuple(clauses))
+        return PreparedRequest(r, k, user, compiled, who, tuple(clauses))
 
-    def _engaged(self, r: AdRequest, row: int) -> tuple[np.ndarray, np.ndarray]:
-        """(ad ids, engagements of each) of the stored user in row `row` or the inline user,
-        in the window of `r`'s frequency cap."""
+    def _engaged(self, r: AdRequest, user: StoredUser | None) -> tuple[np.ndarray, np.ndarray]:
+        """(ad ids, engagements of each) of the stored or inline user in the window of `r`'s
+        frequency cap."""
         window = r.frequency_cap.window_s
         if r.user is None:
-            ((ads, counts),) = self.users.users.engaged(np.array([row]), np.array([r.ts]), window)
-            return ads, counts
+            return user.engaged(r.ts, window)
         inside = [e.ad_id for e in r.user.history if r.ts - window <= e.ts < r.ts]
         return np.unique(np.array(inside, np.int64), return_counts=True)
 

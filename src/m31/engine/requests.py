@@ -14,6 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 if TYPE_CHECKING:
     from m31.index.filters import Clause, CompiledFilter
 
@@ -98,13 +100,32 @@ class AdRequest:
     rank: str = "relevance"
 
 
+@dataclass(frozen=True, eq=False)
+class StoredUser:
+    """A stored user as of its request's time, as a request is prepared and encoded with it:
+    what the user store holds of it (`UserStore.history`) and, for a user the features seeded,
+    its organic events. Arrays of the store's length L', right-aligned, most recent last."""
+
+    attributes: Mapping[str, int]  # the store's codes: cohort, age_bucket, gender, country, age
+    targeting: Mapping  # country, age and gender as the ads' targeting reads them
+    ads: np.ndarray  # [L'] ad ids engaged strictly before the request's time, -1 padding
+    surfaces: np.ndarray  # [L'] surface codes, 0 padding
+    times: np.ndarray  # [L'] Unix seconds, -1 padding
+    organic: np.ndarray | None  # [O] organic topics (-1 padding), None: not a seeded user
+
+    def engaged(self, ts: int, window_s: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ad ids, counts) of the engagements in [ts - window_s, ts)."""
+        inside = (self.ads >= 0) & (self.times >= ts - window_s)
+        return np.unique(self.ads[inside], return_counts=True)
+
+
 @dataclass(frozen=True)
 class PreparedRequest:
     """A request `Retriever.prepare` has checked, made by it only."""
 
     request: AdRequest
     k: int  # results wanted, >= 1
-    user_row: int  # row of the stored user in the feature store; -1 for an inline user
+    user: StoredUser | None  # the stored user as of the request; None for an inline user
     # The request's filter and `clauses`, compiled (None: neither)
     filter: CompiledFilter | None
     targeting: Mapping  # the user's country, age and gender, for the ads' targeting

@@ -20,7 +20,14 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from m31.data.schema import N_AGE_BUCKETS, age_bucket
-from m31.engine.requests import AdRequest, InlineUser, PreparedRequest, RequestError, one_of
+from m31.engine.requests import (
+    AdRequest,
+    InlineUser,
+    PreparedRequest,
+    RequestError,
+    StoredUser,
+    one_of,
+)
 from m31.features import Features
 from m31.model.inputs import RequestInputs, concat_requests, inline_requests, request_inputs
 from m31.users.store import ATTRIBUTES as USER_ATTRIBUTES
@@ -96,16 +103,33 @@ class UserInputs:
         codes = self._codes[name]
         return len(codes) if value is None else codes[value]
 
-    def stored_rows(self, ids: np.ndarray, where: Sequence[int]) -> np.ndarray:
-        """Store rows of stored users `ids` [B] (RequestError naming requests[where[i]] for an
-        unknown one)."""
+    def stored(self, ids: np.ndarray, ts: np.ndarray, where: Sequence[int]) -> list[StoredUser]:
+        """Stored users `ids` [B] as of their requests' times `ts` [B] (RequestError naming
+        requests[where[i]] for an unknown one)."""
         rows = self.users.rows_of(ids)
         bad = np.flatnonzero(rows < 0)
         if len(bad):
             raise RequestError(
                 f"requests[{where[bad[0]]}].user_id: unknown user {int(ids[bad[0]])}"
             )
-        return rows
+        attrs, ads, surfaces, times = self.users.history(rows, ts)  # [B], [B, L'] each
+        organic = [None] * len(rows)
+        seeded = np.flatnonzero(rows < self._seeded)  # feature rows: their organic events
+        if len(seeded):
+            topics = self.feats.organic_history(rows[seeded], ts[seeded])[0]
+            for j, i in enumerate(seeded.tolist()):
+                organic[i] = topics[j]
+        return [
+            StoredUser(
+                {k: int(v[i]) for k, v in attrs.items()},
+                self.users.targeting(int(row)),
+                ads[i],
+                surfaces[i],
+                times[i],
+                organic[i],
+            )
+            for i, row in enumerate(rows.tolist())
+        ]
 
     def check(self, where: str, u: InlineUser) -> None:
         """RequestError naming `where`.field unless the model knows every value of `u`."""
@@ -153,10 +177,10 @@ class UserInputs:
         context = self._context(requests)
         stored = [i for i, r in enumerate(requests) if r.user is None]
         inline = [i for i, r in enumerate(requests) if r.user is not None]
-        rows = np.array([p.user_row for p in prepared], dtype=np.int64)  # [B]
         parts = []
         if stored:
-            parts.append(self._stored(rows[stored], {k: c[stored] for k, c in context.items()}))
+            users = [prepared[i].user for i in stored]
+            parts.append(self._stored(users, {k: c[stored] for k, c in context.items()}))
         if inline:
             some = [requests[i] for i in inline]
             parts.append(self._inline(some, {k: c[inline] for k, c in context.items()}))
@@ -180,14 +204,15 @@ class UserInputs:
         pos = np.minimum(np.searchsorted(self._ad_sorted, ad_ids), len(self._ad_sorted) - 1)
         return np.where(self._ad_sorted[pos] == ad_ids, self._ad_order[pos], -1)
 
-    def _stored(self, rows: np.ndarray, context: dict[str, np.ndarray]) -> RequestInputs:
-        """Inputs of stored users (store rows [B]) as of each request's time: their attributes,
-        the engagements the store holds on ads of the model's catalogue, and the organic events
-        of the users the features seeded."""
+    def _stored(self, users: Sequence[StoredUser], context: dict[str, np.ndarray]) -> RequestInputs:
+        """Inputs of stored users as of each request's time: their attributes, the engagements
+        the store holds on ads of the model's catalogue, and the organic events of the users
+        the features seeded."""
         ts = context["ts"]
-        attrs, ads, surface, when = self.users.history(rows, ts)  # [B], [B, L] each
         L = self.max_len
-        ads, surface, when = ads[:, -L:], surface[:, -L:], when[:, -L:]
+        ads = np.stack([u.ads[-L:] for u in users])  # [B, L]
+        surface = np.stack([u.surfaces[-L:] for u in users])
+        when = np.stack([u.times[-L:] for u in users])
         items = np.where(ads >= 0, self._catalog_rows(ads.ravel()).reshape(ads.shape), -1)
         # Right-align the engagements the catalogue holds, in their order.
         order = np.argsort(items >= 0, axis=1, kind="stable")
@@ -195,11 +220,14 @@ class UserInputs:
         held = items >= 0
         surface = np.where(held, np.take_along_axis(surface, order, 1), 0)
         when = np.where(held, np.take_along_axis(when, order, 1), -1)
-        organic = np.full((len(rows), self.feats.config.organic_len), -1, np.int64)
-        seeded = rows < self._seeded
-        if seeded.any():
-            organic[seeded] = self.feats.organic_history(rows[seeded], ts[seeded])[0]
-        demographics = {k: attrs[k] for k in ("cohort", "age_bucket", "gender", "country")}
+        organic = np.full((len(users), self.feats.config.organic_len), -1, np.int64)
+        for i, u in enumerate(users):
+            if u.organic is not None:
+                organic[i] = u.organic
+        demographics = {
+            k: np.array([u.attributes[k] for u in users], np.int64)
+            for k in ("cohort", "age_bucket", "gender", "country")
+        }
         serving = {k: context[k] for k in ("surface", "hour", "platform")}
         return request_inputs(demographics, ts, serving, items, surface, when, organic)
 
