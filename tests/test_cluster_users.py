@@ -206,9 +206,10 @@ def test_concurrent_calls_share_one_transaction(world, ray_local):
 
     a = ops([(u0, 40, 10**9, "feed"), (u1, 41, 10**9, "feed")])
     b, c = ops([(u0, 42, 10**9 + 1, "reels")]), ops([(u1, 43, 10**9 + 2, None)])
-    got = together([(a, "a"), (b, "b"), (c, None), (a, "a")])
-    assert [r[:2] for r in got] == [("ok", base + 1)] * 4 and coordinator.version == base + 1
-    for s, want in ((0, [[u0, u0], [40, 42]]), (1, [[u1, u1], [41, 43]])):
+    d = ops([(u1, 47, 10**9 + 3, "feed")])
+    got = together([(a, "a"), (b, "b"), (c, None), (a, "a"), (d, None)])
+    assert [r[:2] for r in got] == [("ok", base + 1)] * 5 and coordinator.version == base + 1
+    for s, want in ((0, [[u0, u0], [40, 42]]), (1, [[u1, u1, u1], [41, 43, 47]])):
         changes, at = ray.get(shards[s].user_changes.remote(base))[1:]
         assert at == base + 1 and [(v, op) for v, op, _ in changes] == [(base + 1, "events")]
         assert [list(map(int, changes[0][2][k])) for k in ("user_id", "ad_id")] == want

@@ -213,13 +213,14 @@ class Coordinator:
         answered after that one, as a retry."""
         live, retries, keys = [], [], set()
         for call in calls:
-            if call.key in keys:
+            if call.key is not None and call.key in keys:
                 retries.append(call)
                 continue
             call.result = self._checked(call)
             if call.result is None:
                 live.append(call)
-                keys.add(call.key)
+                if call.key is not None:
+                    keys.add(call.key)
         for kind in GROUPED:
             self._commit_group([c for c in live if c.kind == kind])
         for call in retries:
