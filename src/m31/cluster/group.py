@@ -26,7 +26,7 @@ _EVENT_OPTIONAL = ("type", "weight")
 Ops = Mapping[int, tuple[str, dict[str, Any], Any]]
 
 
-@dataclass
+@dataclass(eq=False)  # calls are told apart by identity, never by their content
 class Call:
     """One mutation call waiting for its answer (`result`, set under the coordinator's mutex)."""
 
