@@ -36,8 +36,9 @@ LossOption = Annotated[
     str | None,
     typer.Option(
         help="The retrieval models' loss: softmax (sampled, in-batch and uniform negatives, "
-        "logQ; the default), full (the softmax over every item, nothing sampled) or bce "
-        "(SASRec's: each target against one uniform negative)."
+        "logQ; the tiny and demo presets'), full (the softmax over every item, nothing "
+        "sampled; the sasrec preset's) or bce (SASRec's: each target against one uniform "
+        "negative)."
     ),
 ]
 AttributeBucketsOption = Annotated[
