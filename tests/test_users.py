@@ -20,7 +20,7 @@ from serve_helpers import ADMIN, ProcessServer, ThreadServer, World, fresh_state
 from m31.client import Client, ServiceError
 from m31.engine import AdRequest, InlineUser
 from m31.engine.load import load_engine
-from m31.engine.requests import Engagement, FrequencyCap
+from m31.engine.requests import Engagement, FrequencyCap, StoredUser
 from m31.index import AdIndex
 from m31.index import RequestContext as AdRequestContext
 from m31.serve.app import ServeConfig, create_app
@@ -75,8 +75,9 @@ def test_the_store_keeps_what_the_reference_does(batches, L, ts):
         # Padding on the left, most recent last.
         assert (ads[r][: L - len(want)] == -1).all()
     # A frequency window counts exactly the held events in [ts - w, ts).
+    held_users = [StoredUser({}, {}, ads[r], surface[r], when[r], None) for r in range(len(rows))]
     for w in (1, 10, 100):
-        got = store.engaged(rows, np.full(len(rows), ts), w)
+        got = [u.engaged(ts, w) for u in held_users]
         for (ids, counts), user in zip(got, users, strict=True):
             held = [a for a, t, _ in reference_history(log, user, ts, L) if t >= ts - w]
             want = dict(zip(*np.unique(held, return_counts=True), strict=True)) if held else {}

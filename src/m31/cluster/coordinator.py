@@ -4,12 +4,11 @@ it mutations already encoded and split by shard, and ask it for read points.
 
 Versions. One global sequence: every transaction (an upsert batch, however many shards it
 spans; an update; a delete; a group of concurrent events or users calls, `m31.cluster.group`)
-gets the next integer, and only after every shard it touches has
-committed it. So `version` (the last acknowledged one) is a state every shard holds, and
-`read_point()` = (version, touched, recovering) where touched[s] is the last version that
-changed shard s: a read answered by each shard s at touched[s] is the whole index at `version`,
-never older, and never a half-applied batch. That version is what the HTTP API calls
-`index_version`.
+gets the next integer, and only after every shard it touches has committed it. So `version`
+(the last acknowledged one) is a state every shard holds, and `read_point()` = (version,
+touched, recovering) where touched[s] is the last version that changed shard s: a read
+answered by each shard s at touched[s] is the whole index at `version`, never older, and never
+a half-applied batch. That version is what the HTTP API calls `index_version`.
 
 Two-phase commit of one transaction (one at a time, under a mutex):
 
@@ -17,9 +16,9 @@ Two-phase commit of one transaction (one at a time, under a mutex):
    or says no (an invalid mutation: the error is the caller's 422) or is unreachable (down,
    restarting, or silent for `PREPARE_WAIT_S`);
 2. all said yes: append ("commit", txn, version, shards, [[key, digest], ...]) to
-   `decisions.log` and fsync — the
-   commit point; otherwise send abort to every participant and answer at once (nothing was
-   changed; a participant that missed the abort drops the transaction at its next prepare);
+   `decisions.log` and fsync — the commit point; otherwise send abort to every participant and
+   answer at once (nothing was changed; a participant that missed the abort drops the
+   transaction at its next prepare);
 3. commit on every participant, retrying a shard that died until its restarted actor takes it
    (the shard, recovered from its logs, holds the transaction in doubt until then);
 4. advance `version` and answer it.

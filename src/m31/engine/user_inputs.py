@@ -119,17 +119,12 @@ class UserInputs:
             topics = self.feats.organic_history(rows[seeded], ts[seeded])[0]
             for j, i in enumerate(seeded.tolist()):
                 organic[i] = topics[j]
-        return [
-            StoredUser(
-                {k: int(v[i]) for k, v in attrs.items()},
-                self.users.targeting(int(row)),
-                ads[i],
-                surfaces[i],
-                times[i],
-                organic[i],
-            )
-            for i, row in enumerate(rows.tolist())
-        ]
+        out = []
+        for i in range(len(rows)):
+            codes = {k: int(v[i]) for k, v in attrs.items()}
+            targeting = self.users.targeting_of(codes)  # of the same read as the history
+            out.append(StoredUser(codes, targeting, ads[i], surfaces[i], times[i], organic[i]))
+        return out
 
     def check(self, where: str, u: InlineUser) -> None:
         """RequestError naming `where`.field unless the model knows every value of `u`."""

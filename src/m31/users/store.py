@@ -166,27 +166,16 @@ class UserStore:
         take = lambda a, fill: np.where(ok, np.take_along_axis(a, src, 1), fill)  # noqa: E731
         return attrs, take(ad, -1), take(s.astype(np.int64), 0), take(t, -1)
 
-    def engaged(
-        self, rows: np.ndarray, ts: np.ndarray, window_s: int
-    ) -> list[tuple[np.ndarray, np.ndarray]]:
-        """For each row, (ad ids, counts) of its held engagements in [ts - window_s, ts)."""
-        _, ad, _, t = self.history(rows, ts)
-        out = []
-        for r in range(len(ad)):
-            inside = (ad[r] >= 0) & (t[r] >= int(ts[r]) - window_s)
-            ids, counts = np.unique(ad[r][inside], return_counts=True)
-            out.append((ids, counts))
-        return out
-
     def targeting(self, row: int) -> dict:
         """The user's country, age and gender as the ads' targeting reads them (None: unknown)."""
-        v = self.vocab
         with self._lock:
-            country, gender, age = (
-                int(self._country[row]),
-                int(self._gender[row]),
-                int(self._age[row]),
-            )
+            codes = {a: int(getattr(self, f"_{a}")[row]) for a in ("country", "gender", "age")}
+        return self.targeting_of(codes)
+
+    def targeting_of(self, codes: Mapping[str, int]) -> dict:
+        """`targeting` of a user's attribute codes (as `history` gives them)."""
+        v = self.vocab
+        country, gender, age = (int(codes[a]) for a in ("country", "gender", "age"))
         return {
             "country": v.countries[country] if country < len(v.countries) else None,
             "age": None if age < 0 else age,
