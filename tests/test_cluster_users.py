@@ -1,6 +1,7 @@
-"""Live users on a sharded index (`m31 serve --ray`): a shard's feed of user changes, and on the
-real server through Ray Serve over 3 shards, events that reach the next retrieve with their
-owner killed, and owners killed during an event stream losing no acknowledged event."""
+"""Live users on a sharded index (`m31 serve --ray`): a shard answering its users as one
+server's store does, group commit, and on the real server through Ray Serve over 3 shards,
+events that reach the next retrieve with their owner killed, frequency caps per group, and
+owners and the coordinator killed during an event stream losing no acknowledged event."""
 
 from __future__ import annotations
 
@@ -33,11 +34,12 @@ from m31.cluster.coordinator import Coordinator  # noqa: E402
 from m31.cluster.group import Call, merged  # noqa: E402
 from m31.cluster.layout import coordinator_dir, init_cluster, reshard, shard_dir, shard_of  # noqa: E402
 from m31.cluster.mutations import event_ops  # noqa: E402
-from m31.cluster.shard import Shard, take_user_changes  # noqa: E402
-from m31.engine.load import copy_online, load_engine, online_users  # noqa: E402
+from m31.cluster.shard import Shard  # noqa: E402
+from m31.engine.load import copy_online, load_engine, online_organic, online_users  # noqa: E402
 from m31.engine.requests import AdRequest, FrequencyCap  # noqa: E402
 from m31.index import AdIndexError  # noqa: E402
 from m31.serve.app import ServeConfig  # noqa: E402
+from m31.users.stored import read_users  # noqa: E402
 
 S = 3
 HEADERS = {"Authorization": f"Bearer {ADMIN}"}
@@ -62,46 +64,60 @@ def state_of(users, user: int) -> dict[str, list]:
     return {k: v.tolist() for k, v in users.dump(lambda ids: ids == user).items()}
 
 
-def test_a_shard_feeds_its_users_changes(world):
-    """In-process: a shard seeds the users it owns, validates and commits user mutations, and
-    gives a copy its changes since a version (from its feed, rebuilt after a restart) or its
-    whole state (when the feed does not reach back): the copy then equals the shard's users."""
+def same_users(got, want) -> None:
+    """Two reads of users (`StoredUser` or None each) hold the same."""
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert (g is None) == (w is None)
+        if g is not None:
+            assert (g.attributes, g.targeting) == (w.attributes, w.targeting)
+            for name in ("ads", "surfaces", "times", "organic"):
+                assert getattr(g, name).tolist() == getattr(w, name).tolist(), name
+
+
+def test_a_shard_answers_its_users_as_one_store_does(world):
+    """In-process: a shard seeds the users it owns (attributes, engagements, organic events),
+    validates and commits user mutations, and answers its users as of a time exactly as one
+    server's store answers them after the same writes: before and after a restart (its logs
+    replayed) and a snapshot; None for a user it does not own or nobody holds."""
     state = new_state(world, 2)
     shard = Shard(shard_dir(state, 0), 0)
-    copy = online_users(state)  # a replica's copy: every user, as seeded
-    mine = copy.dump()["ids"][shard_of(copy.dump()["ids"], 2) == 0]
+    store, organic = online_users(state), online_organic(state)  # one server's: every user
+    ids = store.dump()["ids"]
+    mine = ids[shard_of(ids, 2) == 0]
     assert sorted(shard._store.users.dump()["ids"].tolist()) == sorted(mine.tolist())
+    u, theirs = int(mine[0]), int(ids[shard_of(ids, 2) == 1][0])
+    asked = [u, *mine[1:40].tolist()]
+    ts = np.full(len(asked), 2**40)
+    times = store.dump()["ts"]
+    middle = np.full(len(asked), int(np.median(times[times > 0])))
+    for when in (ts, middle):  # after every event, and amid them
+        same_users(shard.stored_users(asked, when)[0], read_users(store, organic, asked, when))
+    assert any((g.organic >= 0).any() for g in shard.stored_users(asked, ts)[0])  # organic
+    assert shard.stored_users([theirs, 10**12], ts[:2])[0] == [None, None]  # not its; nobody's
     base = shard.applied
-    assert take_user_changes(copy, shard.user_changes(base)) == base  # nothing yet
-    u = int(mine[0])
     with pytest.raises(AdIndexError, match=r"events\[1\]\.surface: 'tv'"):
         shard.prepare("t0", "events", {"user_id": [u, u], "ad_id": [1, 2], "ts": [5, 6],
                                        "surface": ["feed", "tv"]})  # fmt: skip
-    shard.prepare("t1", "events", {"user_id": [u, u, 10**12], "ad_id": [40, 41, 42],
-                                   "ts": [10**10, 10**10 + 1, 7],
-                                   "surface": ["feed", None, "feed"]})  # fmt: skip
+    events = ([u, u, 10**12], [40, 41, 42], [10**10, 10**10 + 1, 7], ["feed", None, "feed"])
+    columns = dict(zip(("user_id", "ad_id", "ts", "surface"), events, strict=True))
+    shard.prepare("t1", "events", columns)
     shard.commit("t1", base + 1)
+    store.add(store.check(*events), base + 1)
     shard.prepare("t2", "users", {"users": [[u, {"age": 33}]]})
     shard.commit("t2", base + 2)
-    kind, changes, at = shard.user_changes(base)
-    assert (kind, [c[:2] for c in changes], at) == ("changes", [(base + 1, "events"),
-                                                                (base + 2, "users")], base + 2)  # fmt: skip
-    assert take_user_changes(copy, shard.user_changes(base)) == base + 2
-    for user in (u, 10**12):
-        assert state_of(copy, user) == state_of(shard._store.users, user)
-    assert shard.user_changes(base + 1)[1][0][0] == base + 2
-    shard.close()
-    shard = Shard(shard_dir(state, 0), 0)  # the feed again, from the transaction log
-    assert [c[0] for c in shard.user_changes(base)[1]] == [base + 1, base + 2]
-    shard.snapshot()
-    shard.close()
-    shard = Shard(shard_dir(state, 0), 0)  # after a snapshot the feed starts there
-    kind, whole, at = shard.user_changes(base)
-    assert kind == "state" and at == base + 2
-    fresh = online_users(state)
-    take_user_changes(fresh, ("state", whole, at))
-    for user in (u, 10**12, int(mine[1])):
-        assert state_of(fresh, user) == state_of(shard._store.users, user)
+    store.set_attributes(u, {"age": 33})
+    asked.append(10**12)  # created by its event
+    ts = np.full(len(asked), 2**40)
+    for restart in range(3):
+        got, at = shard.stored_users(asked, ts)
+        assert at == base + 2
+        same_users(got, read_users(store, organic, asked, ts))
+        assert got[0].targeting["age"] == 33 and got[0].ads[-2:].tolist() == [40, 41]
+        if restart == 1:
+            shard.snapshot()
+        shard.close()
+        shard = Shard(shard_dir(state, 0), 0)  # the logs replayed (then the snapshot read)
     shard.close()
 
 
@@ -178,8 +194,13 @@ def test_concurrent_calls_share_one_transaction(world, ray_local):
     coordinator = Coordinator(coordinator_dir(state), shards)
     assert coordinator.read_point(BOUND_S)[2] == []  # resolved
     base = coordinator.version
-    ids = online_users(state).dump()["ids"]
-    u0, u1 = (int(ids[shard_of(ids, 2) == s][0]) for s in (0, 1))
+    new = np.arange(10**12, 10**12 + 64)  # users the events create: their whole history
+    u0, u1 = (int(new[shard_of(new, 2) == s][0]) for s in (0, 1))
+
+    def held(s: int, user: int) -> tuple[list[int], int]:
+        """(the user's ad ids as its owner s holds them, the version s is at)."""
+        users, at = ray.get(shards[s].stored_users.remote([user], [2**40]))
+        return [a for a in users[0].ads.tolist() if a >= 0], at
 
     def ops(events):
         users, ads, ts, surfaces = zip(*events, strict=True)
@@ -209,18 +230,14 @@ def test_concurrent_calls_share_one_transaction(world, ray_local):
     d = ops([(u1, 47, 10**9 + 3, "feed")])
     got = together([(a, "a"), (b, "b"), (c, None), (a, "a"), (d, None)])
     assert [r[:2] for r in got] == [("ok", base + 1)] * 5 and coordinator.version == base + 1
-    for s, want in ((0, [[u0, u0], [40, 42]]), (1, [[u1, u1, u1], [41, 43, 47]])):
-        changes, at = ray.get(shards[s].user_changes.remote(base))[1:]
-        assert at == base + 1 and [(v, op) for v, op, _ in changes] == [(base + 1, "events")]
-        assert [list(map(int, changes[0][2][k])) for k in ("user_id", "ad_id")] == want
+    assert held(0, u0) == ([40, 42], base + 1) and held(1, u1) == ([41, 43, 47], base + 1)
     assert coordinator.mutate(a, "a")[:2] == ("ok", base + 1)  # a later retry
     bad = ops([(u1, 44, 10**9 + 3, "tv")])  # a surface the shard does not know
     good = [ops([(u0, 45, 10**9 + 4, "feed")]), ops([(u1, 46, 10**9 + 5, "feed")])]
     got = together([(good[0], None), (bad, None), (good[1], None)])
     assert got[1][0] == "invalid" and "surface" in got[1][1]
     assert sorted(r[1] for r in (got[0], got[2])) == [base + 2, base + 3]
-    held = [ray.get(shards[s].user_changes.remote(base + 1))[1] for s in (0, 1)]
-    assert [int(a) for ch in held for _, _, args in ch for a in args["ad_id"]] == [45, 46]
+    assert held(0, u0)[0] == [40, 42, 45] and held(1, u1)[0] == [41, 43, 47, 46]
     for shard in shards:
         ray.kill(shard)
 
@@ -261,11 +278,9 @@ def until_ok(call) -> httpx.Response:
         time.sleep(0.1)
 
 
-def shard_users(served: Served, s: int):
-    """Shard s's users as it holds them now (its whole state, asked through Ray)."""
-    copy = online_users(served.state, lambda ids: shard_of(ids, S) == s)
-    take_user_changes(copy, ray.get(served.cluster.shards[s].user_changes.remote(-1)))
-    return copy
+def held_users(served: Served, users, ts) -> list:
+    """The users as their owners hold them as of each time (`StoredUser`, None: not held)."""
+    return served.cluster.stored_users(users, ts, BOUND_S)
 
 
 def test_an_event_reaches_the_next_retrieve_with_its_owner_killed(served):
@@ -290,9 +305,8 @@ def test_an_event_reaches_the_next_retrieve_with_its_owner_killed(served):
     assert after.status_code == 200, after.text
     assert after.json()["index_version"] >= version
     assert after.json()["results"][0] != before.json()["results"][0]
-    held = shard_users(served, owner)
-    _, ads, _, _ = held.history(held.rows_of([3]), np.array([now]))
-    assert ads[0].tolist().count(40) == 1 and set(range(40, 45)) <= set(ads[0].tolist())
+    ads = held_users(served, [3], [now])[0].ads.tolist()
+    assert ads.count(40) == 1 and set(range(40, 45)) <= set(ads)
     cap = {**body, "frequency_cap": {"per": "ad", "max": 1, "window_s": 3600}, "k": 2000}
     got = httpx.post(f"{served.url}/v1/retrieve", json={"requests": [cap], "min_version": version},
                      timeout=BOUND_S).json()  # fmt: skip
@@ -307,8 +321,7 @@ def test_an_event_reaches_the_next_retrieve_with_its_owner_killed(served):
     ask = {"requests": [{"user_id": 10**12, "k": 5}], "min_version": r.json()["index_version"]}
     r = httpx.post(f"{served.url}/v1/retrieve", json=ask, timeout=BOUND_S)
     assert r.status_code == 200, r.text
-    held = shard_users(served, int(shard_of([10**12], S)[0]))
-    assert held.targeting(held.rows_of([10**12])[0])["age"] == 33
+    assert held_users(served, [10**12], [now])[0].targeting["age"] == 33
     # Bad input: 422 naming the field (the call's own index, not a shard's part of it).
     bad = {"events": [{"user_id": 3, "ad_id": 1, "ts": 1},
                       {"user_id": 4, "ad_id": 1, "ts": 1, "surface": "tv"}]}  # fmt: skip
@@ -407,12 +420,13 @@ def test_killed_owners_and_coordinator_lose_no_acknowledged_event(served):
         stop.set()
         for t in threads:
             t.join(BOUND_S)
-    held = shard_users(served, s)
-    for n in range(max(acked) + senders + 1):
-        users = batch(n)
-        rows = held.rows_of(users)
-        if n not in acked and (rows < 0).all():
+    sent = range(max(acked) + senders + 1)
+    every = [u for n in sent for u in batch(n)]
+    found = held_users(served, every, np.full(len(every), 10**9))  # one read of them all
+    for n in sent:
+        users = found[5 * n : 5 * n + 5]
+        if n not in acked and all(u is None for u in users):
             continue  # a call in flight, not applied
-        assert (rows >= 0).all(), n
-        _, ads, _, when = held.history(rows, np.full(len(users), 10**9))
+        assert all(u is not None for u in users), n
+        ads, when = np.stack([u.ads for u in users]), np.stack([u.times for u in users])
         assert ((ads == 7).sum(1) == 1).all() and (when[:, -1] == 1_000 + n).all(), n

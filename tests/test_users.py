@@ -3,8 +3,10 @@ SIGKILL), frequency caps against a plain reference, and the routes on the real s
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
+import shutil
 import signal
 import threading
 import time
@@ -158,6 +160,41 @@ def test_online_users_are_the_seeded_store(world):
         assert len(rows) and set(got) == set(want)
         for name in want:
             np.testing.assert_array_equal(got[name], want[name][rows], err_msg=name)
+
+
+def test_organic_events_by_user_id_are_the_features(world, tmp_path):
+    """A user's organic events read by id (`OrganicEvents`, what a server and a shard hold) are
+    the features' (`Features.organic_history`, by row) at any time, in part or whole; a user
+    the features do not hold reads as padding. The features loaded without their users keep
+    every country's default cohort."""
+    from m31.engine.load import online_organic
+    from m31.engine.user_inputs import organic_of
+    from m31.features import Features
+
+    feats = Features.load(world.snapshot / "online")
+    rng = np.random.default_rng(0)
+    rows = rng.integers(0, feats.n_users, 300)
+    ts = np.quantile(feats.organic.ts, rng.random(300)).astype(np.int64)
+    want = feats.organic_history(rows, ts)[0]
+    assert (want >= 0).any() and (want < 0).any()
+    ids = feats.users["user_id"][rows]
+    for keep in (None, lambda u: u % 3 == 1):
+        for events in (organic_of(feats), online_organic(world.snapshot)):
+            part = events if keep is None else events.owned(keep)
+            got = part.before(np.append(ids, 10**12), np.append(ts, ts[0]))
+            held = np.ones(len(ids), bool) if keep is None else keep(ids)
+            np.testing.assert_array_equal(got[:-1][held], want[held])
+            assert (got[:-1][~held] == -1).all() and (got[-1] == -1).all()
+    older = tmp_path / "online"  # online features written before they kept the cohorts
+    shutil.copytree(world.snapshot / "online", older)
+    meta = json.loads((older / "meta.json").read_text())
+    del meta["country_cohort"]
+    (older / "meta.json").write_text(json.dumps(meta))
+    for folder in (world.snapshot / "online", older):
+        bare = Features.load(folder, users=False)
+        assert bare.n_users == 0 and not len(bare.organic.ts) and not len(bare.engagements.ts)
+        assert bare.common_cohorts() == feats.common_cohorts()
+    assert len(set(feats.common_cohorts().values())) > 1  # the countries' defaults differ
 
 
 def test_bytes_per_user_at_L_50():

@@ -13,19 +13,20 @@ outage is an `Unavailable`. /health/ready is 503 while a shard or the coordinato
 recovering, and names them.
 
 Users: the shards own them (`m31.cluster.shard`); events and attribute writes are mutations
-routed to their owners through the coordinator, under one idempotency key per call. Each
-replica keeps a copy of every user, which the retrieve path reads as one server reads its
-store, and follows the owners' changes (`Shard.user_changes`): every `USERS_FOLLOW_S` in the
-background, and before a call with `min_version` proceeds, until the copy holds every user
-change up to that version (`reached`). Without `min_version`, a call sees what was
-acknowledged about `USERS_FOLLOW_S` (plus one round trip) before it.
+routed to their owners through the coordinator, under one idempotency key per call. A replica
+holds no user: preparing a call reads its stored users from their owners, one call per owner
+in parallel (`Cluster.stored_users`), each as of its request's time; the calls that arrive
+while one such read runs share the next (`m31.cluster.coalesce`). A commit is applied on its
+owners before its call is acknowledged, so every read sees every acknowledged write, and
+`min_version` needs only the shards' version (`reached`). The replica's features are loaded
+without their per-user parts (`Features.load(users=False)`), so its memory does not grow with
+the users.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
@@ -36,11 +37,12 @@ import torch
 
 from m31.cluster.batches import Batches
 from m31.cluster.cluster import Cluster
+from m31.cluster.coalesce import Coalesced
 from m31.cluster.read import Gathered
-from m31.cluster.shard import take_user_changes
 from m31.engine import Retriever
 from m31.engine.ad_encoder import AdEncoder
 from m31.engine.load import model_and_features
+from m31.engine.user_inputs import user_vocab
 from m31.features.embedding_cache import embedding_cache_dir
 from m31.index import AdIndex
 from m31.index.errors import NotFound, Unavailable
@@ -50,6 +52,7 @@ from m31.serve.batcher import DynamicBatcher
 from m31.serve.bodies import ad_attributes, encode_ads, event_columns, user_codes
 from m31.serve.config import ServeConfig
 from m31.serve.schemas import AdIn, EventIn, UserAttributesIn, check_bounds
+from m31.users import UserStore
 
 log = logging.getLogger("m31.cluster")
 
@@ -57,10 +60,6 @@ log = logging.getLogger("m31.cluster")
 STATUS_TIMEOUT_S = 2.0
 # How long a replica starting waits for a first shard to answer (it needs one's schema).
 LOAD_WAIT_S = 300.0
-# How often a replica takes the shards' user changes in the background (the freshness bound
-# of a call without min_version), and how long it waits for a shard's answer.
-USERS_FOLLOW_S = 0.2
-USERS_WAIT_S = 2.0
 
 
 def schema_index(info: dict, device: str) -> AdIndex:
@@ -92,29 +91,32 @@ class ClusterBackend:
         """`timeout_s`: how long a read of one ad waits for its shard (the server's deadline)."""
         self.retriever, self.encoder, self.cluster = retriever, encoder, cluster
         self.timeout_s = timeout_s
-        self._ads = self._rows = self._version = 0
-        self._shards: dict[int, tuple[int, int]] = {}  # shard -> (ads, rows), last known
+        self._ads = self._rows = self._version = self._users = 0
+        self._shards: dict[int, tuple[int, int, int]] = {}  # shard -> (ads, rows, users), known
         self.batches = Batches(cluster, self._gathered)
         # Whether `retrieve_batch` may answer a chunk with a Future (the batcher settles it).
         self.defer = DynamicBatcher.deferred_results
-        # The user copy holds every change of shard s's users up to version _users_at[s]; -1:
-        # none taken yet (the first take is each shard's whole state).
-        self._users_at = [-1] * len(cluster.shards)
-        self._users_lock = threading.Lock()  # one take of user changes at a time
-        self._closed = threading.Event()
 
     @classmethod
     def load(cls, config: ServeConfig, cluster: Cluster) -> ClusterBackend:
         """The model of `config` with the online features of its cluster state (`index`; the
-        shards hold the ads). Shards that are down are waited for, up to `LOAD_WAIT_S`, only
-        until one answers."""
-        net, feats = model_and_features(config.model, config.index, config.device)
+        shards hold the ads and the users), without their per-user parts. Shards that are down
+        are waited for, up to `LOAD_WAIT_S`, only until one answers."""
+        net, feats = model_and_features(config.model, config.index, config.device, users=False)
         info = cluster.any_info(LOAD_WAIT_S)
         check_model(info, net)
-        # The index here holds no ads: frequency caps per group ask the shards for the groups.
+        # The index here holds no ads, the store no users (it checks events): frequency caps
+        # per group ask the shards for the groups, and users are read on their owners.
         index = schema_index(info, config.device)
-        groups = functools.partial(cluster.groups, timeout_s=config.timeout_ms / 1000)
-        retriever = Retriever(net, feats, index, groups=groups)
+        timeout_s = config.timeout_ms / 1000
+        retriever = Retriever(
+            net,
+            feats,
+            index,
+            UserStore(net.cfg.max_len, user_vocab(feats.meta["vocab"])),
+            groups=functools.partial(cluster.groups, timeout_s=timeout_s),
+            source=Coalesced(functools.partial(cluster.stored_users, timeout_s=timeout_s)),
+        )
         encoder = AdEncoder(net, feats, embedding_cache_dir())
         encoder.load_text_encoder()
         backend = cls(retriever, encoder, cluster, config.timeout_ms / 1000)
@@ -122,8 +124,6 @@ class ClusterBackend:
             backend.stats()
         except Unavailable:
             pass  # what is known is kept; readiness says what is down
-        backend.follow_users()
-        threading.Thread(target=backend._follow, name="m31-users", daemon=True).start()
         return backend
 
     # -- state ----------------------------------------------------------------------------------
@@ -142,27 +142,24 @@ class ClusterBackend:
 
     @property
     def users(self) -> int:
-        """Users the replica's copy holds."""
-        return len(self.retriever.users)
+        """Users the shards hold (as of this replica's last mutation or `stats`)."""
+        return self._users
 
     def stats(self) -> tuple[int, int, int]:
         """(ads, rows, version), from the shards that answer (the last known of the others);
         `Unavailable` naming what is down, after refreshing what answered."""
         info, point, down = self.cluster.status(STATUS_TIMEOUT_S)
         for s, i in info.items():
-            self._shards[s] = (i["ads"], i["rows"])
-        self._ads = sum(a for a, _ in self._shards.values())
-        self._rows = sum(r for _, r in self._shards.values())
+            self._shards[s] = (i["ads"], i["rows"], i["users"] or 0)
+        known = np.array(list(self._shards.values()), np.int64).reshape(-1, 3)
+        self._ads, self._rows, self._users = (int(t) for t in known.sum(0))
         if point is not None:
             self._seen(point[0])
-        untaken = [s for s, at in enumerate(self._users_at) if at < 0]
-        if point is None or down or untaken:
+        if point is None or down:
             parts = [f"shard {s} {why}" for s, why in down.items()]
             if point is None:
                 parts.insert(0, "the coordinator is down or restarting")
-            if untaken and not down:
-                parts.append(f"the users of shards {untaken} are not taken yet")
-            raise Unavailable(f"not ready: {'; '.join(parts)}", sorted({*down, *untaken}))
+            raise Unavailable(f"not ready: {'; '.join(parts)}", sorted(down))
         return self._ads, self._rows, self._version
 
     def _seen(self, version: int) -> None:
@@ -174,66 +171,15 @@ class ClusterBackend:
             self._rows = out.rows
 
     def reached(self, version: int) -> bool:
-        """Whether the shards are at `version` or newer and the user copy holds every user
-        change up to it (taken from the shards that changed since, if needed)."""
-        if self._version < version or min(self._users_at) < version:
-            point = self.cluster.read_point(self.timeout_s)
-            self._seen(point[0])
-            if point[0] >= version:
-                self._users_up_to(point)
-        return self._version >= version and min(self._users_at) >= version
+        """Whether the cluster is at `version` or newer (asked of the coordinator if needed).
+        Users need nothing more: they are read on their owners, where every acknowledged
+        write is applied."""
+        if self._version < version:
+            self._seen(self.cluster.read_point(self.timeout_s)[0])
+        return self._version >= version
 
     def close(self) -> None:
-        """Stop following the users; the actors belong to whoever started the cluster."""
-        self._closed.set()
-
-    # -- the user copy --------------------------------------------------------------------------
-
-    def _users_up_to(self, point: tuple[int, list[int]]) -> None:
-        """Make the user copy hold every user change up to the read point (version, touched):
-        a shard whose copy reaches touched[s] has no change after it up to `version`; the
-        others are asked for theirs. `Unavailable` naming those that do not answer."""
-        version, touched = point
-        with self._users_lock:
-            behind = {s: at for s, at in enumerate(self._users_at) if at < touched[s]}
-            if behind:
-                self._take_users(behind, self.timeout_s)
-            for s, at in enumerate(self._users_at):
-                if at >= touched[s]:
-                    self._users_at[s] = max(at, version)
-
-    def follow_users(self) -> list[int]:
-        """Take every shard's user changes since the copy's version of it; the shards that did
-        not answer (their changes are taken next time)."""
-        with self._users_lock:
-            return self._take_users(dict(enumerate(self._users_at)), USERS_WAIT_S, strict=False)
-
-    def _take_users(
-        self, since: dict[int, int], timeout_s: float, strict: bool = True
-    ) -> list[int]:
-        answers, down = self.cluster.user_changes(since, timeout_s)
-        for s, answer in answers.items():
-            version = take_user_changes(self.retriever.users, answer)
-            self._users_at[s] = max(self._users_at[s], version)
-        if down and strict:
-            raise Unavailable(
-                f"shards {down} did not give their users' changes within {timeout_s:g} s (down "
-                "or restarting)",
-                down,
-            )
-        return down
-
-    def _follow(self) -> None:
-        """Take the shards' user changes every `USERS_FOLLOW_S` until closed."""
-        failing = False
-        while not self._closed.wait(USERS_FOLLOW_S):
-            try:
-                self.follow_users()
-                failing = False
-            except Exception as e:  # a shard's bug, or Ray going away: the next round tries again
-                if not failing:  # once per run of failures, not every round
-                    log.warning("taking the shards' user changes failed: %s", e)
-                failing = True
+        """Nothing to stop: the actors belong to whoever started the cluster."""
 
     # -- retrieval ------------------------------------------------------------------------------
 
@@ -261,7 +207,7 @@ class ClusterBackend:
     def _mutated(self, version: int) -> int:
         self._seen(version)
         if self.cluster.ads is not None:
-            self._ads = self.cluster.ads
+            self._ads, self._users = self.cluster.ads, self.cluster.users
         return version
 
     def upsert(self, ads: list[AdIn]) -> int:

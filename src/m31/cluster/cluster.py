@@ -43,7 +43,9 @@ class Cluster:
         # Shards that are down as this handle saw them: a call failed, or a deadline passed
         # unanswered; cleared by any answer. Set operations are atomic, and reads share it.
         self.down: set[int] = set()
-        self.ads: int | None = None  # live ads after this handle's last mutation
+        # Live ads and stored users after this handle's last mutation (None: none yet)
+        self.ads: int | None = None
+        self.users: int | None = None
         # The newest read point this handle was given (None after its own mutations): shards
         # answering at its touched versions are the whole index at its version, since a
         # mutation acknowledged before a read began shows in the answer of a shard it touched.
@@ -253,78 +255,79 @@ class Cluster:
     def get(self, ad_id: int, timeout_s: float = 60.0) -> tuple[dict, int] | None:
         """(attributes, version) of a live ad, None if no shard holds it; `Unavailable` naming
         its shard if that does not answer within `timeout_s` (asked again while it restarts)."""
-        import ray
-        from ray.exceptions import RayActorError
-
-        s = int(shard_of([ad_id], len(self.shards))[0])
-        deadline = time.monotonic() + timeout_s
-        while True:
-            ref = self.shards[s].get.remote(int(ad_id))
-            ready, _ = ray.wait([ref], timeout=max(deadline - time.monotonic(), 0))
-            if ready:
-                try:
-                    found = ray.get(ref)
-                except RayActorError:
-                    self.down.add(s)
-                    if time.monotonic() < deadline:
-                        time.sleep(min(0.05, max(deadline - time.monotonic(), 0)))
-                        continue
-                else:
-                    self.down.discard(s)
-                    return found
-            raise Unavailable(
-                f"shard {s} (which holds ad id {ad_id}) did not answer within {timeout_s:g} s "
-                "(down or restarting)",
-                [s],
-            )
+        ask = lambda shard, ids, _: shard.get.remote(ids[0])  # noqa: E731
+        _, answers = self._ask_owners([ad_id], ask, f"holding ad id {ad_id}", timeout_s)
+        return next(iter(answers.values()))
 
     def groups(self, ad_ids: Sequence[int], name: str, timeout_s: float = 60.0) -> list:
         """The int field `name` of each ad (None: null, or no shard holds it), each asked of
         the shard that would hold it, in parallel; `Unavailable` naming the shards that did
         not answer within `timeout_s` (asked again while they restart)."""
+        ask = lambda shard, ids, _: shard.groups.remote(ids, name)  # noqa: E731
+        what = "holding ads a frequency cap counts"
+        return self._spread(*self._ask_owners(ad_ids, ask, what, timeout_s))
+
+    def stored_users(self, user_ids, ts, timeout_s: float = 60.0) -> list:
+        """Users `user_ids` [B] as of their times `ts` [B] (`StoredUser`; None for one no shard
+        holds), each read on its owner shard, in parallel (`Shard.stored_users`);
+        `Unavailable` naming the owners that did not answer within `timeout_s`."""
+        ts = np.asarray(ts, dtype=np.int64)
+        ask = lambda shard, ids, at: shard.stored_users.remote(ids, ts[at].tolist())  # noqa: E731
+        owners, answers = self._ask_owners(user_ids, ask, "owning users asked", timeout_s)
+        return self._spread(owners, {s: users for s, (users, _) in answers.items()})
+
+    @staticmethod
+    def _spread(owners: np.ndarray, answers: dict[int, list]) -> list:
+        """Each id's value from its owner's answer (a list in the order that owner was asked)."""
+        out: list = [None] * len(owners)
+        for s, values in answers.items():
+            for i, v in zip(np.flatnonzero(owners == s).tolist(), values, strict=True):
+                out[i] = v
+        return out
+
+    def _ask_owners(self, ids, ask, what: str, timeout_s: float) -> tuple[np.ndarray, dict]:
+        """(owner shard of each id [n], {shard: answer}): `ask(shard handle, its ids as a list,
+        their positions in ids)` of each shard that owns some of `ids` (ads and users are
+        partitioned alike), in parallel, and again while it restarts; `Unavailable` naming the
+        shards that did not answer within `timeout_s` (`what` they hold, for the message)."""
         import ray
         from ray.exceptions import RayActorError
 
-        ids = np.asarray(ad_ids, dtype=np.int64)
-        owner = shard_of(ids, len(self.shards)) if len(ids) else np.zeros(0, np.int64)
-        out: list = [None] * len(ids)
-        todo = {int(s): np.flatnonzero(owner == s) for s in np.unique(owner)}
+        ids = np.asarray(ids, dtype=np.int64)
+        owners = shard_of(ids, len(self.shards)) if len(ids) else np.zeros(0, np.int64)
+        todo = {int(s): np.flatnonzero(owners == s) for s in np.unique(owners)}
+        answers: dict = {}
         deadline = time.monotonic() + timeout_s
         while todo:
-            refs = {
-                s: self.shards[s].groups.remote(ids[at].tolist(), name) for s, at in todo.items()
-            }
-            ray.wait(
-                list(refs.values()),
-                num_returns=len(refs),
-                timeout=max(deadline - time.monotonic(), 0),
-            )
+            refs = {s: ask(self.shards[s], ids[at].tolist(), at) for s, at in todo.items()}
+            left = max(deadline - time.monotonic(), 0)
+            ray.wait(list(refs.values()), num_returns=len(refs), timeout=left)
             for s, ref in refs.items():
                 if not ray.wait([ref], timeout=0)[0]:
                     continue
                 try:
-                    values = ray.get(ref)
+                    answers[s] = ray.get(ref)
                 except RayActorError:
                     self.down.add(s)
                     continue
                 self.down.discard(s)
-                for i, v in zip(todo.pop(s).tolist(), values, strict=True):
-                    out[i] = v
+                del todo[s]
             if todo and time.monotonic() >= deadline:
+                shards = sorted(todo)
+                named = f"shard {shards[0]}" if len(shards) == 1 else f"shards {shards}"
                 raise Unavailable(
-                    f"shards {sorted(todo)} (which hold the ads a frequency cap counts) did not "
-                    f"answer within {timeout_s:g} s (down or restarting)",
-                    sorted(todo),
+                    f"{named} ({what}) did not answer within {timeout_s:g} s (down or restarting)",
+                    shards,
                 )
             if todo:
                 time.sleep(min(0.05, max(deadline - time.monotonic(), 0)))
-        return out
+        return owners, answers
 
     # ---- mutations ----------------------------------------------------------------------
 
     def _mutate(self, ops: mutations.Ops, key: str | None = None) -> int:
         self.last_point = None  # the next read asks the coordinator (reads its own writes)
-        version, self.ads = mutations.commit(self.coordinator, ops, key)
+        version, self.ads, self.users = mutations.commit(self.coordinator, ops, key)
         return version
 
     def upsert(self, ad_ids, g, x, b, attributes) -> int:
@@ -350,28 +353,6 @@ class Cluster:
     def set_users(self, users: Sequence[tuple[int, Mapping[str, int]]]) -> int:
         """Set attribute codes of users, (user id, codes) each, on their owning shards."""
         return self._mutate(mutations.user_ops(users, len(self.shards)))
-
-    def user_changes(
-        self, since: Mapping[int, int], timeout_s: float
-    ) -> tuple[dict[int, tuple], list[int]]:
-        """({shard: `Shard.user_changes` after since[shard]} of the shards asked in `since`
-        that answered within `timeout_s`, the shards that did not)."""
-        import ray
-        from ray.exceptions import RayActorError
-
-        calls = {self.shards[s].user_changes.remote(v): s for s, v in since.items()}
-        ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)
-        done = set(ray.wait(list(calls), num_returns=len(calls), timeout=0)[0])
-        out, down = {}, []
-        for ref, s in calls.items():
-            try:
-                if ref not in done:
-                    raise TimeoutError
-                out[s] = ray.get(ref)
-                self.down.discard(s)
-            except (RayActorError, TimeoutError):
-                down.append(s)
-        return out, sorted(down)
 
     def snapshot(self) -> int:
         """Snapshot every shard; the global version."""

@@ -94,7 +94,7 @@ class Coordinator:
                 for key, digest in _logged_keys(record):
                     self._keys.remember(key, version, digest)
         self._last = last  # per shard: (txn, version) of the last commit that touched it
-        self.ads = [0] * len(self.shards)
+        self.held = [(0, 0)] * len(self.shards)  # per shard: (live ads, stored users)
         self._recovering = set(range(len(self.shards)))
         self._why: dict[int, str] = {}  # the last error of a shard still recovering
         threading.Thread(
@@ -125,7 +125,7 @@ class Coordinator:
                 continue
             s, sent = calls.pop(ready[0])
             try:
-                ads = ray.get(ready[0])
+                held = ray.get(ready[0])
             except (RayActorError, RayTaskError) as e:
                 self._why[s] = (
                     "down or restarting"
@@ -137,7 +137,7 @@ class Coordinator:
                 later[s] = max(sent + RESOLVE_RETRY_S, time.monotonic())
                 continue
             with self._state:
-                self.ads[s] = ads
+                self.held[s] = tuple(held)
                 self._recovering.discard(s)
                 self._why.pop(s, None)
                 self._state.notify_all()
@@ -158,9 +158,9 @@ class Coordinator:
     def mutate(
         self, ops: Mapping[int, tuple[str, dict[str, Any], Any]], key: str | None = None
     ) -> tuple:
-        """Apply {shard: (op, args, check)} atomically. ("ok", version, live ads), ("invalid",
+        """Apply {shard: (op, args, check)} atomically. ("ok", version, live ads, stored users), ("invalid",
         message) when a shard refused it, or ("unavailable", message, shards). A mutation
-        whose idempotency `key` was committed already: ("ok", that version, live ads), or
+        whose idempotency `key` was committed already: ("ok", that version, live ads, stored users), or
         ("invalid", message) if that mutation applied other events (`events_digest`). Events
         and users calls that arrive while another transaction runs share the next one
         (`m31.cluster.group`), and its version."""
@@ -193,7 +193,7 @@ class Coordinator:
             except KeyReused as e:
                 return ("invalid", str(e))
             if done is not None:
-                return ("ok", done, sum(self.ads))
+                return ("ok", done, *self.totals())
         if self._failed is not None:
             return ("unavailable", self._failed, [])
         with self._state:
@@ -243,7 +243,7 @@ class Coordinator:
 
     def _transaction(self, ops: Mapping[int, tuple[str, dict[str, Any], Any]], keys) -> tuple:
         """The two-phase commit of `ops` (module docstring), logging the [key, digest] pairs
-        `keys` with its decision: ("ok", version, live ads), ("invalid", message) or
+        `keys` with its decision: ("ok", version, live ads, stored users), ("invalid", message) or
         ("unavailable", message, shards)."""
         import ray
         from ray.exceptions import RayActorError, RayTaskError
@@ -281,13 +281,17 @@ class Coordinator:
         self._log.append(("commit", txn, version, participants, keys))
         for key, digest in keys:
             self._keys.remember(key, version, digest)
-        ads = self._decide_all(participants, lambda s: self.shards[s].commit.remote(txn, version))
+        held = self._decide_all(participants, lambda s: self.shards[s].commit.remote(txn, version))
         with self._state:
             self.version = version
             for s in participants:
-                self.touched[s], self.ads[s] = version, ads[s]
+                self.touched[s], self.held[s] = version, tuple(held[s])
                 self._last[s] = (txn, version)
-        return ("ok", version, sum(self.ads))
+        return ("ok", version, *self.totals())
+
+    def totals(self) -> tuple[int, int]:
+        """(live ads, stored users) of the cluster, as the shards last said."""
+        return sum(a for a, _ in self.held), sum(u for _, u in self.held)
 
     def _decide_all(self, participants: list[int], send) -> dict[int, Any]:
         """Send a decision to every participant, again to those that died meanwhile (their

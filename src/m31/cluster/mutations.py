@@ -86,8 +86,9 @@ def user_ops(users: Sequence[tuple[int, Mapping[str, int]]], shards: int) -> Ops
     return ops
 
 
-def commit(coordinator, ops: Ops, key: str | None = None) -> tuple[int, int]:
-    """Commit `ops` through the coordinator, all or none: (the new global version, live ads).
+def commit(coordinator, ops: Ops, key: str | None = None) -> tuple[int, int, int]:
+    """Commit `ops` through the coordinator, all or none: (the new global version, live ads,
+    stored users).
     A call whose idempotency `key` was committed already: its version (AdIndexError if that
     was another call). AdIndexError where a shard refuses, `Unavailable` where one is down."""
     import ray
@@ -101,7 +102,7 @@ def commit(coordinator, ops: Ops, key: str | None = None) -> tuple[int, int]:
             [],
         ) from e
     if out[0] == "ok":
-        return out[1], out[2]
+        return out[1], out[2], out[3]
     if out[0] == "invalid":
         raise AdIndexError(out[1])
     raise Unavailable(out[1], out[2])

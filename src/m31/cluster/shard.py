@@ -11,13 +11,11 @@ answer is its own exact top-k under the global tie rule. It answers at a global 
 last transaction it committed (`applied`), or an older one it still holds a view of.
 
 Users: the shard owns the users `shard_of(user_id)` routes to it (the same partition as the
-ads'), seeded from the cluster state's online features (`m31.engine.load.online_users`) and kept
-in its DurableIndex's user store: engagement events and user attributes are mutations like the
-ads' (ops "events" and "users"), logged and versioned the same way. Ingress replicas keep a copy
-of every user and follow the owners' changes (`user_changes`): the changes committed since a
-version, in version order, from a feed the shard keeps in memory (rebuilt from its transaction
-log after a restart), or the owned users' whole state when the feed no longer reaches back
-that far.
+ads'), seeded from the cluster state's online features (`m31.engine.load.online_users`, and
+their organic events, `online_organic`) and kept in its DurableIndex's user store: engagement
+events and user attributes are mutations like the ads' (ops "events" and "users"), logged and
+versioned the same way. The shard serves its users to the ingresses (`stored_users`: each as of
+its request's time, as one server reads its store), so that no ingress holds a user.
 
 Mutations (two-phase, one transaction at a time; the coordinator serialises them):
 
@@ -58,19 +56,16 @@ from m31.cluster.layout import read_layout, shard_of
 from m31.cluster.records import RecordLog
 from m31.engine import eligible_masks, request_context, search
 from m31.engine.caps import group_cap
-from m31.engine.load import online_users
+from m31.engine.load import online_organic, online_users
 from m31.index import AdIndexError, DurableIndex, DurableIndexError, compile_filter
 from m31.index.filters import with_clauses
 from m31.ops.threads import single_threaded
+from m31.users.stored import StoredUser, read_users
 
 # Views of older versions a shard keeps for reads that started before its last commit.
 KEEP_VIEWS = 2
 # How long a (re)starting shard waits for its folder's lock before it gives up.
 LOCK_WAIT_S = 300.0
-# Mutations of users, which the feed of `user_changes` keeps.
-USER_OPS = ("events", "users")
-# User changes the feed keeps (the most recent); a replica further behind takes a whole state.
-FEED_CHANGES = 10_000
 
 
 class TransactionError(RuntimeError):
@@ -107,36 +102,18 @@ class Moved:
     version: int
 
 
-def take_user_changes(users, answer: tuple) -> int:
-    """Apply a shard's `Shard.user_changes` answer to a copy of its users (`UserStore`); the
-    version the copy then holds that shard's users at."""
-    if answer[0] == "state":
-        users.put(answer[1])
-    elif answer[0] == "changes":
-        for version, op, args in answer[1]:
-            if op == "events":
-                checked = users.check(args["user_id"], args["ad_id"], args["ts"], args["surface"])
-                users.add(checked, version)
-            else:
-                for user_id, codes in args["users"]:
-                    users.set_attributes(user_id, codes)
-    return answer[-1]
-
-
 class Shard:
     def __init__(self, path: str | Path, index: int, device: str = "cpu") -> None:
         self.path, self.number, self.device = Path(path), index, device
         shards = read_layout(self.path.parent)
-        users = online_users(self.path.parent, lambda ids: shard_of(ids, shards) == index)
-        self._store = self._open(self.path / "index", device, users)
+        mine = lambda ids: shard_of(ids, shards) == index  # noqa: E731
+        self._store = self._open(self.path / "index", device, online_users(self.path.parent, mine))
+        self._organic = online_organic(self.path.parent, mine)
         self._log, records = RecordLog.open(self.path / "txn.log")
         self._mutex = threading.Lock()  # one prepare/commit/abort/snapshot at a time
-        self._state = threading.Lock()  # guards applied, views and the user feed
+        self._state = threading.Lock()  # guards applied and views
         self._prepared: _Prepared | None = None
         self.applied, self._last_txn = 0, None
-        # The user changes committed after version `_feed_from`: (version, op, args) each.
-        self._feed: list[tuple[int, str, dict]] = []
-        self._feed_from = 0
         for record in records:
             self._recover(record)
         self._views: dict[int, Any] = {}
@@ -158,7 +135,6 @@ class Shard:
         kind = record[0]
         if kind == "base":
             self.applied, self._last_txn = record[1], record[2]
-            self._feed, self._feed_from = [], record[1]
         elif kind == "prepare":
             self._prepared = _Prepared(*record[1:])
         elif kind == "commit":
@@ -169,7 +145,6 @@ class Shard:
             if self._store.version < prepared.local_version:  # decided, not yet applied
                 self._apply(prepared)
             self._prepared, self.applied, self._last_txn = None, version, txn
-            self._follow(prepared, version)
         elif kind == "abort":
             self._prepared = None
 
@@ -258,18 +233,15 @@ class Shard:
     def contains(self, ad_id: int) -> bool:
         return ad_id in self._store.index
 
-    def user_changes(self, since: int) -> tuple:
-        """What changed in this shard's users after global version `since`, up to the version
-        it is at: ("changes", [(version, op, args)] in version order, version) or, when the
-        feed does not reach back to `since`, ("state", `UserStore.dump` of its users, version).
-        ("none", version) for a shard without a user store."""
+    def stored_users(
+        self, user_ids: Sequence[int], ts: Sequence[int]
+    ) -> tuple[list[StoredUser | None], int]:
+        """(each user as of its time `ts[i]`, None for one this shard does not hold; the global
+        version they are at). Every call acknowledged before this one is in it: a commit is
+        applied here before the coordinator acknowledges its call."""
         with self._state:
-            users = self._store.users
-            if users is None:
-                return ("none", self.applied)
-            if since >= self._feed_from:
-                return ("changes", [c for c in self._feed if c[0] > since], self.applied)
-            return ("state", users.dump(), self.applied)
+            users = read_users(self._store.users, self._organic, user_ids, ts)
+            return users, self.applied
 
     # ---- two-phase commit ---------------------------------------------------------------
 
@@ -309,7 +281,7 @@ class Shard:
                 logged = {"ad_id": checked.ad_id, "attrs": checked.attrs}
             elif op == "delete":
                 logged = {"ad_ids": index.check_delete(args["ad_ids"])}
-            elif op in USER_OPS:
+            elif op in ("events", "users"):
                 logged = self._check_users(op, args)
             else:
                 raise AdIndexError(f"unknown operation {op!r}")
@@ -342,34 +314,28 @@ class Shard:
             "weight": args.get("weight"),
         }
 
-    def commit(self, txn: str, version: int) -> int:
+    def commit(self, txn: str, version: int) -> tuple[int, int]:
         """Apply the prepared `txn` as global `version`; idempotent (a retried commit). The
-        shard's live ads after it."""
+        shard's live ads and stored users after it (`held`)."""
         with self._mutex:
             return self._commit(txn, version)
 
-    def _commit(self, txn: str, version: int) -> int:
+    def _commit(self, txn: str, version: int) -> tuple[int, int]:
         prepared = self._prepared
         if prepared is None or prepared.txn != txn:
             if txn == self._last_txn:
-                return len(self._store.index)
+                return self.held()
             raise TransactionError(f"shard {self.number}: no prepared txn {txn}")
         self._log.append(("commit", txn, version))
         with self._state:  # a view is labelled with the version its rows are at
             self._apply(prepared)
             self._prepared, self.applied, self._last_txn = None, version, txn
-            self._follow(prepared, version)
-        return len(self._store.index)
+        return self.held()
 
-    def _follow(self, prepared: _Prepared, version: int) -> None:
-        """Keep a committed user change in the feed (the last `FEED_CHANGES` of them)."""
-        if prepared.op not in USER_OPS:
-            return
-        self._feed.append((version, prepared.op, prepared.args))
-        if len(self._feed) > FEED_CHANGES:
-            dropped = len(self._feed) - FEED_CHANGES
-            self._feed_from = self._feed[dropped - 1][0]
-            del self._feed[:dropped]
+    def held(self) -> tuple[int, int]:
+        """(live ads, stored users) of this shard."""
+        users = self._store.users
+        return len(self._store.index), 0 if users is None else len(users)
 
     def abort(self, txn: str) -> None:
         """Drop the prepared `txn`; nothing if this shard does not hold it (an abort may
@@ -379,14 +345,14 @@ class Shard:
                 self._log.append(("abort", txn))
                 self._prepared = None
 
-    def resolve(self, last: tuple[str, int] | None) -> int:
+    def resolve(self, last: tuple[str, int] | None) -> tuple[int, int]:
         """`last` = (txn, version) of the last transaction the coordinator committed on this
         shard (from its log). A transaction still prepared here is that one (commit) or one
         it did not commit (abort: it aborted it, or never decided it before a restart). The
-        shard's live ads."""
+        shard's live ads and stored users (`held`)."""
         with self._mutex:
             self._resolve(last)
-            return len(self._store.index)
+            return self.held()
 
     def _resolve(self, last: tuple[str, int] | None) -> None:
         prepared = self._prepared

@@ -35,6 +35,7 @@ from m31.index.hierarchical import Clusters
 from m31.model import checkpoint_hash, load_checkpoint
 from m31.model.checkpoint import check_trained_on
 from m31.users import UserStore
+from m31.users.organic import OrganicEvents
 
 log = logging.getLogger("m31.engine")
 
@@ -55,17 +56,18 @@ def has_online(folder: Path) -> bool:
     return (Path(folder) / ONLINE / "meta.json").is_file()
 
 
-def model_and_features(model: Path, data: Path, device: str = "cpu") -> tuple:
+def model_and_features(model: Path, data: Path, device: str = "cpu", users: bool = True) -> tuple:
     """(model, features): the checkpoint and the features it reads.
 
     `data`: a folder holding `online/` (an index snapshot, serving folder or cluster state:
-    the online features, read as they are), a features folder, or the dataset folder the model
-    was trained on (its features for the checkpoint's split, built once into it: offline use).
+    the online features, read as they are; `users=False`: without their per-user parts,
+    `Features.load`), a features folder, or the dataset folder the model was trained on (its
+    features for the checkpoint's split, built once into it: offline use).
     """
     net, blob = load_checkpoint(Path(model), device=device)
     data = Path(data)
     if has_online(data):
-        feats = Features.load(data / ONLINE)
+        feats = Features.load(data / ONLINE, users=users)
     else:
         feats = features_for(data, split=blob["split"]["name"])
     check_trained_on(blob, feats, Path(model))
@@ -101,6 +103,29 @@ def online_users(folder: Path, keep=None) -> UserStore | None:
         length,
     )
     return store if keep is None else store.owned(keep)
+
+
+def online_organic(folder: Path, keep=None) -> OrganicEvents:
+    """The organic events of the users the online features in `folder` hold (those whose ids
+    `keep` selects, as in `online_users`), reading only the users' ids and the organic events;
+    none if `folder` holds no online features."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    from m31.features.sequences import EventSequences
+
+    if not has_online(folder):
+        return OrganicEvents.empty(0)
+    online = Path(folder) / ONLINE
+    meta = json.loads((online / "meta.json").read_text())
+    length = int(meta["config"]["organic_len"])
+    table = pq.read_table(online / "organic.parquet", columns=["user", "ts", "topic"])
+    user_ids = pq.read_table(online / "users.parquet", columns=["user_id"])["user_id"]
+    user, ts, topic = (table[k].to_numpy() for k in ("user", "ts", "topic"))
+    sequences = EventSequences.from_events(user, ts, meta["n_users"], topic=topic)
+    events = OrganicEvents(user_ids.to_numpy(), sequences, length)
+    return events if keep is None else events.owned(keep)
 
 
 def write_online(folder: Path, feats: Features, max_len: int) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import numpy as np
+from m31.users.stored import StoredUser
 
 if TYPE_CHECKING:
     from m31.index.filters import Clause, CompiledFilter
@@ -98,25 +98,6 @@ class AdRequest:
     # "relevance": the model's score; "value": the score plus the ad's value term
     # log(bid · pacing), over the ads with a bid (DESIGN §2, "The value term")
     rank: str = "relevance"
-
-
-@dataclass(frozen=True, eq=False)
-class StoredUser:
-    """A stored user as of its request's time, as a request is prepared and encoded with it:
-    what the user store holds of it (`UserStore.history`) and, for a user the features seeded,
-    its organic events. Arrays of the store's length L', right-aligned, most recent last."""
-
-    attributes: Mapping[str, int]  # the store's codes: cohort, age_bucket, gender, country, age
-    targeting: Mapping  # country, age and gender as the ads' targeting reads them
-    ads: np.ndarray  # [L'] ad ids engaged strictly before the request's time, -1 padding
-    surfaces: np.ndarray  # [L'] surface codes, 0 padding
-    times: np.ndarray  # [L'] Unix seconds, -1 padding
-    organic: np.ndarray | None  # [O] organic topics (-1 padding), None: not a seeded user
-
-    def engaged(self, ts: int, window_s: int) -> tuple[np.ndarray, np.ndarray]:
-        """(ad ids, counts) of the engagements in [ts - window_s, ts)."""
-        inside = (self.ads >= 0) & (self.times >= ts - window_s)
-        return np.unique(self.ads[inside], return_counts=True)
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from m31.engine.caps import group_cap
 from m31.engine.prepare import GroupLookup, RequestPreparer
 from m31.engine.requests import AdRequest, InlineUser, PreparedRequest, RequestError
 from m31.engine.search import RetrievalResult, eligible_masks, fold, request_context, search
-from m31.engine.user_inputs import UserInputs, seed_users
+from m31.engine.user_inputs import UserInputs, UserSource, seed_users
 from m31.features import Features
 from m31.index import AdIndex
 from m31.model import Catalog, RetrievalModel
@@ -53,6 +53,7 @@ class Retriever:
         fold: bool = True,
         probe: Prober | None = None,
         groups: GroupLookup | None = None,
+        source: UserSource | None = None,
     ) -> None:
         """`feats`: the features the model reads (its catalogue; the online ones suffice).
         `users`: the stored users (default: those `feats` seed, `seed_users`), whose targeting
@@ -60,7 +61,9 @@ class Retriever:
         without that restriction accept. `fold`: whether a model without gate keys is scored as
         one query vector (`m31.engine.search.fold`). `probe`: the clusters to probe instead of
         scoring every row (`m31.engine.probe.Prober`). `groups`: where frequency caps per
-        campaign or advertiser read the ads' groups (default: `index`; `RequestPreparer`)."""
+        campaign or advertiser read the ads' groups (default: `index`; `RequestPreparer`).
+        `source`: where stored users are read (default: `users`; a cluster's ingress passes
+        the owner shards', `UserInputs`)."""
         if not isinstance(model, RetrievalModel):
             raise TypeError(
                 f"the engine serves retrieval models (moe, two-tower), not {model.cfg.kind} models"
@@ -80,7 +83,7 @@ class Retriever:
             length = model.cfg.max_len if feats.is_online else max(longest, model.cfg.max_len)
             users = seed_users(feats, length)
         self.users = users
-        self.inputs = UserInputs(feats, users, model.cfg.max_len)
+        self.inputs = UserInputs(feats, users, model.cfg.max_len, source)
         self.preparer = RequestPreparer(index, self.inputs, groups=groups)
         self.fold = fold
         self.probe = probe

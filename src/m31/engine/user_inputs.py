@@ -3,9 +3,10 @@ of a batch of requests, stored users from the user store and inline ones as give
 
 Shapes: B requests, L the model's history length.
 
-A stored user is read as of its request's time (`UserStore.history`): its attributes, its last
-L engagements on ads of the model's catalogue (the model has no features for the others) and,
-for users the features seeded, their organic events. An inline user is checked against the
+A stored user is read as of its request's time where it lives (`UserSource`: the server's
+store, or on a cluster the shard that owns it): its attributes, its last L engagements, of
+which the model reads those on ads of its catalogue (it has no features for the others), and
+its organic events (`m31.users.stored.read_users`). An inline user is checked against the
 model's vocabularies (`check`) and coded as the store codes a stored one (`codes`). The serving
 context (surface, hour, platform) is coded here too, since it is read beside the user.
 
@@ -15,7 +16,8 @@ their attributes and last engagements.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -30,8 +32,10 @@ from m31.engine.requests import (
 )
 from m31.features import Features
 from m31.model.inputs import RequestInputs, concat_requests, inline_requests, request_inputs
+from m31.users.organic import OrganicEvents
 from m31.users.store import ATTRIBUTES as USER_ATTRIBUTES
 from m31.users.store import Events, UserStore, Vocab
+from m31.users.stored import read_users
 
 
 def seed_users(feats: Features, length: int) -> UserStore:
@@ -47,13 +51,6 @@ def users_of(
     """`seed_users` from the parts of features it reads: the vocabularies, the users' columns,
     the catalogue's ad ids and the engagement sequences (`EventSequences`, items as catalogue
     rows)."""
-    codes = Vocab(
-        surfaces=tuple(vocab["surface"]),
-        countries=tuple(vocab["country"]),
-        genders=tuple(vocab["gender"]),
-        cohorts=tuple(vocab["cohort"]),
-        n_age_buckets=N_AGE_BUCKETS,
-    )
     seq = engagements.last(length)
     user_ids = users["user_id"]
     events = Events(
@@ -63,40 +60,56 @@ def users_of(
         surface=seq.values["surface"].astype(np.int16),
     )
     attributes = {a: users[a] for a in USER_ATTRIBUTES}
-    return UserStore.seed(length, codes, user_ids, attributes, events)
+    return UserStore.seed(length, user_vocab(vocab), user_ids, attributes, events)
+
+
+def user_vocab(vocab: Mapping) -> Vocab:
+    """What a user store's codes mean, from the features' vocabularies."""
+    return Vocab(
+        surfaces=tuple(vocab["surface"]),
+        countries=tuple(vocab["country"]),
+        genders=tuple(vocab["gender"]),
+        cohorts=tuple(vocab["cohort"]),
+        n_age_buckets=N_AGE_BUCKETS,
+    )
+
+
+# Where stored users are read: (user ids [B], request times [B]) -> each user as of its time,
+# None for one not held (`m31.users.stored.read_users` of the server's store; a cluster's
+# ingress asks the owner shards, `m31.cluster.cluster.Cluster.stored_users`).
+UserSource = Callable[[np.ndarray, np.ndarray], list]
+
+
+def organic_of(feats: Features) -> OrganicEvents:
+    """The organic events of the users `feats` hold, by user id."""
+    return OrganicEvents(feats.users["user_id"], feats.organic, feats.config.organic_len)
 
 
 class UserInputs:
     """The model inputs of requests' users: `feats` the features the model reads (its
-    catalogue and vocabularies), `users` the stored users, `max_len` the model's L."""
+    catalogue and vocabularies), `users` the stored users, `max_len` the model's L. `source`:
+    where stored users are read (default: `users`, with the organic events of `feats`)."""
 
-    def __init__(self, feats: Features, users: UserStore, max_len: int) -> None:
+    def __init__(
+        self, feats: Features, users: UserStore, max_len: int, source: UserSource | None = None
+    ) -> None:
         self.feats = feats
         self.users = users
         self.max_len = max_len
-        self._seeded = feats.n_users  # store rows below it are feature rows (organic events)
+        if source is None:
+            source = functools.partial(read_users, users, organic_of(feats))
+        self.source = source
         vocab = feats.meta["vocab"]
         self._countries = {c: i for i, c in enumerate(vocab["country"])}
         # The model's values of each categorical field: a request naming another is refused.
         self.vocab = {name: tuple(vocab[name]) for name in ("surface", "platform", "gender")}
         self._codes = {name: {v: i for i, v in enumerate(vs)} for name, vs in self.vocab.items()}
         self._cohorts = {int(c): i for i, c in enumerate(vocab["cohort"])}
-        self._country_cohort = self._common_cohorts(feats.users)
+        self._country_cohort = feats.common_cohorts()
         ad_ids = feats.ads["ad_id"]
         self._ad_order = np.argsort(ad_ids, kind="stable")
         self._ad_sorted = ad_ids[self._ad_order]
         self._n_topics = int(feats.meta["n_topics"])
-
-    def _common_cohorts(self, users: Mapping[str, np.ndarray]) -> dict[int, int]:
-        """Default cohort of an inline user by country code: the most common one among the
-        stored users of its country who have one; none (the unknown cohort) for a country whose
-        users have none."""
-        n_cohorts = len(self._cohorts)
-        common = {}
-        for c in range(len(self._countries)):
-            held = users["cohort"][(users["country"] == c) & (users["cohort"] < n_cohorts)]
-            common[c] = int(np.bincount(held).argmax()) if len(held) else n_cohorts
-        return common
 
     def code(self, name: str, value: str | None) -> int:
         """The code of a checked `value` of vocabulary `name`; None is the unknown value's."""
@@ -104,27 +117,13 @@ class UserInputs:
         return len(codes) if value is None else codes[value]
 
     def stored(self, ids: np.ndarray, ts: np.ndarray, where: Sequence[int]) -> list[StoredUser]:
-        """Stored users `ids` [B] as of their requests' times `ts` [B] (RequestError naming
-        requests[where[i]] for an unknown one)."""
-        rows = self.users.rows_of(ids)
-        bad = np.flatnonzero(rows < 0)
-        if len(bad):
-            raise RequestError(
-                f"requests[{where[bad[0]]}].user_id: unknown user {int(ids[bad[0]])}"
-            )
-        attrs, ads, surfaces, times = self.users.history(rows, ts)  # [B], [B, L'] each
-        organic = [None] * len(rows)
-        seeded = np.flatnonzero(rows < self._seeded)  # feature rows: their organic events
-        if len(seeded):
-            topics = self.feats.organic_history(rows[seeded], ts[seeded])[0]
-            for j, i in enumerate(seeded.tolist()):
-                organic[i] = topics[j]
-        out = []
-        for i in range(len(rows)):
-            codes = {k: int(v[i]) for k, v in attrs.items()}
-            targeting = self.users.targeting_of(codes)  # of the same read as the history
-            out.append(StoredUser(codes, targeting, ads[i], surfaces[i], times[i], organic[i]))
-        return out
+        """Stored users `ids` [B] as of their requests' times `ts` [B], from the source
+        (RequestError naming requests[where[i]] for an unknown one)."""
+        users = self.source(ids, ts)
+        for i, user in enumerate(users):
+            if user is None:
+                raise RequestError(f"requests[{where[i]}].user_id: unknown user {int(ids[i])}")
+        return users
 
     def check(self, where: str, u: InlineUser) -> None:
         """RequestError naming `where`.field unless the model knows every value of `u`."""
@@ -215,10 +214,7 @@ class UserInputs:
         held = items >= 0
         surface = np.where(held, np.take_along_axis(surface, order, 1), 0)
         when = np.where(held, np.take_along_axis(when, order, 1), -1)
-        organic = np.full((len(users), self.feats.config.organic_len), -1, np.int64)
-        for i, u in enumerate(users):
-            if u.organic is not None:
-                organic[i] = u.organic
+        organic = np.stack([u.organic for u in users]).astype(np.int64)  # [B, O]
         demographics = {
             k: np.array([u.attributes[k] for u in users], np.int64)
             for k in ("cohort", "age_bucket", "gender", "country")

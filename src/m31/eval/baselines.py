@@ -26,7 +26,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from m31.features.build import Features
+from m31.features import Features
 
 DAY_S = 86_400
 RECENT_WINDOW_S = 7 * DAY_S

@@ -27,7 +27,7 @@ from m31.eval.metrics import (
     target_rank,
     topk_rows,
 )
-from m31.features.build import Features
+from m31.features import Features
 from m31.world.truth import GroundTruth
 
 Progress = Callable[[str, int, int], None]

@@ -20,30 +20,17 @@ prior's mean), a null created_at is `OPEN_START` (eligible from any time); a nul
 the hour of its time, UTC. The country and cohort vocabularies are the non-null values the users
 hold; `n_topics` and `n_categories` count every id meta's topics list or a table holds.
 
-Folder layout (`Features.save`)::
-
-    meta.json                  config, vocabularies, counts
-    ads.parquet users.parquet  per-row categorical and numeric features
-    text_emb.npy cooc_emb.npy  [A, H] and [A, d] float32
-    attr_tokens.npy            [A, T] int64 item-attribute tokens (`m31.features.attributes`)
-    engagements.parquet organic.parquet          the event sequences
-    train.parquet val.parquet test.parquet impressions.parquet   examples
-
-`Features.online` is what serving reads of them (DESIGN §1): no examples, and each user's last
-engagements only (the user store); saved the same way, without the example files.
+The feature set itself (`Features`), its folder and its online part: `m31.features.feature_set`.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from m31.data.dataset import (
     VOCABULARIES,
@@ -56,12 +43,11 @@ from m31.data.dataset import (
 from m31.data.schema import N_AGE_BUCKETS, age_bucket
 from m31.features.attributes import attribute_tokens, token_columns
 from m31.features.cooc import cooc_embeddings
+from m31.features.feature_set import FeatureConfig, Features
 from m31.features.sequences import EventSequences
 from m31.features.text_encoder import EMBED_DIM
-from m31.files import write_folder_atomic
 
 Progress = Callable[[str, int, int], None]
-SPLITS = ("leave-last-out", "time")
 # Bumped whenever the rule that assigns engagements to splits changes, so that feature folders
 # built under an older rule are rebuilt (2: same-second ties, `_split`).
 SPLIT_RULE = 2
@@ -70,29 +56,6 @@ SPLIT_RULE = 2
 FEATURES_FORMAT = 4
 OPEN_START = np.iinfo(np.int64).min  # the created_at of an ad without one: no start
 EXAMPLE_COLUMNS = ("user", "item", "ts", "surface", "hour", "platform", "click", "conversion")
-EXAMPLE_SETS = ("train", "val", "test", "impressions")
-
-
-@dataclass(frozen=True)
-class FeatureConfig:
-    split: str = "leave-last-out"
-    max_len: int = 50  # engagement-sequence length the models see
-    organic_len: int = 32  # organic-engagement sequence length
-    cooc_dim: int = 32
-    cooc_window: int = 5
-    time_split: tuple[float, float] = (0.8, 0.9)  # quantiles of engagement time: val, test start
-    text_embeddings: bool = True  # False: zeros, for tests that do not need the encoder
-
-    def __post_init__(self) -> None:
-        if self.split not in SPLITS:
-            raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {self.split!r}")
-        if self.max_len <= 0 or self.organic_len <= 0:
-            raise ValueError("max_len and organic_len must be positive")
-        lo, hi = self.time_split
-        if not 0.0 < lo < hi < 1.0:
-            raise ValueError(
-                f"time_split must be two quantiles 0 < val < test < 1, got {self.time_split}"
-            )
 
 
 def _codes(values: pa.ChunkedArray, vocab: tuple[str, ...], field: str) -> np.ndarray:
@@ -137,129 +100,6 @@ def _rows(ids: np.ndarray, sorted_ids: np.ndarray, order: np.ndarray, field: str
 
 def _col(table: pa.Table, name: str) -> np.ndarray:
     return table[name].to_numpy()
-
-
-@dataclass
-class Features:
-    config: FeatureConfig
-    meta: dict
-    ads: dict[str, np.ndarray]  # name -> [A]
-    users: dict[str, np.ndarray]  # name -> [U]
-    text_emb: np.ndarray  # [A, H]
-    cooc_emb: np.ndarray  # [A, d]
-    engagements: EventSequences  # values: item, surface
-    organic: EventSequences  # values: topic, surface
-    splits: dict[str, dict[str, np.ndarray]]  # train/val/test/impressions -> column -> [n]
-    # [A, T] item-attribute tokens, -1 padding (`m31.features.attributes`); T = 0: none declared
-    attr_tokens: np.ndarray | None = None
-
-    def __post_init__(self) -> None:
-        if self.attr_tokens is None:
-            self.attr_tokens = np.zeros((self.n_ads, 0), dtype=np.int64)
-
-    @property
-    def is_online(self) -> bool:
-        """Whether these are the online features (`online`): no examples, recent events only."""
-        return bool(self.meta.get("online"))
-
-    def online(self, max_len: int | None = None) -> Features:
-        """What serving reads: the catalogue's and the users' features and each user's last
-        `max_len` engagements (default: the config's) and last `organic_len` organic events,
-        without the training examples. A request is read as of its time, so one dated before
-        a user's kept events sees fewer of them than the full features would give."""
-        return Features(
-            config=self.config,
-            meta={**self.meta, "online": True, "max_len": max_len or self.config.max_len},
-            ads=self.ads,
-            users=self.users,
-            text_emb=self.text_emb,
-            cooc_emb=self.cooc_emb,
-            attr_tokens=self.attr_tokens,
-            engagements=self.engagements.last(max_len or self.config.max_len),
-            organic=self.organic.last(self.config.organic_len),
-            splits={},
-        )
-
-    @property
-    def n_users(self) -> int:
-        return len(self.users["user_id"])
-
-    @property
-    def n_ads(self) -> int:
-        return len(self.ads["ad_id"])
-
-    def history(self, users: np.ndarray, cutoffs: np.ndarray, max_len: int | None = None):
-        """Engaged items, their surfaces and times strictly before each cutoff: [n, L] each."""
-        values, ts, lengths = self.engagements.before(
-            users, cutoffs, max_len or self.config.max_len
-        )
-        return values["item"], values["surface"], ts, lengths
-
-    def organic_history(self, users: np.ndarray, cutoffs: np.ndarray):
-        """Organic topics strictly before each cutoff: [n, organic_len], padded with -1."""
-        values, _, lengths = self.organic.before(users, cutoffs, self.config.organic_len)
-        return values["topic"], lengths
-
-    def describe(self) -> str:
-        sizes = ", ".join(f"{k} {len(v['user']):,}" for k, v in self.splits.items())
-        return (
-            f"{self.n_users:,} users, {self.n_ads:,} ads, {len(self.engagements.ts):,} engagements, "
-            f"split {self.config.split}: {sizes}"
-        )
-
-    def save(self, out: Path, overwrite: bool = False) -> Path:
-        def fill(tmp: Path) -> None:
-            meta = {**self.meta, "config": asdict(self.config)}
-            (tmp / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-            pq.write_table(pa.table(self.ads), tmp / "ads.parquet")
-            pq.write_table(pa.table(self.users), tmp / "users.parquet")
-            np.save(tmp / "text_emb.npy", self.text_emb)
-            np.save(tmp / "cooc_emb.npy", self.cooc_emb)
-            np.save(tmp / "attr_tokens.npy", self.attr_tokens)
-            for name, seq in (("engagements", self.engagements), ("organic", self.organic)):
-                user = np.repeat(np.arange(seq.n_users), np.diff(seq.offsets))
-                pq.write_table(
-                    pa.table({"user": user, "ts": seq.ts, **seq.values}), tmp / f"{name}.parquet"
-                )
-            for name, cols in self.splits.items():
-                pq.write_table(pa.table(cols), tmp / f"{name}.parquet")
-
-        return write_folder_atomic(Path(out), fill, overwrite=overwrite)
-
-    @classmethod
-    def load(cls, folder: Path) -> Features:
-        folder = Path(folder)
-        if not (folder / "meta.json").is_file():
-            raise DatasetError(f"{folder / 'meta.json'}: missing (not a feature folder?)")
-        meta = json.loads((folder / "meta.json").read_text())
-        cfg = meta.pop("config")
-        cfg["time_split"] = tuple(cfg["time_split"])
-        config = FeatureConfig(**cfg)
-
-        def table(name: str) -> dict[str, np.ndarray]:
-            t = pq.read_table(folder / f"{name}.parquet")
-            return {k: t[k].to_numpy() for k in t.column_names}
-
-        seqs = {}
-        for name in ("engagements", "organic"):
-            t = table(name)
-            user, ts = t.pop("user"), t.pop("ts")
-            seqs[name] = EventSequences.from_events(user, ts, meta["n_users"], **t)
-        return cls(
-            config=config,
-            meta=meta,
-            ads=table("ads"),
-            users=table("users"),
-            text_emb=np.load(folder / "text_emb.npy"),
-            cooc_emb=np.load(folder / "cooc_emb.npy"),
-            # a folder written before the tokens (online features of an older snapshot): none
-            attr_tokens=np.load(tokens)
-            if (tokens := folder / "attr_tokens.npy").is_file()
-            else None,
-            engagements=seqs["engagements"],
-            organic=seqs["organic"],
-            splits={} if meta.get("online") else {name: table(name) for name in EXAMPLE_SETS},
-        )
 
 
 def build_features(

@@ -12,8 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from m31.data import dataset
-from m31.features.build import FEATURES_FORMAT, SPLIT_RULE, FeatureConfig, Features, build_features
+from m31.features.build import FEATURES_FORMAT, SPLIT_RULE, build_features
 from m31.features.embedding_cache import embedding_cache_dir
+from m31.features.feature_set import FeatureConfig, Features
 
 Progress = Callable[[str, int, int], None]
 

@@ -20,7 +20,7 @@ frequency caps count them all (`engaged`).
 Memory: per user, L × 18 bytes of engagements (ad id and time int64, surface int16), 21 bytes
 of attributes, and the id map's entry (about 100 bytes of Python dict): at L = 50 about 1 KB
 (`nbytes_per_user`, measured by `tests/test_users.py`). Organic events, which no route writes,
-stay in the features.
+are held beside the store (`m31.users.organic`).
 
 Concurrency: one writer at a time (the DurableIndex's mutex); readers copy the rows they need
 under the store's lock, which a write holds while it changes rows, so a reader sees every
