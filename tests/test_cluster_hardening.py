@@ -88,7 +88,7 @@ def served(world, ray_serve):
     """The API on the run's Ray Serve over a 3-shard cluster made from the world's snapshot."""
     state, cluster = start_cluster(world.snapshot, world.root, S)
     config = ServeConfig(index=state, model=world.model, admin_token=ADMIN, body_timeout_s=1.0)
-    users = pq.read_table(world.data / "users.parquet").column("user_id").to_numpy()[:5]
+    users = pq.read_table(world.data / "users.parquet").column("user_id").to_numpy()[:30]
     ads = pq.read_table(world.data / "ads.parquet").column("ad_id").to_numpy()
     with RayServer(ray_serve, config, cluster) as server:
         yield Served(server.url, cluster, state, config, [int(u) for u in users], ads)
@@ -99,10 +99,18 @@ def pid(actor) -> int:
     return ray.get(actor.pid.remote())
 
 
-def retrieve(served: Served, timeout_ms: int, allow_partial: bool = False) -> httpx.Response:
+def retrieve(
+    served: Served, timeout_ms: int, allow_partial=False, off: int | None = None, on=None
+) -> httpx.Response:
+    """A call of two stored users' requests: users shard `off` does not own, or shard `on`
+    owns (a stopped owner leaves its users unread: not even a partial answer can encode
+    their requests)."""
+    owners = shard_of(served.users, S)
+    users = [u for u, s in zip(served.users, owners, strict=True) if s != off and on in (None, s)]
+    assert len(users) >= 2
     body = {
         "requests": [
-            {"user_id": u, "surface": "feed", "platform": "ios", "k": 20} for u in served.users[:2]
+            {"user_id": u, "surface": "feed", "platform": "ios", "k": 20} for u in users[:2]
         ],
         "timeout_ms": timeout_ms,
         "allow_partial": allow_partial,
@@ -238,14 +246,17 @@ def test_coordinator_restarted_beside_a_dying_shard_recovers_by_itself(served):
         os.kill(stopped, signal.SIGSTOP)
         try:
             os.kill(pid(served.cluster.coordinator), signal.SIGKILL)
-            part = poll(lambda: retrieve(served, DEADLINE_MS, allow_partial=True),
+            part = poll(lambda: retrieve(served, DEADLINE_MS, allow_partial=True, off=1),
                         lambda r: r.status_code == 200, seen).json()  # fmt: skip
             assert part["partial"] is True and part["missing_shards"] == [1]
+            owned = retrieve(served, DEADLINE_MS, allow_partial=True, on=1)  # shard 1's users
+            seen.append(owned.status_code)
+            assert owned.status_code == 503 and "shard 1 " in owned.json()["detail"], owned.text
         except BaseException:
             os.kill(stopped, signal.SIGKILL)
             raise
         with restarting(served, 1, dead=stopped):
-            r = retrieve(served, DEADLINE_MS)
+            r = retrieve(served, DEADLINE_MS, off=1)
             seen.append(r.status_code)
             assert r.status_code == 503 and "shards [1]" in r.json()["detail"], r.text
             r = httpx.get(f"{served.url}/health/ready", timeout=BOUND_S)
@@ -286,9 +297,9 @@ def test_a_restarting_shard_answers_503_naming_it(served):
             assert "shard" in r.json()["detail"] and "2" in r.json()["detail"], (method, r.text)
             assert r.headers["Retry-After"] == "1"
         assert httpx.get(f"{served.url}/v1/ads/{other}", timeout=BOUND_S).status_code == 200
-        r = retrieve(served, DEADLINE_MS)
+        r = retrieve(served, DEADLINE_MS, off=2)
         assert r.status_code == 503 and "shards [2]" in r.json()["detail"], r.text
-        r = retrieve(served, DEADLINE_MS, allow_partial=True)
+        r = retrieve(served, DEADLINE_MS, allow_partial=True, off=2)
         assert r.status_code == 200 and r.json()["missing_shards"] == [2], r.text
         r = httpx.get(f"{served.url}/health/ready", timeout=BOUND_S)
         assert r.status_code == 503 and "shard 2" in r.json()["detail"], r.text
@@ -391,7 +402,7 @@ def test_a_batch_answers_its_partial_call_while_its_strict_call_waits(served):
         results, _, _, _, missing = strict.result(BOUND_S)
         assert missing == [] and len(results[0].ad_ids) == 20
     finally:
-        service.close()  # its users' follower would outlive the module's cluster
+        service.close()
 
 
 def test_partial_calls_are_answered_while_a_strict_call_waits(served):
@@ -404,10 +415,10 @@ def test_partial_calls_are_answered_while_a_strict_call_waits(served):
     os.kill(stopped, signal.SIGSTOP)
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         try:
-            waiting = pool.submit(retrieve, served, 60_000)
-            short = [pool.submit(retrieve, served, 8_000) for _ in range(4)]
+            waiting = pool.submit(retrieve, served, 60_000, False, 0)
+            short = [pool.submit(retrieve, served, 8_000, False, 0) for _ in range(4)]
             for timeout_ms in (10_000, 20_000, 40_000, 60_000):
-                r = retrieve(served, timeout_ms, True)
+                r = retrieve(served, timeout_ms, True, off=0)
                 assert r.status_code == 200 and r.json()["partial"] is True, r.text
                 assert 0 in r.json()["missing_shards"], r.text
                 if r.json()["missing_shards"] == [0]:
