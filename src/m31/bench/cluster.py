@@ -117,7 +117,12 @@ def run(
         snapshot = index.save(work / "snapshot")
         own = not ray.is_initialized()  # a Ray this process started already is used as it is
         if own:
-            ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+            ray.init(
+                num_cpus=cpus,
+                include_dashboard=False,
+                log_to_driver=False,
+                _system_config={"worker_niceness": 0},  # as `m31 serve --ray` starts one
+            )
         for s in shard_counts:
             state = init_cluster(snapshot, work / f"state-{s}", s)
             # As `m31 serve --ray` places them: at most one core each, one kernel thread.

@@ -58,6 +58,10 @@ log = logging.getLogger("m31.cluster")
 
 # How long readiness and metrics wait for the shards before naming those that did not answer.
 STATUS_TIMEOUT_S = 2.0
+# Mutations a replica sends at once: the coordinator commits the events and users calls that
+# arrive while one commits as one transaction (`m31.cluster.group`), so more in flight, more
+# grouped.
+WRITERS = 32
 # How long a replica starting waits for a first shard to answer (it needs one's schema).
 LOAD_WAIT_S = 300.0
 
@@ -85,6 +89,8 @@ def check_model(info: dict, net) -> None:
 
 
 class ClusterBackend:
+    writers = WRITERS
+
     def __init__(
         self, retriever: Retriever, encoder: AdEncoder, cluster: Cluster, timeout_s: float = 1.0
     ) -> None:

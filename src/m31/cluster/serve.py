@@ -153,7 +153,10 @@ def run(
     served = False
     try:
         try:
-            ray.init(address=address, include_dashboard=False)
+            # A local cluster's workers (the shards, the coordinator) run at the server's
+            # priority: Ray's default, nice 15, let the ingress and any other job starve them.
+            system = {"worker_niceness": 0} if address is None else None
+            ray.init(address=address, include_dashboard=False, _system_config=system)
         except SystemExit:
             return  # SIGTERM, as ray.init's own handler (first thing it installs) answers it
         # That handler exits from inside whatever call runs (a start-up then aborted with a

@@ -13,7 +13,8 @@
 The app drives a `Backend` (`m31.serve.backend`), which the caller's loader makes: one
 process over a durable index (`m31.serve.local`), or a sharded index on Ray (`m31.cluster`).
 Retrieval goes through the dynamic batcher (`m31.serve.batcher`) onto one device thread.
-Mutations run one at a time on a writer thread; each is durable before its reply, and returns
+Mutations run on writer threads, as many at once as the backend takes (one on one process;
+a cluster's coordinator groups concurrent ones); each is durable before its reply, and returns
 the index version that holds it. A query's batch reads one consistent version, at least the
 `min_version` it asks for.
 
@@ -86,7 +87,7 @@ def _lifespan(config: ServeConfig, load: Callable[[ServeConfig], Backend], metri
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        app.state.writer = ThreadPoolExecutor(1, thread_name_prefix="m31-writer")
+        app.state.writer = None  # made with the backend: as many threads as it takes writes
         loading = asyncio.get_running_loop().create_task(_load(app, config, load, metrics))
         try:
             yield
@@ -95,7 +96,8 @@ def _lifespan(config: ServeConfig, load: Callable[[ServeConfig], Backend], metri
                 loading.cancel()
             if app.state.batcher is not None:
                 await app.state.batcher.stop()
-            app.state.writer.shutdown(wait=True)
+            if app.state.writer is not None:
+                app.state.writer.shutdown(wait=True)
             if app.state.backend is not None:
                 app.state.backend.close()
 
@@ -106,7 +108,9 @@ async def _load(
     app: FastAPI, config: ServeConfig, load: Callable[[ServeConfig], Backend], metrics: Metrics
 ) -> None:
     try:
-        app.state.backend = await asyncio.to_thread(load, config)
+        backend = await asyncio.to_thread(load, config)
+        app.state.writer = ThreadPoolExecutor(backend.writers, thread_name_prefix="m31-writer")
+        app.state.backend = backend
     except Exception as e:  # reported by /health/ready and the log; live stays up
         log.exception("loading failed")
         app.state.load_error = f"{type(e).__name__}: {e}"

@@ -42,6 +42,10 @@ class Backend(Protocol):
 
     retriever: Retriever
     encoder: AdEncoder
+    # Mutations it takes at once (the routes' writer threads): 1 for one process, whose
+    # DurableIndex has one writer; a cluster's coordinator orders concurrent calls itself and
+    # commits those that arrive while one commits as one transaction (group commit).
+    writers: int
 
     @property
     def version(self) -> int:
@@ -60,7 +64,7 @@ class Backend(Protocol):
 
     @property
     def users(self) -> int:
-        """Users the retriever's store holds."""
+        """Users stored (the retriever's store; a cluster's shards, last known)."""
         ...
 
     def stats(self) -> tuple[int, int, int]:

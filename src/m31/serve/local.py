@@ -22,6 +22,8 @@ from m31.serve.schemas import AdIn, EventIn, Ranked, UserAttributesIn, check_bou
 class LocalBackend:
     """The loaded parts: engine, durable index, ad encoder."""
 
+    writers = 1  # the DurableIndex has one writer
+
     def __init__(self, retriever: Retriever, store: DurableIndex, encoder: AdEncoder) -> None:
         self.retriever, self.store, self.encoder = retriever, store, encoder
 
