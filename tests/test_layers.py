@@ -78,6 +78,8 @@ class _Down:
     """A backend whose index is down and holds no ads: what reaches the routes is the index's
     errors alone, which carry no HTTP. (Implements `Backend` without inheriting anything.)"""
 
+    writers = 1
+
     def __init__(self) -> None:
         from types import SimpleNamespace
 

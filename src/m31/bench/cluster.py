@@ -29,6 +29,9 @@ import torch
 
 from m31.bench.results import Figure, short
 
+# The workers (shards) at the driver's priority, as `m31 serve --ray` starts a local cluster.
+NICE = {"_system_config": {"worker_niceness": 0}}
+
 
 def corpus(n: int, dim: int, seed: int = 0):
     from m31.index import AdIndex
@@ -117,12 +120,7 @@ def run(
         snapshot = index.save(work / "snapshot")
         own = not ray.is_initialized()  # a Ray this process started already is used as it is
         if own:
-            ray.init(
-                num_cpus=cpus,
-                include_dashboard=False,
-                log_to_driver=False,
-                _system_config={"worker_niceness": 0},  # as `m31 serve --ray` starts one
-            )
+            ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, **NICE)
         for s in shard_counts:
             state = init_cluster(snapshot, work / f"state-{s}", s)
             # As `m31 serve --ray` places them: at most one core each, one kernel thread.
