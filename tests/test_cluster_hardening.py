@@ -54,8 +54,10 @@ from m31.cluster.backend import ClusterBackend  # noqa: E402
 from m31.cluster.cluster import Cluster  # noqa: E402
 from m31.cluster.layout import shard_dir, shard_of  # noqa: E402
 from m31.engine import AdRequest  # noqa: E402
+from m31.index.errors import Unavailable  # noqa: E402
 from m31.serve.app import ServeConfig, create_app  # noqa: E402
 from m31.serve.backend import Ask  # noqa: E402
+from m31.users.stored import StoredUser  # noqa: E402
 
 S = 3
 BOUND_S = 300.0  # how long a condition may take to come true on a busy machine
@@ -252,6 +254,12 @@ def test_coordinator_restarted_beside_a_dying_shard_recovers_by_itself(served):
             owned = retrieve(served, DEADLINE_MS, allow_partial=True, on=1)  # shard 1's users
             seen.append(owned.status_code)
             assert owned.status_code == 503 and "shard 1 " in owned.json()["detail"], owned.text
+            # One read of users of both shards (as reads coalesced from two calls are): the
+            # live owner's users answer, only the stopped one's are its Unavailable.
+            users = [next(u for u in served.users if shard_of([u], S)[0] == s) for s in (0, 1)]
+            got = served.cluster.stored_users(users, [2**40] * 2, timeout_s=1.0)
+            assert isinstance(got[0], StoredUser) and len(got[0].ads), got
+            assert isinstance(got[1], Unavailable) and got[1].shards == [1], got
         except BaseException:
             os.kill(stopped, signal.SIGKILL)
             raise

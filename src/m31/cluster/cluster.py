@@ -268,13 +268,19 @@ class Cluster:
         return self._spread(*self._ask_owners(ad_ids, ask, what, timeout_s))
 
     def stored_users(self, user_ids, ts, timeout_s: float = 60.0) -> list:
-        """Users `user_ids` [B] as of their times `ts` [B] (`StoredUser`; None for one no shard
-        holds), each read on its owner shard, in parallel (`Shard.stored_users`);
-        `Unavailable` naming the owners that did not answer within `timeout_s`."""
+        """Users `user_ids` [B] as of their times `ts` [B], each read on its owner shard, in
+        parallel (`Shard.stored_users`): a `StoredUser`, None for one no shard holds, or, for
+        one whose owner did not answer within `timeout_s`, the `Unavailable` naming it (so that
+        the calls a read serves together fail only for their own users' owners)."""
         ts = np.asarray(ts, dtype=np.int64)
         ask = lambda shard, ids, at: shard.stored_users.remote(ids, ts[at].tolist())  # noqa: E731
-        owners, answers = self._ask_owners(user_ids, ask, "owning users asked", timeout_s)
-        return self._spread(owners, {s: users for s, (users, _) in answers.items()})
+        owners, answers = self._ask_owners(user_ids, ask, "owning users asked", timeout_s, False)
+        out = self._spread(owners, {s: a[0] for s, a in answers.items() if a is not None})
+        for s in {s for s, a in answers.items() if a is None}:
+            why = f"shard {s} (owning users asked) did not answer within {timeout_s:g} s"
+            for i in np.flatnonzero(owners == s).tolist():  # one error each: raised apart
+                out[i] = Unavailable(f"{why} (down or restarting)", [s])
+        return out
 
     @staticmethod
     def _spread(owners: np.ndarray, answers: dict[int, list]) -> list:
@@ -285,11 +291,14 @@ class Cluster:
                 out[i] = v
         return out
 
-    def _ask_owners(self, ids, ask, what: str, timeout_s: float) -> tuple[np.ndarray, dict]:
+    def _ask_owners(
+        self, ids, ask, what: str, timeout_s: float, strict: bool = True
+    ) -> tuple[np.ndarray, dict]:
         """(owner shard of each id [n], {shard: answer}): `ask(shard handle, its ids as a list,
         their positions in ids)` of each shard that owns some of `ids` (ads and users are
         partitioned alike), in parallel, and again while it restarts; `Unavailable` naming the
-        shards that did not answer within `timeout_s` (`what` they hold, for the message)."""
+        shards that did not answer within `timeout_s` (`what` they hold, for the message), or,
+        not `strict`, None as their answer."""
         import ray
         from ray.exceptions import RayActorError
 
@@ -312,6 +321,8 @@ class Cluster:
                     continue
                 self.down.discard(s)
                 del todo[s]
+            if todo and time.monotonic() >= deadline and not strict:
+                return owners, {**answers, **dict.fromkeys(todo)}
             if todo and time.monotonic() >= deadline:
                 shards = sorted(todo)
                 named = f"shard {shards[0]}" if len(shards) == 1 else f"shards {shards}"

@@ -75,8 +75,9 @@ def user_vocab(vocab: Mapping) -> Vocab:
 
 
 # Where stored users are read: (user ids [B], request times [B]) -> each user as of its time,
-# None for one not held (`m31.users.stored.read_users` of the server's store; a cluster's
-# ingress asks the owner shards, `m31.cluster.cluster.Cluster.stored_users`).
+# None for one not held, or the exception to raise for it (`m31.users.stored.read_users` of
+# the server's store; a cluster's ingress asks the owner shards and gives the `Unavailable`
+# naming an owner that did not answer, `m31.cluster.cluster.Cluster.stored_users`).
 UserSource = Callable[[np.ndarray, np.ndarray], list]
 
 
@@ -118,9 +119,12 @@ class UserInputs:
 
     def stored(self, ids: np.ndarray, ts: np.ndarray, where: Sequence[int]) -> list[StoredUser]:
         """Stored users `ids` [B] as of their requests' times `ts` [B], from the source
-        (RequestError naming requests[where[i]] for an unknown one)."""
+        (RequestError naming requests[where[i]] for an unknown one; the source's error for one
+        it could not read)."""
         users = self.source(ids, ts)
         for i, user in enumerate(users):
+            if isinstance(user, Exception):
+                raise user
             if user is None:
                 raise RequestError(f"requests[{where[i]}].user_id: unknown user {int(ids[i])}")
         return users
