@@ -349,8 +349,12 @@ def test_partial_answers_name_the_missing_shards(world, server):
     naming it, or, with allow_partial, 200 with partial: true and the shard listed."""
     import ray
 
-    users, _ = users_and_time(world, 1)
-    body = {"requests": [{"user_id": users[0], "surface": "feed", "platform": "ios", "k": 20}]}
+    from m31.cluster.layout import shard_of
+
+    users, _ = users_and_time(world, 20)
+    shards = len(server.cluster.shards)
+    user = next(u for u in users if shard_of([u], shards)[0] != 2)  # its owner stays up
+    body = {"requests": [{"user_id": user, "surface": "feed", "platform": "ios", "k": 20}]}
     whole = httpx.post(f"{server.url}/v1/retrieve", json=body, timeout=60).json()
     assert whole["partial"] is False and whole["missing_shards"] == []
     pid = ray.get(server.cluster.shards[2].pid.remote())
