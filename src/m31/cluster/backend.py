@@ -125,7 +125,7 @@ class ClusterBackend:
         )
         encoder = AdEncoder(net, feats, embedding_cache_dir())
         encoder.load_text_encoder()
-        backend = cls(retriever, encoder, cluster, config.timeout_ms / 1000)
+        backend = cls(retriever, encoder, cluster, timeout_s)
         try:
             backend.stats()
         except Unavailable:
