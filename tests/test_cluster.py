@@ -326,9 +326,10 @@ def test_outage_policy_within_the_deadline(clusters, tmp_path):
 @pytest.mark.skipif(not channel.available(), reason="channels are Linux's")
 def test_searches_go_through_the_shards_channels(clusters, tmp_path):
     """A shard's first answer comes through Ray and names its channel: later searches go
-    through the channel, answering as Ray calls do (a handle that makes none), writes included.
-    A shard killed: its channel's calls fail as its Ray call would, the read asks it again
-    through Ray until the restarted process answers, and connects to that one's channel."""
+    through the channel, answering as Ray calls do (a handle that makes none), writes included;
+    the handle's mutations take the coordinator's channel once it knows it. A shard killed: its
+    channel's calls fail as its Ray call would, the read asks it again through Ray until the
+    restarted process answers, and connects to that one's channel."""
     rng = np.random.default_rng(11)
     index = AdIndex(G, D, dtype=torch.float32, extra_fields=EXTRA)
     ids = rng.choice(10_000, 200, replace=False)
@@ -359,6 +360,11 @@ def test_searches_go_through_the_shards_channels(clusters, tmp_path):
     version = cluster.upsert(np.array(new), *made)
     assert same(cluster).version == version == same(by_ray).version
     assert not any(by_ray.channel(s) for s in range(S))
+    until(lambda: cluster._writes.channel is not None, "the coordinator's channel")
+    writes = cluster._writes.channel
+    index.delete([new[0]])
+    assert cluster.delete([new[0]]) == version + 1 and cluster._writes.channel is writes
+    assert same(cluster).version == version + 1
 
     os.kill(ray.get(cluster.shards[1].pid.remote()), signal.SIGKILL)
     same(cluster)

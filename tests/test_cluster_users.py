@@ -26,8 +26,10 @@ from serve_helpers import (  # noqa: E402
     fresh_state,
     start_cluster,
     stop_cluster,
+    until,
 )
 
+from m31.cluster import channel  # noqa: E402
 from m31.cluster.actors import ClusterOptions, start_shards  # noqa: E402
 from m31.cluster.cluster import Cluster  # noqa: E402
 from m31.cluster.coordinator import Coordinator  # noqa: E402
@@ -38,6 +40,7 @@ from m31.cluster.shard import Shard  # noqa: E402
 from m31.engine.load import copy_online, load_engine, online_organic, online_users  # noqa: E402
 from m31.engine.requests import AdRequest, FrequencyCap  # noqa: E402
 from m31.index import AdIndexError  # noqa: E402
+from m31.index.wal import LOG  # noqa: E402
 from m31.serve.app import ServeConfig  # noqa: E402
 from m31.users.stored import read_users  # noqa: E402
 
@@ -118,6 +121,42 @@ def test_a_shard_answers_its_users_as_one_store_does(world):
             shard.snapshot()
         shard.close()
         shard = Shard(shard_dir(state, 0), 0)  # the logs replayed (then the snapshot read)
+    shard.close()
+
+
+@pytest.mark.parametrize("index_kept_it", [False, True])
+def test_a_commit_a_power_loss_cut_from_a_shard_is_applied_once(world, tmp_path, index_kept_it):
+    """A shard fsyncs its prepares, not its commits (the coordinator's decision log is the
+    commit point): a machine that loses power may cut the commit record from its transaction
+    log, with or without the change from its index's log (neither synced). Reopened, the shard
+    holds the transaction in doubt; the coordinator's resolve commits it, applied once."""
+    state = new_state(world, 2)
+    folder = shard_dir(state, 0)
+    shard = Shard(folder, 0)
+    ids = shard._store.users.dump()["ids"]
+    u, base = int(ids[0]), shard.applied
+    history = shard.stored_users([u], [2**40])[0][0].ads.tolist()
+    wal, txn_log = folder / "index" / LOG, folder / "txn.log"
+    index_before = wal.stat().st_size
+    columns = {"user_id": [u, u], "ad_id": [40, 41], "ts": [10**10, 10**10 + 1],
+               "surface": ["feed", None]}  # fmt: skip
+    shard.prepare("t1", "events", columns)
+    prepared = txn_log.stat().st_size  # what the prepare's fsync made durable
+    shard.commit("t1", base + 1)
+    shard.close()
+    assert txn_log.stat().st_size > prepared and wal.stat().st_size > index_before
+    os.truncate(txn_log, prepared)
+    if not index_kept_it:
+        os.truncate(wal, index_before)
+    shard = Shard(folder, 0)
+    assert shard.info()["in_doubt"] == "t1" and shard.applied == base
+    assert shard.resolve(("t1", base + 1)) == shard.held()
+    want = [*history, 40, 41][-len(history) :] if history else [40, 41]
+    for reopened in range(2):
+        got, at = shard.stored_users([u], [2**40])
+        assert at == base + 1 and got[0].ads.tolist() == want, reopened
+        shard.close()
+        shard = Shard(folder, 0)
     shard.close()
 
 
@@ -238,6 +277,44 @@ def test_concurrent_calls_share_one_transaction(world, ray_local):
     assert got[1][0] == "invalid" and "surface" in got[1][1]
     assert sorted(r[1] for r in (got[0], got[2])) == [base + 2, base + 3]
     assert held(0, u0)[0] == [40, 42, 45] and held(1, u1)[0] == [41, 43, 47, 46]
+    for shard in shards:
+        ray.kill(shard)
+
+
+@pytest.mark.skipif(not channel.available(), reason="channels are Linux's")
+def test_the_coordinator_prepares_and_commits_on_the_shards_channels(world, ray_local):
+    """Once it knows their endpoints, the coordinator's prepares and commits take the shards'
+    channels. A shard killed: the prepare that finds its channel closed is asked again through
+    Ray, and the call commits once the restarted process answers (or is refused, changing
+    nothing, while it restarts); the link then connects to the new process's channel."""
+    state = new_state(world, 2)
+    shards = start_shards(state, ClusterOptions(shard_cpus=0))
+    coordinator = Coordinator(coordinator_dir(state), shards)
+    assert coordinator.read_point(BOUND_S)[2] == []
+    new = np.arange(10**12, 10**12 + 64)
+    users = [int(new[shard_of(new, 2) == s][0]) for s in (0, 1)]
+
+    def send(ad: int) -> tuple:
+        ops = event_ops(users, [ad, ad], [10**9 + ad] * 2, ["feed"] * 2, None, None, 2)
+        deadline = time.monotonic() + BOUND_S
+        while (out := coordinator.mutate(ops))[0] == "unavailable":
+            assert time.monotonic() < deadline, out
+            time.sleep(0.1)
+        return out
+
+    links = coordinator._links
+    assert send(1)[0] == "ok"
+    until(lambda: all(link.channel for link in links), "the shards' channels")
+    first = [link.channel for link in links]
+    assert send(2)[0] == "ok" and [link.channel for link in links] == first
+    os.kill(ray.get(shards[1].pid.remote()), signal.SIGKILL)
+    assert send(3)[0] == "ok" and first[1].closed
+    until(lambda: links[1].channel is not None, "the restarted shard's channel")
+    assert links[0].channel is first[0]
+    assert send(4)[0] == "ok"
+    for s, user in enumerate(users):  # each call applied once
+        held, _ = ray.get(shards[s].stored_users.remote([user], [2**40]))
+        assert [a for a in held[0].ads.tolist() if a >= 0] == [1, 2, 3, 4]
     for shard in shards:
         ray.kill(shard)
 

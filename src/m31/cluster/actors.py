@@ -28,34 +28,65 @@ class ClusterOptions:
     max_concurrency: int = 8  # calls a shard serves at once (searches beside a commit)
 
 
+# Calls the coordinator serves at once (through Ray, and again on its channel): those waiting
+# to join the next group commit, and read points.
+COORDINATOR_CALLS = 32
+
+
 class Cancelled(RuntimeError):
     """A start-up stopped before its end."""
 
 
+def _serve(methods: dict, workers: int) -> tuple[channel.Server | None, tuple[str, str] | None]:
+    """A channel serving `methods` beside Ray, and its endpoint (none where channels are not
+    available)."""
+    if not channel.available():
+        return None, None
+    import ray
+
+    server = channel.Server(methods, workers)
+    return server, (ray.get_runtime_context().get_node_id(), server.name)
+
+
 class _ShardActor(Shard):
-    """A shard as its Ray actor runs it: it also serves its searches on a channel, whose endpoint
-    its answers through Ray carry (`m31.cluster.channel`)."""
+    """A shard as its Ray actor runs it: it also serves its searches, whose answers through Ray
+    carry its channel's endpoint, and its side of the two-phase commit on a channel
+    (`m31.cluster.channel`)."""
 
     def __init__(self, path: str, index: int, device: str = "cpu", workers: int = 8) -> None:
-        import ray
-
         super().__init__(path, index, device)
-        self.endpoint = None
-        if channel.available():
-            server = channel.Server({"search": super().search}, workers)
-            self.endpoint = (ray.get_runtime_context().get_node_id(), server.name)
-            self._server = server
+        methods = {
+            "search": super().search,
+            "prepare": self.prepare,
+            "commit": self.commit,
+            "abort": self.abort,
+        }
+        self._server, self._endpoint = _serve(methods, workers)
+
+    def endpoint(self) -> tuple[str, str] | None:
+        return self._endpoint
 
     def search(self, payload, at: int | None = None) -> Answer | Moved:
         got = super().search(payload, at)
-        return dataclasses.replace(got, endpoint=self.endpoint) if isinstance(got, Answer) else got
+        return dataclasses.replace(got, endpoint=self._endpoint) if isinstance(got, Answer) else got
+
+
+class _CoordinatorActor(Coordinator):
+    """The coordinator as its Ray actor runs it: it also takes mutations on a channel."""
+
+    def __init__(self, path: str, shards: list, workers: int = 32) -> None:
+        super().__init__(path, shards)
+        self._server, self._endpoint = _serve({"mutate": self.mutate}, workers)
+
+    def endpoint(self) -> tuple[str, str] | None:
+        return self._endpoint
 
 
 def _actor_classes():
     import ray
 
     shard = ray.remote(max_restarts=-1, max_task_retries=0)(_ShardActor)
-    coordinator = ray.remote(max_restarts=-1, max_task_retries=0, num_cpus=0)(Coordinator)
+    coordinator = ray.remote(max_restarts=-1, max_task_retries=0, num_cpus=0)(_CoordinatorActor)
     return shard, coordinator
 
 
@@ -92,8 +123,8 @@ def start_actors(state: str | Path, options: ClusterOptions, stop: threading.Eve
     refs = [s.pid.remote() for s in shards]
     wait(refs)
     ray.get(refs)
-    coordinator = coordinator_cls.options(max_concurrency=32).remote(
-        str(coordinator_dir(state)), shards
+    coordinator = coordinator_cls.options(max_concurrency=COORDINATOR_CALLS).remote(
+        str(coordinator_dir(state)), shards, COORDINATOR_CALLS
     )
     while True:
         ref = coordinator.read_point.remote(RECOVERY_POLL_S)

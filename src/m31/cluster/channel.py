@@ -1,23 +1,28 @@
-"""A shard's searches asked by an ingress on its machine without Ray's call path: a socket the
-shard actor serves beside Ray (Linux). Ray stays the control plane: it places the shards,
-restarts them, carries the two-phase commit and the read points, and every call to a shard on
-another machine.
+"""Calls between the processes of a cluster on one machine without Ray's call path: a socket
+an actor serves beside Ray (Linux). Ray stays the control plane: it places the actors, restarts
+them, and carries every call to an actor on another machine and every call made before a
+channel is open.
+
+What goes over channels: an ingress's searches of the shards on its node (`m31.cluster.read`,
+connected from the endpoint a shard's answer carries), and the write path (`Link`): an
+ingress's mutations to the coordinator, and the coordinator's prepares, commits and aborts to
+the shards (`m31.cluster.coordinator`).
 
 Why: on the 2-core development machine a Ray actor call that computes 10 ms costs about 2.3 ms
 beyond it (1.2 ms to arrive, 1.1 ms back; an empty one about 1 ms, but the threads on its path
 sleep while the call computes and each wakes late), as much as a fifth of a B = 1 call over
-HTTP; a call on this socket costs about 0.5 ms (docs/SCALING.md). Ray's compiled graphs, which
-keep a channel between two actors, cost about 1.4 ms there, hung in a test, and are torn down
-for good by an actor's death.
+HTTP; a call on this socket costs about 0.5 ms (docs/SCALING.md). An events call makes three
+such calls one after the other (the ingress's to the coordinator, then each shard's prepare and
+commit). Ray's compiled graphs, which keep a channel between two actors, cost about 1.4 ms
+there, hung in a test, and are torn down for good by an actor's death.
 
-How: a shard answers each search asked through Ray with its endpoint (its node and the socket's
-name); an ingress on that node connects then and asks its later searches here. A channel that
-breaks (the shard's process died) fails the calls on it with `ChannelClosed`, which the reader
-takes as the failed Ray call it stands for: the shard is down, is asked again through Ray, and
-its restarted process's answer carries the endpoint to connect to next. A process that stops
-answers nothing either way (its deadline). The socket is in Linux's abstract namespace (no
-file to leave behind) and takes only connections of its own user (SO_PEERCRED), who can reach
-the process anyway.
+How: an actor's channel has an endpoint (its node and the socket's name); a caller on that
+node connects and asks its later calls there. A channel that breaks (the actor's process died)
+fails the calls on it with `ChannelClosed`, which the caller takes as the failed Ray call it
+stands for: the actor is down, is asked again through Ray, and the restarted process's endpoint
+is the one to connect to next. A process that stops answers nothing either way (its deadline).
+The socket is in Linux's abstract namespace (no file to leave behind) and takes only
+connections of its own user (SO_PEERCRED), who can reach the process anyway.
 
 Wire: frames of (payload length u64, call id u64, payload) in little endian, the payload a
 pickle (protocol 5). A call is (method, args); an answer is (ok, value or exception).
@@ -126,7 +131,7 @@ class Server:
 
 
 class Channel:
-    """The ingress's end: `call` sends, one reader thread settles the Futures. Thread-safe."""
+    """The caller's end: `call` sends, one reader thread settles the Futures. Thread-safe."""
 
     def __init__(self, name: str, timeout_s: float = 1.0) -> None:
         self.name = name
@@ -141,9 +146,14 @@ class Channel:
         threading.Thread(target=self._read, name="m31-channel", daemon=True).start()
 
     def call(self, method: str, *args) -> concurrent.futures.Future:
-        """A Future of `method(*args)` on the shard: its value, the shard's own exception, or
+        """A Future of `method(*args)` on the server: its value, the method's own exception, or
         `ChannelClosed`."""
         future: concurrent.futures.Future = concurrent.futures.Future()
+        try:
+            payload = pickle.dumps((method, args), protocol=5)
+        except (pickle.PicklingError, TypeError, AttributeError) as e:
+            future.set_exception(TypeError(f"a call that cannot be sent: {e}"))
+            return future
         with self._lock:
             if self.closed:
                 future.set_exception(ChannelClosed(f"channel {self.name[1:]!r} closed"))
@@ -151,7 +161,7 @@ class Channel:
             self._next += 1
             self._pending[self._next] = future
             try:
-                _send(self._sock, self._next, (method, args))
+                self._sock.sendall(_HEADER.pack(len(payload), self._next) + payload)
             except OSError as e:
                 self._close_locked(e)
         return future
@@ -190,3 +200,92 @@ class Channel:
         except OSError:
             pass
         self._sock.close()
+
+
+class Link:
+    """Calls to one Ray actor that serves a channel (its `endpoint()`: (node id, name) or None):
+    on the channel while one is open, else as Ray calls. `call` answers a Future either way,
+    failing with the method's own exception, or with `ChannelClosed` where the actor's process is
+    gone or restarting (a Ray call's `RayActorError`). The first call, and the first after one
+    failed so, also asks the actor its endpoint; on this process's node, later calls take the
+    channel. Thread-safe; not pickled (each process links its own)."""
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+        self._channel: Channel | None = None
+        self._ask = available()  # whether the next call asks the endpoint
+        self._lock = threading.Lock()
+
+    @property
+    def channel(self) -> Channel | None:
+        """The open channel, if any."""
+        found = self._channel
+        return found if found is not None and not found.closed else None
+
+    def call(self, method: str, *args) -> concurrent.futures.Future:
+        direct = self.channel
+        future = (
+            direct.call(method, *args)
+            if direct is not None
+            else _settled(getattr(self.handle, method).remote(*args))
+        )
+        with self._lock:
+            ask, self._ask = self._ask, False
+        if ask:
+            self.handle.endpoint.remote().future().add_done_callback(self._connect)
+        future.add_done_callback(self._watch)
+        return future
+
+    def _watch(self, done: concurrent.futures.Future) -> None:
+        if isinstance(done.exception(), ChannelClosed) and available():
+            with self._lock:
+                self._ask = True  # a restarted process serves another endpoint, maybe elsewhere
+
+    def _connect(self, asked: concurrent.futures.Future) -> None:
+        endpoint = None if asked.exception() is not None else asked.result()
+        if endpoint is None:
+            if asked.exception() is not None:
+                with self._lock:
+                    self._ask = True
+            return
+        import ray
+
+        if endpoint[0] != ray.get_runtime_context().get_node_id():
+            return  # on another machine: Ray calls
+        try:
+            opened = Channel(endpoint[1])
+        except OSError:
+            return  # that process is gone; a call failing says when to ask its successor
+        with self._lock:
+            old, self._channel = self._channel, opened
+        if old is not None:
+            old.close()
+
+    def close(self) -> None:
+        found = self._channel
+        if found is not None:
+            found.close()
+
+
+def _settled(ref) -> concurrent.futures.Future:
+    """A Ray call's answer as a channel's: the method's own exception (not `RayTaskError`), and
+    `ChannelClosed` for `RayActorError`."""
+    from ray.exceptions import RayActorError, RayTaskError
+
+    out: concurrent.futures.Future = concurrent.futures.Future()
+
+    def settle(done: concurrent.futures.Future) -> None:
+        error = done.exception()
+        if error is None:
+            out.set_result(done.result())
+        elif isinstance(error, RayTaskError):
+            out.set_exception(error.cause if error.cause is not None else error)
+        elif isinstance(error, RayActorError):
+            closed = ChannelClosed(f"the actor is down or restarting ({error})")
+            closed.__cause__ = error
+            out.set_exception(closed)
+        else:
+            out.set_exception(error)
+
+    ref.future().add_done_callback(settle)
+    return out

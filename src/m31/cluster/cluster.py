@@ -40,6 +40,7 @@ class Cluster:
         self._refused: set[tuple[str, str]] = set()  # endpoints not to try again
         self._channel_lock = threading.Lock()
         self._node: str | None = None
+        self._writes = channel.Link(coordinator)  # mutations, on its channel where it is here
         # Shards that are down as this handle saw them: a call failed, or a deadline passed
         # unanswered; cleared by any answer. Set operations are atomic, and reads share it.
         self.down: set[int] = set()
@@ -338,7 +339,7 @@ class Cluster:
 
     def _mutate(self, ops: mutations.Ops, key: str | None = None) -> int:
         self.last_point = None  # the next read asks the coordinator (reads its own writes)
-        version, self.ads, self.users = mutations.commit(self.coordinator, ops, key)
+        version, self.ads, self.users = mutations.commit(self._writes, ops, key)
         return version
 
     def upsert(self, ad_ids, g, x, b, attributes) -> int:

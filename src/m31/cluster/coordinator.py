@@ -10,7 +10,9 @@ touched, recovering) where touched[s] is the last version that changed shard s: 
 answered by each shard s at touched[s] is the whole index at `version`, never older, and never
 a half-applied batch. That version is what the HTTP API calls `index_version`.
 
-Two-phase commit of one transaction (one at a time, under a mutex):
+Two-phase commit of one transaction (one at a time, under a mutex; the calls to the shards go
+on their channels where they share this process's machine, else through Ray,
+`m31.cluster.channel.Link`):
 
 1. prepare on every shard it touches (in parallel): each validates and fsyncs a prepare record,
    or says no (an invalid mutation: the error is the caller's 422) or is unreachable (down,
@@ -44,20 +46,16 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping
+from concurrent.futures import wait as wait_futures
 from pathlib import Path
 from typing import Any
 
+from m31.cluster.channel import ChannelClosed, Link
 from m31.cluster.group import GROUPED, Call, keys_of, merged
 from m31.cluster.records import RecordLog
 from m31.users.idempotency import IdempotencyKeys, KeyReused, call_digest
 
 logger = logging.getLogger(__name__)
-
-
-def ray_get(refs):
-    import ray
-
-    return ray.get(refs)
 
 
 # How long a decided commit is retried against a shard that does not come back.
@@ -95,6 +93,8 @@ class Coordinator:
                     self._keys.remember(key, version, digest)
         self._last = last  # per shard: (txn, version) of the last commit that touched it
         self.held = [(0, 0)] * len(self.shards)  # per shard: (live ads, stored users)
+        # The write path's calls to the shards: on their channels where they run on this node
+        self._links = [Link(shard) for shard in self.shards]
         self._recovering = set(range(len(self.shards)))
         self._why: dict[int, str] = {}  # the last error of a shard still recovering
         threading.Thread(
@@ -245,34 +245,33 @@ class Coordinator:
         """The two-phase commit of `ops` (module docstring), logging the [key, digest] pairs
         `keys` with its decision: ("ok", version, live ads, stored users), ("invalid", message) or
         ("unavailable", message, shards)."""
-        import ray
-        from ray.exceptions import RayActorError, RayTaskError
-
         participants = sorted(ops)
         txn = uuid.uuid4().hex
-        refs = {s: self.shards[s].prepare.remote(txn, *ops[s], self._last[s]) for s in participants}
-        ray.wait(list(refs.values()), num_returns=len(refs), timeout=PREPARE_WAIT_S)
+        links, deadline = self._links, time.monotonic() + PREPARE_WAIT_S
+        asked = {s: links[s].call("prepare", txn, *ops[s], self._last[s]) for s in participants}
+        wait_futures(asked.values(), timeout=PREPARE_WAIT_S)
+        # A channel that closed: its shard's process died. Asked again through Ray, which
+        # waits for the restarted one (as a first call through Ray would have), within the wait.
+        again = [s for s in participants if _closed(asked[s])]
+        for s in again:
+            asked[s] = links[s].call("prepare", txn, *ops[s], self._last[s])
+        if again:
+            wait_futures([asked[s] for s in again], timeout=max(deadline - time.monotonic(), 0))
         invalid, down = None, []
         for s in participants:
-            ready, _ = ray.wait([refs[s]], timeout=0)
-            if not ready:
+            if not asked[s].done():
                 down.append(s)  # silent: stopped, or its machine unreachable
                 continue
-            try:
-                ray.get(refs[s])
-            except RayTaskError as e:
-                cause = e.cause
-                if isinstance(cause, ValueError) and invalid is None:
-                    invalid = str(cause)
-                elif not isinstance(cause, ValueError):
-                    down.append(s)
-            except RayActorError:
+            error = asked[s].exception()
+            if isinstance(error, ValueError):  # the mutation is invalid (AdIndexError)
+                invalid = str(error) if invalid is None else invalid
+            elif error is not None:  # ChannelClosed: down or restarting
                 down.append(s)
         if invalid is not None or down:
             # Not waited for: a shard still holding the transaction (it missed this abort,
             # or prepared after it) aborts it at its next prepare (`Shard.prepare`).
             for s in participants:
-                self.shards[s].abort.remote(txn)
+                links[s].call("abort", txn)
             if invalid is not None:
                 return ("invalid", invalid)
             why = "unavailable (down or restarting); nothing was changed"
@@ -281,7 +280,7 @@ class Coordinator:
         self._log.append(("commit", txn, version, participants, keys))
         for key, digest in keys:
             self._keys.remember(key, version, digest)
-        held = self._decide_all(participants, lambda s: self.shards[s].commit.remote(txn, version))
+        held = self._decide_all(participants, lambda s: links[s].call("commit", txn, version))
         with self._state:
             self.version = version
             for s in participants:
@@ -295,19 +294,17 @@ class Coordinator:
 
     def _decide_all(self, participants: list[int], send) -> dict[int, Any]:
         """Send a decision to every participant, again to those that died meanwhile (their
-        restarted actors hold the transaction in doubt), until all took it; their replies."""
-        import ray
-        from ray.exceptions import RayActorError
-
+        restarted actors hold the transaction in doubt), until all took it; their replies.
+        `send(s)` answers a Future (`Link.call`)."""
         deadline = time.monotonic() + COMMIT_RETRY_S
         todo, replies = list(participants), {}
         while todo:
-            refs = {s: send(s) for s in todo}
+            sent = {s: send(s) for s in todo}
             todo = []
-            for s, ref in refs.items():
+            for s, future in sent.items():
                 try:
-                    replies[s] = ray.get(ref)
-                except RayActorError:
+                    replies[s] = future.result()
+                except ChannelClosed:
                     todo.append(s)
             if todo and time.monotonic() > deadline:
                 self._failed = (
@@ -348,6 +345,10 @@ class Coordinator:
         import os
 
         return os.getpid()
+
+
+def _closed(future) -> bool:
+    return future.done() and isinstance(future.exception(), ChannelClosed)
 
 
 def _logged_keys(record: tuple) -> list:

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from m31.cluster.channel import ChannelClosed, Link
 from m31.cluster.layout import shard_of
 from m31.index import AdIndexError
 from m31.index.errors import Unavailable
@@ -86,17 +87,14 @@ def user_ops(users: Sequence[tuple[int, Mapping[str, int]]], shards: int) -> Ops
     return ops
 
 
-def commit(coordinator, ops: Ops, key: str | None = None) -> tuple[int, int, int]:
+def commit(coordinator: Link, ops: Ops, key: str | None = None) -> tuple[int, int, int]:
     """Commit `ops` through the coordinator, all or none: (the new global version, live ads,
     stored users).
     A call whose idempotency `key` was committed already: its version (AdIndexError if that
     was another call). AdIndexError where a shard refuses, `Unavailable` where one is down."""
-    import ray
-    from ray.exceptions import GetTimeoutError, RayActorError
-
     try:
-        out = ray.get(coordinator.mutate.remote(ops, key), timeout=MUTATION_TIMEOUT_S)
-    except (RayActorError, GetTimeoutError) as e:
+        out = coordinator.call("mutate", ops, key).result(timeout=MUTATION_TIMEOUT_S)
+    except (ChannelClosed, TimeoutError) as e:
         raise Unavailable(
             f"the coordinator did not answer ({e}); the mutation may or may not have been applied",
             [],

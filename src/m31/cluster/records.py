@@ -1,4 +1,4 @@
-"""A small append-only log of records, fsync'd one by one: the transaction log of a shard and
+"""A small append-only log of records, each fsync'd unless its caller says otherwise: the transaction log of a shard and
 the decision log of the coordinator (`m31.cluster.shard`, `m31.cluster.coordinator`).
 
 Layout: the header b"M31TXN1\\n", then framed records::
@@ -79,11 +79,14 @@ class RecordLog:
             raise
         return fd, len(data)
 
-    def append(self, record: tuple) -> None:
-        """Write `record` and fsync it: once this returns, it survives a crash."""
+    def append(self, record: tuple, sync: bool = True) -> None:
+        """Write `record` and fsync it: once this returns, it survives a crash. `sync=False`:
+        not fsync'd by itself, only by the next synced append (which syncs the whole file),
+        for a record whose loss in a crash of the machine the caller can recover from."""
         data = _frame(record)
         write_all(self._fd, data, self._end)
-        sync_file(self._fd)
+        if sync:
+            sync_file(self._fd)
         self._end += len(data)
 
     def rewrite(self, records: list[tuple]) -> None:

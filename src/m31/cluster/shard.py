@@ -24,8 +24,13 @@ Mutations (two-phase, one transaction at a time; the coordinator serialises them
   mutation against the index (touching nothing), appends ("prepare", txn, op, args, local
   version it will make) to `txn.log` and fsyncs it, and holds the shard for `txn`. An invalid
   mutation raises `AdIndexError` and logs nothing.
-* `commit(txn, version)` appends ("commit", txn, version) and fsyncs, then applies the
-  mutation to the DurableIndex (its own log, fsync'd) and answers at the new global version.
+* `commit(txn, version)` appends ("commit", txn, version) and applies the mutation to the
+  DurableIndex, neither fsync'd, and answers at the new global version. The coordinator's
+  decision log is the commit point and the prepare record holds the change: a machine that
+  loses power before the next prepare (whose fsync syncs the whole transaction log) may lose
+  the commit record, and the change the DurableIndex had not synced (it is opened with
+  `sync=False`); recovery then holds the transaction in doubt, the coordinator's `resolve`
+  commits it again, and the change is applied where the index lacks it.
 * `abort(txn)` appends ("abort", txn) and lets go. The coordinator does not wait for aborts: one
   lost with a dead process, or overtaken by its prepare, leaves the transaction prepared until
   the next prepare (or snapshot, or resolve) decides it from `last` — an abort, since the
@@ -33,7 +38,7 @@ Mutations (two-phase, one transaction at a time; the coordinator serialises them
 
 Recovery (a new process on the folder, as after a kill): the DurableIndex replays its log; the
 transaction log is read in order. A commit record whose mutation is not in the index yet (a
-crash between the two fsyncs of `commit`; the index's local version tells) is applied now. A
+crash before the index's log had it on disk; the index's local version tells) is applied now. A
 prepare record without a decision stays prepared ("in doubt") until the coordinator sends
 commit or abort: its own retry of the decision, `resolve` when the coordinator restarts, or
 the next prepare.
@@ -125,7 +130,8 @@ class Shard:
         deadline = time.monotonic() + LOCK_WAIT_S
         while True:
             try:
-                return DurableIndex.open(path, device=device, users=users)
+                # Not synced: the transaction log holds every change first (module docstring).
+                return DurableIndex.open(path, device=device, users=users, sync=False)
             except DurableIndexError as e:
                 if "already open" not in str(e) or time.monotonic() > deadline:
                     raise
@@ -142,8 +148,7 @@ class Shard:
             prepared = self._prepared
             if prepared is None or prepared.txn != txn:
                 raise TransactionError(f"{self.path}/txn.log: commit of unknown txn {txn}")
-            if self._store.version < prepared.local_version:  # decided, not yet applied
-                self._apply(prepared)
+            self._apply(prepared)
             self._prepared, self.applied, self._last_txn = None, version, txn
         elif kind == "abort":
             self._prepared = None
@@ -326,7 +331,7 @@ class Shard:
             if txn == self._last_txn:
                 return self.held()
             raise TransactionError(f"shard {self.number}: no prepared txn {txn}")
-        self._log.append(("commit", txn, version))
+        self._log.append(("commit", txn, version), sync=False)  # the decision is logged
         with self._state:  # a view is labelled with the version its rows are at
             self._apply(prepared)
             self._prepared, self.applied, self._last_txn = None, version, txn
@@ -365,7 +370,11 @@ class Shard:
             self._prepared = None
 
     def _apply(self, prepared: _Prepared) -> None:
+        """Apply a committed change to the DurableIndex, unless it holds it already (a commit
+        it took whose record this shard's transaction log lost)."""
         a, store = prepared.args, self._store
+        if store.version >= prepared.local_version:
+            return
         if prepared.op == "upsert":
             store.upsert(a["ad_ids"], a["g"], a["x"], a["b"], a["attributes"])
         elif prepared.op == "update_attributes":

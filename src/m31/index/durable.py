@@ -35,6 +35,12 @@ stops taking mutations; reads go on, and reopening the folder recovers every ack
 mutation. Readers never wait for an fsync: the index's own lock is held only while a record
 is applied.
 
+A folder opened with `sync=False` skips that fdatasync: for an owner that logs every mutation
+durably in a log of its own first and applies again at open what this log lacks (a cluster
+shard, whose transaction log holds each prepared change and its commit, `m31.cluster.shard`).
+A killed process loses nothing either way (its writes are in the page cache); a machine that
+loses power loses at most the tail that was not synced yet, which the owner's log restores.
+
 Open (`m31.index.recovery`): take the lock, load the snapshot, replay the log records newer
 than it (each must produce exactly the version it logged), then append after them. A damaged
 record at the end of the log is the torn write of a mutation that was never acknowledged: it is
@@ -95,9 +101,11 @@ class DurableIndex:
         log_end: int,
         snapshot_version: int,
         users: UserState | None = None,
+        sync: bool = True,
     ):
         """Internal: use `create` or `open`."""
         self._path = path
+        self._sync = sync  # fdatasync each log record (module docstring)
         self._index = index
         self._users = users
         self._lock_fd = lock_fd
@@ -159,12 +167,17 @@ class DurableIndex:
 
     @classmethod
     def open(
-        cls, path: str | Path, device: str | torch.device = "cpu", users: UserState | None = None
+        cls,
+        path: str | Path,
+        device: str | torch.device = "cpu",
+        users: UserState | None = None,
+        sync: bool = True,
     ) -> DurableIndex:
         """Load the snapshot of the folder `path` onto `device` and replay its log.
 
         `users`: the user store that the log's events go to (`add_events`), as seeded (from the
-        online features); a snapshot that holds one (`users/`) replaces its content."""
+        online features); a snapshot that holds one (`users/`) replaces its content. `sync`:
+        False only for an owner that logs every mutation durably itself (module docstring)."""
         path = Path(path)
         if not path.is_dir():
             raise DurableIndexError(f"{path}: no such durable index folder")
@@ -180,7 +193,7 @@ class DurableIndex:
         except BaseException:
             os.close(lock_fd)
             raise
-        return cls(path, index, lock_fd, log_fd, log_end, snapshot_version, users)
+        return cls(path, index, lock_fd, log_fd, log_end, snapshot_version, users, sync)
 
     # ---- reading ----------------------------------------------------------------------------
 
@@ -310,7 +323,8 @@ class DurableIndex:
         data = record.encode()
         try:
             write_all(self._log_fd, data, self._log_end)
-            sync_file(self._log_fd)
+            if self._sync:
+                sync_file(self._log_fd)
         except OSError as e:
             self._fail(f"writing the log failed ({e})")
             raise DurableIndexError(
