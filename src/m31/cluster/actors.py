@@ -49,14 +49,17 @@ def _serve(methods: dict, workers: int) -> tuple[channel.Server | None, tuple[st
 
 
 class _ShardActor(Shard):
-    """A shard as its Ray actor runs it: it also serves its searches, whose answers through Ray
-    carry its channel's endpoint, and its side of the two-phase commit on a channel
-    (`m31.cluster.channel`)."""
+    """A shard as its Ray actor runs it: it also serves its reads (searches, whose answers
+    through Ray carry its endpoint; users, ads and groups) and its side of the two-phase commit
+    on a channel (`m31.cluster.channel`)."""
 
     def __init__(self, path: str, index: int, device: str = "cpu", workers: int = 8) -> None:
         super().__init__(path, index, device)
         methods = {
             "search": super().search,
+            "stored_users": self.stored_users,
+            "get": self.get,
+            "groups": self.groups,
             "prepare": self.prepare,
             "commit": self.commit,
             "abort": self.abort,

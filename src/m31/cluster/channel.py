@@ -3,10 +3,11 @@ an actor serves beside Ray (Linux). Ray stays the control plane: it places the a
 them, and carries every call to an actor on another machine and every call made before a
 channel is open.
 
-What goes over channels: an ingress's searches of the shards on its node (`m31.cluster.read`,
-connected from the endpoint a shard's answer carries), and the write path (`Link`): an
-ingress's mutations to the coordinator, and the coordinator's prepares, commits and aborts to
-the shards (`m31.cluster.coordinator`).
+What goes over channels (`Link`, one per actor a process calls): an ingress's reads of the
+shards on its node (searches, `m31.cluster.read`, also connected from the endpoint a shard's
+answer carries; stored users, ads, and groups for frequency caps, `m31.cluster.cluster`), its
+mutations to the coordinator, and the coordinator's prepares, commits and aborts to the shards
+(`m31.cluster.coordinator`).
 
 Why: on the 2-core development machine a Ray actor call that computes 10 ms costs about 2.3 ms
 beyond it (1.2 ms to arrive, 1.1 ms back; an empty one about 1 ms, but the threads on its path
@@ -31,6 +32,7 @@ pickle (protocol 5). A call is (method, args); an answer is (ok, value or except
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import os
 import pickle
 import secrets
@@ -212,8 +214,9 @@ class Link:
 
     def __init__(self, handle) -> None:
         self.handle = handle
+        self.direct = available()  # whether to take a channel at all (else Ray calls only)
         self._channel: Channel | None = None
-        self._ask = available()  # whether the next call asks the endpoint
+        self._ask = True  # whether the next call asks the endpoint
         self._lock = threading.Lock()
 
     @property
@@ -230,33 +233,36 @@ class Link:
             else _settled(getattr(self.handle, method).remote(*args))
         )
         with self._lock:
-            ask, self._ask = self._ask, False
+            ask, self._ask = self._ask and self.direct, False
         if ask:
-            self.handle.endpoint.remote().future().add_done_callback(self._connect)
+            self.handle.endpoint.remote().future().add_done_callback(self._answered)
         future.add_done_callback(self._watch)
         return future
 
     def _watch(self, done: concurrent.futures.Future) -> None:
-        if isinstance(done.exception(), ChannelClosed) and available():
+        if isinstance(done.exception(), ChannelClosed):
             with self._lock:
                 self._ask = True  # a restarted process serves another endpoint, maybe elsewhere
 
-    def _connect(self, asked: concurrent.futures.Future) -> None:
-        endpoint = None if asked.exception() is not None else asked.result()
-        if endpoint is None:
-            if asked.exception() is not None:
-                with self._lock:
-                    self._ask = True
-            return
-        import ray
+    def _answered(self, asked: concurrent.futures.Future) -> None:
+        if asked.exception() is not None:
+            with self._lock:
+                self._ask = True
+        else:
+            self.connect(asked.result())
 
-        if endpoint[0] != ray.get_runtime_context().get_node_id():
-            return  # on another machine: Ray calls
-        try:
-            opened = Channel(endpoint[1])
-        except OSError:
-            return  # that process is gone; a call failing says when to ask its successor
+    def connect(self, endpoint: tuple[str, str] | None) -> None:
+        """Take the channel at `endpoint` (the actor's: asked, or carried by an answer) if it
+        is on this process's node and differs from the open one."""
+        if endpoint is None or not self.direct or endpoint[0] != _node():
+            return  # none, or on another machine: Ray calls
         with self._lock:
+            if self.channel is not None and self.channel.name == endpoint[1]:
+                return
+            try:
+                opened = Channel(endpoint[1])
+            except OSError:
+                return  # that process is gone; a call failing says when to ask its successor
             old, self._channel = self._channel, opened
         if old is not None:
             old.close()
@@ -265,6 +271,14 @@ class Link:
         found = self._channel
         if found is not None:
             found.close()
+
+
+@functools.cache
+def _node() -> str:
+    """This process's Ray node id."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
 
 
 def _settled(ref) -> concurrent.futures.Future:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import wait as wait_futures
 from pathlib import Path
 from typing import Any
 
@@ -33,14 +34,10 @@ class Cluster:
 
     def __init__(self, shards: list, coordinator) -> None:
         self.shards, self.coordinator = list(shards), coordinator
-        # Channels to the shards on this process's node, connected from their answers; not
-        # pickled: each process that holds the handle connects its own.
-        self.direct = channel.available()  # whether to connect them (else Ray calls only)
-        self._channels: dict[int, channel.Channel] = {}
-        self._refused: set[tuple[str, str]] = set()  # endpoints not to try again
-        self._channel_lock = threading.Lock()
-        self._node: str | None = None
-        self._writes = channel.Link(coordinator)  # mutations, on its channel where it is here
+        # Calls to the shards and the coordinator, on their channels where they run on this
+        # process's node (`m31.cluster.channel.Link`); not pickled: each process links its own.
+        self._links = [channel.Link(shard) for shard in self.shards]
+        self._writes = channel.Link(coordinator)  # mutations
         # Shards that are down as this handle saw them: a call failed, or a deadline passed
         # unanswered; cleared by any answer. Set operations are atomic, and reads share it.
         self.down: set[int] = set()
@@ -69,31 +66,24 @@ class Cluster:
     def __reduce__(self):
         return (Cluster, (self.shards, self.coordinator))
 
+    @property
+    def direct(self) -> bool:
+        """Whether calls take the channels of the actors on this node (else Ray calls only)."""
+        return self._writes.direct
+
+    @direct.setter
+    def direct(self, on: bool) -> None:
+        for link in (*self._links, self._writes):
+            link.direct = on
+
     def channel(self, s: int) -> channel.Channel | None:
         """The open channel to shard s, if any."""
-        found = self._channels.get(s)
-        return found if found is not None and not found.closed else None
+        return self._links[s].channel
 
     def connect(self, s: int, endpoint: tuple[str, str] | None) -> None:
         """Connect to shard s's channel at `endpoint` (from its answer), if it is on this node
-        and none is open; an endpoint that refuses is not tried again (its process is gone,
-        and the next process has another)."""
-        if endpoint is None or not self.direct or self.channel(s) is not None:
-            return
-        with self._channel_lock:
-            if self.channel(s) is not None or endpoint in self._refused:
-                return
-            if self._node is None:
-                import ray
-
-                self._node = ray.get_runtime_context().get_node_id()
-            if endpoint[0] != self._node:
-                self._refused.add(endpoint)
-                return
-            try:
-                self._channels[s] = channel.Channel(endpoint[1])
-            except OSError:
-                self._refused.add(endpoint)
+        and not the open one."""
+        self._links[s].connect(endpoint)
 
     def saw(self, point: tuple[int, list[int]]) -> None:
         """Keep `point` as the last read point if it is the newest seen."""
@@ -256,7 +246,7 @@ class Cluster:
     def get(self, ad_id: int, timeout_s: float = 60.0) -> tuple[dict, int] | None:
         """(attributes, version) of a live ad, None if no shard holds it; `Unavailable` naming
         its shard if that does not answer within `timeout_s` (asked again while it restarts)."""
-        ask = lambda shard, ids, _: shard.get.remote(ids[0])  # noqa: E731
+        ask = lambda link, ids, _: link.call("get", ids[0])  # noqa: E731
         _, answers = self._ask_owners([ad_id], ask, f"holding ad id {ad_id}", timeout_s)
         return next(iter(answers.values()))
 
@@ -264,7 +254,7 @@ class Cluster:
         """The int field `name` of each ad (None: null, or no shard holds it), each asked of
         the shard that would hold it, in parallel; `Unavailable` naming the shards that did
         not answer within `timeout_s` (asked again while they restart)."""
-        ask = lambda shard, ids, _: shard.groups.remote(ids, name)  # noqa: E731
+        ask = lambda link, ids, _: link.call("groups", ids, name)  # noqa: E731
         what = "holding ads a frequency cap counts"
         return self._spread(*self._ask_owners(ad_ids, ask, what, timeout_s))
 
@@ -274,7 +264,7 @@ class Cluster:
         one whose owner did not answer within `timeout_s`, the `Unavailable` naming it (so that
         the calls a read serves together fail only for their own users' owners)."""
         ts = np.asarray(ts, dtype=np.int64)
-        ask = lambda shard, ids, at: shard.stored_users.remote(ids, ts[at].tolist())  # noqa: E731
+        ask = lambda link, ids, at: link.call("stored_users", ids, ts[at].tolist())  # noqa: E731
         owners, answers = self._ask_owners(user_ids, ask, "owning users asked", timeout_s, False)
         out = self._spread(owners, {s: a[0] for s, a in answers.items() if a is not None})
         for s in {s for s, a in answers.items() if a is None}:
@@ -295,29 +285,25 @@ class Cluster:
     def _ask_owners(
         self, ids, ask, what: str, timeout_s: float, strict: bool = True
     ) -> tuple[np.ndarray, dict]:
-        """(owner shard of each id [n], {shard: answer}): `ask(shard handle, its ids as a list,
-        their positions in ids)` of each shard that owns some of `ids` (ads and users are
-        partitioned alike), in parallel, and again while it restarts; `Unavailable` naming the
-        shards that did not answer within `timeout_s` (`what` they hold, for the message), or,
-        not `strict`, None as their answer."""
-        import ray
-        from ray.exceptions import RayActorError
-
+        """(owner shard of each id [n], {shard: answer}): `ask(its Link, its ids as a list,
+        their positions in ids)` (a Future) of each shard that owns some of `ids` (ads and users
+        are partitioned alike), in parallel, and again while it restarts; `Unavailable` naming
+        the shards that did not answer within `timeout_s` (`what` they hold, for the message),
+        or, not `strict`, None as their answer."""
         ids = np.asarray(ids, dtype=np.int64)
         owners = shard_of(ids, len(self.shards)) if len(ids) else np.zeros(0, np.int64)
         todo = {int(s): np.flatnonzero(owners == s) for s in np.unique(owners)}
         answers: dict = {}
         deadline = time.monotonic() + timeout_s
         while todo:
-            refs = {s: ask(self.shards[s], ids[at].tolist(), at) for s, at in todo.items()}
-            left = max(deadline - time.monotonic(), 0)
-            ray.wait(list(refs.values()), num_returns=len(refs), timeout=left)
-            for s, ref in refs.items():
-                if not ray.wait([ref], timeout=0)[0]:
+            asked = {s: ask(self._links[s], ids[at].tolist(), at) for s, at in todo.items()}
+            wait_futures(asked.values(), timeout=max(deadline - time.monotonic(), 0))
+            for s, future in asked.items():
+                if not future.done():
                     continue
                 try:
-                    answers[s] = ray.get(ref)
-                except RayActorError:
+                    answers[s] = future.result()
+                except channel.ChannelClosed:
                     self.down.add(s)
                     continue
                 self.down.discard(s)
