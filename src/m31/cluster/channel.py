@@ -32,7 +32,6 @@ pickle (protocol 5). A call is (method, args); an answer is (ok, value or except
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import os
 import pickle
 import secrets
@@ -267,15 +266,9 @@ class Link:
         if old is not None:
             old.close()
 
-    def close(self) -> None:
-        found = self._channel
-        if found is not None:
-            found.close()
 
-
-@functools.cache
 def _node() -> str:
-    """This process's Ray node id."""
+    """This process's Ray node id (asked each time: a process may connect to another cluster)."""
     import ray
 
     return ray.get_runtime_context().get_node_id()

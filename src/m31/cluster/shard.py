@@ -157,9 +157,10 @@ class Shard:
 
     def info(self) -> dict:
         index = self._store.index
+        ads, users = self.held()
         return {
             "shard": self.number,
-            "ads": len(index),
+            "ads": ads,
             "rows": index.num_rows,
             "version": self.applied,
             "local_version": self._store.version,
@@ -169,7 +170,7 @@ class Shard:
             "dim_x": index.dim_x,
             "dtype": str(index.dtype).removeprefix("torch."),
             "model_hash": index.model_hash,
-            "users": None if self._store.users is None else len(self._store.users),
+            "users": None if self._store.users is None else users,
             "users_length": None if self._store.users is None else self._store.users.length,
         }
 
