@@ -77,7 +77,7 @@ class _ShardActor(Shard):
 class _CoordinatorActor(Coordinator):
     """The coordinator as its Ray actor runs it: it also takes mutations on a channel."""
 
-    def __init__(self, path: str, shards: list, workers: int = 32) -> None:
+    def __init__(self, path: str, shards: list, workers: int = COORDINATOR_CALLS) -> None:
         super().__init__(path, shards)
         self._server, self._endpoint = _serve({"mutate": self.mutate}, workers)
 
@@ -127,7 +127,7 @@ def start_actors(state: str | Path, options: ClusterOptions, stop: threading.Eve
     wait(refs)
     ray.get(refs)
     coordinator = coordinator_cls.options(max_concurrency=COORDINATOR_CALLS).remote(
-        str(coordinator_dir(state)), shards, COORDINATOR_CALLS
+        str(coordinator_dir(state)), shards
     )
     while True:
         ref = coordinator.read_point.remote(RECOVERY_POLL_S)

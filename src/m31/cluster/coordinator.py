@@ -158,12 +158,12 @@ class Coordinator:
     def mutate(
         self, ops: Mapping[int, tuple[str, dict[str, Any], Any]], key: str | None = None
     ) -> tuple:
-        """Apply {shard: (op, args, check)} atomically. ("ok", version, live ads, stored users), ("invalid",
-        message) when a shard refused it, or ("unavailable", message, shards). A mutation
-        whose idempotency `key` was committed already: ("ok", that version, live ads, stored users), or
-        ("invalid", message) if that mutation applied other events (`events_digest`). Events
-        and users calls that arrive while another transaction runs share the next one
-        (`m31.cluster.group`), and its version."""
+        """Apply {shard: (op, args, check)} atomically: ("ok", version, live ads, stored
+        users), ("invalid", message) when a shard refused it, or ("unavailable", message,
+        shards). A mutation whose idempotency `key` was committed already: ("ok", that version,
+        live ads, stored users), or ("invalid", message) if that mutation applied other events
+        (`events_digest`). Events and users calls that arrive while another transaction runs
+        share the next one (`m31.cluster.group`), and its version."""
         call = Call(ops, key, None if key is None else events_digest(ops))
         if call.kind is None:
             with self._mutex:

@@ -11,9 +11,9 @@ Layout of a cluster state folder STATE::
 STATE/online/                   the online features (`m31.engine.load`), users seeded from them
     STATE/shard-<i>/txn.log         shard i's two-phase-commit log (m31.cluster.shard)
 
-An ad belongs to shard `splitmix64(ad_id) mod S`, and a user to `splitmix64(user_id) mod S`: the finaliser of SplitMix64 spreads any
-id pattern (sequential, strided) evenly, and depends on nothing but the id and S, so every
-process, on any machine, routes an ad to the same shard.
+An ad belongs to shard `splitmix64(ad_id) mod S`, and a user to `splitmix64(user_id) mod S`:
+the finaliser of SplitMix64 spreads any id pattern (sequential, strided) evenly, and depends on
+nothing but the id and S, so every process, on any machine, routes an ad to the same shard.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""A small append-only log of records, each fsync'd unless its caller says otherwise: the transaction log of a shard and
-the decision log of the coordinator (`m31.cluster.shard`, `m31.cluster.coordinator`).
+"""A small append-only log of records, each fsync'd unless its caller says otherwise: the
+transaction log of a shard and the decision log of the coordinator (`m31.cluster.shard`,
+`m31.cluster.coordinator`).
 
 Layout: the header b"M31TXN1\\n", then framed records::
 

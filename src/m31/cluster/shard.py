@@ -259,10 +259,10 @@ class Shard:
         check: Callable | None = None,
         last: tuple[str, int] | None = None,
     ):
-        """Validate and log `op` (upsert, update_attributes, delete, events, users) for `txn`; AdIndexError
-        (ValueError) if invalid. `check(attrs, stored)`: an extra check of an update against
-        the ad's stored attributes (e.g. a range with one end changed). `last`: as in
-        `resolve`, which decides a transaction still prepared here first."""
+        """Validate and log `op` (upsert, update_attributes, delete, events, users) for `txn`;
+        AdIndexError (ValueError) if invalid. `check(attrs, stored)`: an extra check of an
+        update against the ad's stored attributes (e.g. a range with one end changed). `last`:
+        as in `resolve`, which decides a transaction still prepared here first."""
         with self._mutex:
             if self._prepared is not None and self._prepared.txn == txn:
                 return
