@@ -160,6 +160,39 @@ def test_a_commit_a_power_loss_cut_from_a_shard_is_applied_once(world, tmp_path,
     shard.close()
 
 
+def test_a_shard_whose_index_log_lost_an_earlier_record_than_a_later_one_recovers(world):
+    """An index log written without fsync may keep, after a power loss, a later record and not
+    an earlier one: the shard's index ends its log at the damaged record, and the transaction
+    log (synced by the next prepare) applies both commits again, each once."""
+    state = new_state(world, 2)
+    folder = shard_dir(state, 0)
+    shard = Shard(folder, 0)
+    u, base = int(shard._store.users.dump()["ids"][0]), shard.applied
+    history = shard.stored_users([u], [2**40])[0][0].ads.tolist()
+    wal, txn_log = folder / "index" / LOG, folder / "txn.log"
+    sizes = [wal.stat().st_size]
+    for i, ad in enumerate((40, 41)):
+        columns = {"user_id": [u], "ad_id": [ad], "ts": [10**10 + i], "surface": ["feed"]}
+        shard.prepare(f"t{i}", "events", columns)
+        prepared = txn_log.stat().st_size
+        shard.commit(f"t{i}", base + 1 + i)
+        sizes.append(wal.stat().st_size)
+    shard.close()
+    os.truncate(txn_log, prepared)  # t1's commit record cut; t0's synced by t1's prepare
+    with open(wal, "r+b") as f:  # t0's index record damaged, t1's intact after it
+        at = (sizes[0] + sizes[1]) // 2
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    shard = Shard(folder, 0)
+    assert shard.info()["in_doubt"] == "t1" and shard.applied == base + 1
+    shard.resolve(("t1", base + 2))
+    got, at = shard.stored_users([u], [2**40])
+    assert at == base + 2 and got[0].ads.tolist() == [*history, 40, 41][-len(history) :]
+    shard.close()
+
+
 def all_users(state: Path, shards: int) -> dict[int, dict[str, list]]:
     """Every user of a cluster state as its shards hold them (opened in-process)."""
     found = {}

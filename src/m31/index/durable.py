@@ -39,7 +39,9 @@ A folder opened with `sync=False` skips that fdatasync: for an owner that logs e
 durably in a log of its own first and applies again at open what this log lacks (a cluster
 shard, whose transaction log holds each prepared change and its commit, `m31.cluster.shard`).
 A killed process loses nothing either way (its writes are in the page cache); a machine that
-loses power loses at most the tail that was not synced yet, which the owner's log restores.
+loses power loses at most the tail that was not synced yet, which the owner's log restores
+(opened so, the log ends at its first damaged record even with intact ones after it: an
+unsynced tail may keep a later record and not an earlier one).
 
 Open (`m31.index.recovery`): take the lock, load the snapshot, replay the log records newer
 than it (each must produce exactly the version it logged), then append after them. A damaged
@@ -189,7 +191,7 @@ class DurableIndex:
             if users is not None and (snapshot / USERS).is_dir():
                 users.restore(snapshot / USERS)
             snapshot_version = index.version
-            log_fd, log_end = replay(path, index, users)
+            log_fd, log_end = replay(path, index, users, synced=sync)
         except BaseException:
             os.close(lock_fd)
             raise

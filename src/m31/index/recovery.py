@@ -111,8 +111,13 @@ def remove_leftovers(path: Path) -> None:
         sync_dir(path)
 
 
-def replay(path: Path, index: AdIndex, users: UserState | None) -> tuple[int, int]:
-    """Apply the log's records newer than `index`; (log fd, end of its intact records)."""
+def replay(
+    path: Path, index: AdIndex, users: UserState | None, synced: bool = True
+) -> tuple[int, int]:
+    """Apply the log's records newer than `index`; (log fd, end of its intact records).
+    `synced=False`: a log written without fsync (`DurableIndex.open(sync=False)`), whose owner
+    restores what it lacks; a power loss may have kept a later record and not an earlier one,
+    so a damaged record there ends the log even with intact ones after it."""
     file = path / LOG
     if not file.exists():
         logger.info("%s: no log yet, starting an empty one", file)
@@ -125,7 +130,7 @@ def replay(path: Path, index: AdIndex, users: UserState | None) -> tuple[int, in
         end = len(LOG_HEADER)
         if size > end:
             with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as buf:
-                end = _replay_records(file, buf, index, users)
+                end = _replay_records(file, buf, index, users, synced)
         if end < size:
             os.ftruncate(fd, end)
             sync_file(fd)
@@ -135,7 +140,9 @@ def replay(path: Path, index: AdIndex, users: UserState | None) -> tuple[int, in
     return fd, end
 
 
-def _replay_records(file: Path, buf: mmap.mmap, index: AdIndex, users: UserState | None) -> int:
+def _replay_records(
+    file: Path, buf: mmap.mmap, index: AdIndex, users: UserState | None, synced: bool
+) -> int:
     """Apply the records of the log `buf` (from after its header) newer than `index`; the end
     of its intact records."""
     offset, last = len(LOG_HEADER), None
@@ -143,6 +150,15 @@ def _replay_records(file: Path, buf: mmap.mmap, index: AdIndex, users: UserState
         parsed = parse(RECORD_MAGIC, buf, offset)
         if parsed is None:
             later = next_intact(RECORD_MAGIC, buf, offset)
+            if later is not None and not synced:
+                logger.warning(
+                    "%s: cutting off the log at a damaged record at byte %d (%d bytes, intact "
+                    "records after it): a tail never synced, which this index's owner restores",
+                    file,
+                    offset,
+                    len(buf) - offset,
+                )
+                return offset
             if later is not None:
                 raise DurableIndexError(
                     f"{file}: damaged record at byte {offset}, yet an intact one follows at "
