@@ -124,19 +124,50 @@ def test_a_shard_answers_its_users_as_one_store_does(world):
     shard.close()
 
 
+@dataclass
+class OneShard:
+    """Shard 0 of a fresh 2-shard state, opened in-process, and one of its users."""
+
+    folder: Path
+    shard: Shard
+    user: int
+    base: int  # the shard's global version at the start
+    history: list[int]  # the user's ads as the shard holds them at the start
+
+    @classmethod
+    def open(cls, world: World) -> OneShard:
+        folder = shard_dir(new_state(world, 2), 0)
+        shard = Shard(folder, 0)
+        user = int(shard._store.users.dump()["ids"][0])
+        history = shard.stored_users([user], [2**40])[0][0].ads.tolist()
+        return cls(folder, shard, user, shard.applied, history)
+
+    @property
+    def logs(self) -> tuple[Path, Path]:
+        """(the index's write-ahead log, the transaction log)."""
+        return self.folder / "index" / LOG, self.folder / "txn.log"
+
+    def reopen(self) -> Shard:
+        self.shard.close()
+        self.shard = Shard(self.folder, 0)
+        return self.shard
+
+    def holds(self, version: int, *ads: int) -> None:
+        """The shard is at `version` and its user's history ends with `ads`, each once."""
+        got, at = self.shard.stored_users([self.user], [2**40])
+        assert at == version
+        assert got[0].ads.tolist() == [*self.history, *ads][-len(self.history) :]
+
+
 @pytest.mark.parametrize("index_kept_it", [False, True])
 def test_a_commit_a_power_loss_cut_from_a_shard_is_applied_once(world, tmp_path, index_kept_it):
     """A shard fsyncs its prepares, not its commits (the coordinator's decision log is the
     commit point): a machine that loses power may cut the commit record from its transaction
     log, with or without the change from its index's log (neither synced). Reopened, the shard
     holds the transaction in doubt; the coordinator's resolve commits it, applied once."""
-    state = new_state(world, 2)
-    folder = shard_dir(state, 0)
-    shard = Shard(folder, 0)
-    ids = shard._store.users.dump()["ids"]
-    u, base = int(ids[0]), shard.applied
-    history = shard.stored_users([u], [2**40])[0][0].ads.tolist()
-    wal, txn_log = folder / "index" / LOG, folder / "txn.log"
+    one = OneShard.open(world)
+    shard, u, base = one.shard, one.user, one.base
+    wal, txn_log = one.logs
     index_before = wal.stat().st_size
     columns = {"user_id": [u, u], "ad_id": [40, 41], "ts": [10**10, 10**10 + 1],
                "surface": ["feed", None]}  # fmt: skip
@@ -148,28 +179,22 @@ def test_a_commit_a_power_loss_cut_from_a_shard_is_applied_once(world, tmp_path,
     os.truncate(txn_log, prepared)
     if not index_kept_it:
         os.truncate(wal, index_before)
-    shard = Shard(folder, 0)
+    shard = one.reopen()
     assert shard.info()["in_doubt"] == "t1" and shard.applied == base
     assert shard.resolve(("t1", base + 1)) == shard.held()
-    want = [*history, 40, 41][-len(history) :] if history else [40, 41]
-    for reopened in range(2):
-        got, at = shard.stored_users([u], [2**40])
-        assert at == base + 1 and got[0].ads.tolist() == want, reopened
-        shard.close()
-        shard = Shard(folder, 0)
-    shard.close()
+    one.holds(base + 1, 40, 41)
+    one.reopen()
+    one.holds(base + 1, 40, 41)  # the recovered commit is logged as taken
+    one.shard.close()
 
 
 def test_a_shard_whose_index_log_lost_an_earlier_record_than_a_later_one_recovers(world):
     """An index log written without fsync may keep, after a power loss, a later record and not
     an earlier one: the shard's index ends its log at the damaged record, and the transaction
     log (synced by the next prepare) applies both commits again, each once."""
-    state = new_state(world, 2)
-    folder = shard_dir(state, 0)
-    shard = Shard(folder, 0)
-    u, base = int(shard._store.users.dump()["ids"][0]), shard.applied
-    history = shard.stored_users([u], [2**40])[0][0].ads.tolist()
-    wal, txn_log = folder / "index" / LOG, folder / "txn.log"
+    one = OneShard.open(world)
+    shard, u, base = one.shard, one.user, one.base
+    wal, txn_log = one.logs
     sizes = [wal.stat().st_size]
     for i, ad in enumerate((40, 41)):
         columns = {"user_id": [u], "ad_id": [ad], "ts": [10**10 + i], "surface": ["feed"]}
@@ -185,11 +210,10 @@ def test_a_shard_whose_index_log_lost_an_earlier_record_than_a_later_one_recover
         byte = f.read(1)
         f.seek(at)
         f.write(bytes([byte[0] ^ 0xFF]))
-    shard = Shard(folder, 0)
+    shard = one.reopen()
     assert shard.info()["in_doubt"] == "t1" and shard.applied == base + 1
     shard.resolve(("t1", base + 2))
-    got, at = shard.stored_users([u], [2**40])
-    assert at == base + 2 and got[0].ads.tolist() == [*history, 40, 41][-len(history) :]
+    one.holds(base + 2, 40, 41)
     shard.close()
 
 

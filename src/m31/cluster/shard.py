@@ -95,7 +95,7 @@ class Answer:
     version: int
     rows: int  # rows scored (N)
     timings_ms: dict[str, float]  # mask, score_topk
-    # (node id, name) of the channel the shard serves searches on (`m31.cluster.channel`):
+    # (node id, name) of the channel the shard serves its calls on (`m31.cluster.channel`):
     # set on answers through Ray, so that an ingress on its node connects
     endpoint: tuple[str, str] | None = None
 
