@@ -60,6 +60,40 @@ def test_calls_are_served_concurrently(served):
     assert held.result(30) == "held"
 
 
+def test_inline_calls_run_in_order_on_their_connection_and_hold_only_it():
+    """A shard's two-phase calls run on the coordinator's connection thread, in the order
+    sent; its errors still reach their calls; another connection is served meanwhile."""
+    release, seen = threading.Event(), []
+
+    def record(i: int) -> str:
+        seen.append((i, threading.current_thread().name))
+        if i < 0:
+            raise ValueError(f"refused {i}")
+        return f"took {i}"
+
+    methods = {"record": record, "hold": lambda: release.wait(60) and "held", "add": int.__add__}
+    server = channel.Server(methods, workers=4, inline=frozenset({"record", "hold"}))
+    first, second = channel.Channel(server.name), channel.Channel(server.name)
+    try:
+        calls = [first.call("record", i) for i in (3, 1, -2, 7)]
+        assert [c.result(30) for c in calls[:2]] == ["took 3", "took 1"]
+        with pytest.raises(ValueError, match="refused -2"):
+            calls[2].result(30)
+        assert calls[3].result(30) == "took 7"
+        assert [i for i, _ in seen] == [3, 1, -2, 7]
+        assert not any(name.startswith("m31-channel") for _, name in seen)  # not the pool's
+        held = first.call("hold")
+        after = first.call("add", 1, 2)  # behind the held call on its connection
+        assert second.call("add", 2, 3).result(30) == 5  # another connection is not held
+        assert not held.done() and not after.done()
+        release.set()
+        assert held.result(30) == "held" and after.result(30) == 3
+    finally:
+        release.set()
+        first.close()
+        second.close()
+
+
 SERVER = """
 import sys, time
 from m31.cluster import channel

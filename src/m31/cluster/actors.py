@@ -33,18 +33,24 @@ class ClusterOptions:
 COORDINATOR_CALLS = 32
 
 
+# A shard's side of the two-phase commit, served on its channel's connection threads.
+_TWO_PHASE = frozenset({"prepare", "commit", "abort"})
+
+
 class Cancelled(RuntimeError):
     """A start-up stopped before its end."""
 
 
-def _serve(methods: dict, workers: int) -> tuple[channel.Server | None, tuple[str, str] | None]:
-    """A channel serving `methods` beside Ray, and its endpoint (none where channels are not
-    available)."""
+def _serve(
+    methods: dict, workers: int, inline: frozenset[str] = frozenset()
+) -> tuple[channel.Server | None, tuple[str, str] | None]:
+    """A channel serving `methods` beside Ray (`inline` ones on their connection's thread),
+    and its endpoint (none where channels are not available)."""
     if not channel.available():
         return None, None
     import ray
 
-    server = channel.Server(methods, workers)
+    server = channel.Server(methods, workers, inline)
     return server, (ray.get_runtime_context().get_node_id(), server.name)
 
 
@@ -64,7 +70,8 @@ class _ShardActor(Shard):
             "commit": self.commit,
             "abort": self.abort,
         }
-        self._server, self._endpoint = _serve(methods, workers)
+        # The coordinator's calls: one at a time, each waiting for the shard's mutex anyway
+        self._server, self._endpoint = _serve(methods, workers, _TWO_PHASE)
 
     def endpoint(self) -> tuple[str, str] | None:
         return self._endpoint

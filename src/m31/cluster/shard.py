@@ -50,7 +50,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +84,8 @@ class _Prepared:
     op: str
     args: dict[str, Any]
     local_version: int  # the DurableIndex version applying it makes
+    # events as the prepare checked them (not logged: a recovered prepare is checked again)
+    checked: Any = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -288,15 +290,16 @@ class Shard:
             elif op == "delete":
                 logged = {"ad_ids": index.check_delete(args["ad_ids"])}
             elif op in ("events", "users"):
-                logged = self._check_users(op, args)
+                logged, checked = self._check_users(op, args)
             else:
                 raise AdIndexError(f"unknown operation {op!r}")
-            prepared = _Prepared(txn, op, logged, self._store.version + 1)
+            prepared = _Prepared(txn, op, logged, self._store.version + 1, checked)
             self._log.append(("prepare", txn, op, logged, prepared.local_version))
             self._prepared = prepared
 
-    def _check_users(self, op: str, args: Mapping[str, Any]) -> dict[str, Any]:
-        """The logged form of a user mutation; AdIndexError if invalid."""
+    def _check_users(self, op: str, args: Mapping[str, Any]) -> tuple[dict[str, Any], Any]:
+        """(the logged form of a user mutation, its checked events or None); AdIndexError if
+        invalid."""
         users = self._store.users
         if users is None:
             raise AdIndexError(
@@ -304,14 +307,13 @@ class Shard:
                 "seed it: make it from an index `m31 index build` wrote)"
             )
         if op == "users":
-            return {
-                "users": [[int(u), {k: int(v) for k, v in c.items()}] for u, c in args["users"]]
-            }
+            users = [[int(u), {k: int(v) for k, v in c.items()}] for u, c in args["users"]]
+            return {"users": users}, None
         try:
             checked = users.check(args["user_id"], args["ad_id"], args["ts"], args["surface"])
         except ValueError as e:
             raise AdIndexError(str(e)) from e
-        return {
+        logged = {
             "user_id": checked.user_id,  # [n] int64 each
             "ad_id": checked.ad_id,
             "ts": checked.ts,
@@ -319,6 +321,7 @@ class Shard:
             "type": args.get("type"),
             "weight": args.get("weight"),
         }
+        return logged, checked
 
     def commit(self, txn: str, version: int) -> tuple[int, int]:
         """Apply the prepared `txn` as global `version`; idempotent (a retried commit). The
@@ -382,7 +385,9 @@ class Shard:
             store.update_attributes(a["ad_id"], **a["attrs"])
         elif prepared.op == "events":
             columns = (a["user_id"], a["ad_id"], a["ts"], a["surface"])
-            store.add_events(*columns, None, types=a["type"], weights=a["weight"])
+            store.add_events(
+                *columns, None, types=a["type"], weights=a["weight"], checked=prepared.checked
+            )
         elif prepared.op == "users":
             store.set_users(a["users"])
         else:

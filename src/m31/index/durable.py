@@ -64,7 +64,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -81,6 +81,9 @@ from m31.index.recovery import (
     snapshot_name,
 )
 from m31.index.wal import LOG, LOG_HEADER, Record, UserState, apply, new_log
+
+if TYPE_CHECKING:
+    from m31.users.store import Events
 
 logger = logging.getLogger(__name__)
 
@@ -272,13 +275,22 @@ class DurableIndex:
         return self._users
 
     def add_events(
-        self, user_ids, ad_ids, ts, surfaces, key: str | None = None, types=None, weights=None
+        self,
+        user_ids,
+        ad_ids,
+        ts,
+        surfaces,
+        key: str | None = None,
+        types=None,
+        weights=None,
+        checked: Events | None = None,
     ) -> int:
         """Engagement events [n] (`UserState.check`), logged before they reach the user store;
         the version that holds them. A call whose idempotency `key` was applied already is not
         applied again: its version is answered (KeyReused, a ValueError, if that was another
         call). Event `types` and `weights` (optional, [n],
-        None each where not given) are logged with them; the store keeps neither."""
+        None each where not given) are logged with them; the store keeps neither. `checked`:
+        what `check` answered for these columns, when the caller has it (a shard's prepare)."""
         users = self._require_users()
         with self._mutex:
             digest = None
@@ -288,7 +300,9 @@ class DurableIndex:
                     return done
 
             def prepare(version: int) -> Record:
-                checked = users.check(user_ids, ad_ids, ts, surfaces)  # ValueError: no log
+                nonlocal checked
+                if checked is None:
+                    checked = users.check(user_ids, ad_ids, ts, surfaces)  # ValueError: no log
                 args = {
                     "user_id": checked.user_id,  # [n] int64 blobs
                     "ad_id": checked.ad_id,

@@ -270,29 +270,25 @@ class UserStore:
         if not len(rows):
             return
         L = self.length
-        touched = np.unique(rows)  # [m]
+        touched, local = np.unique(rows, return_inverse=True)  # [m], [n]: rows' places in it
         held = self._held[touched]
         old = np.arange(L)[None, :] < held[:, None]  # [m, L]
-        o_row = np.repeat(touched, held)
-        merged = {
-            "row": np.concatenate([o_row, rows]),
-            "ad": np.concatenate([self._ad[touched][old], events.ad_id]),
-            "ts": np.concatenate([self._ts[touched][old], events.ts]),
-            "surface": np.concatenate([self._surface[touched][old], events.surface]),
-        }
-        arrival = np.arange(len(merged["row"]))  # old ones first, then the call's in order
-        order = np.lexsort((arrival, merged["ts"], merged["row"]))
-        merged = {k: v[order] for k, v in merged.items()}
-        counts = np.bincount(merged["row"], minlength=len(self._ids))[touched]  # [m]
-        ends = np.cumsum(counts)
-        rank_from_end = np.repeat(ends, counts) - np.arange(len(merged["row"]))  # 1 = newest
+        place = np.concatenate([np.repeat(np.arange(len(touched)), held), local])
+        ad = np.concatenate([self._ad[touched][old], events.ad_id])
+        ts = np.concatenate([self._ts[touched][old], events.ts])
+        surface = np.concatenate([self._surface[touched][old], events.surface])
+        # lexsort is stable: equal times keep arrival order (held ones first, then the call's)
+        order = np.lexsort((ts, place))
+        place, ad, ts, surface = place[order], ad[order], ts[order], surface[order]
+        counts = np.bincount(place, minlength=len(touched))  # [m]
+        rank_from_end = np.repeat(np.cumsum(counts), counts) - np.arange(len(place))  # 1: newest
         keep = rank_from_end <= L
         kept = np.minimum(counts, L)
         slot = np.arange(keep.sum()) - np.repeat(np.cumsum(kept) - kept, kept)
-        r = merged["row"][keep]
-        self._ad[r, slot] = merged["ad"][keep]
-        self._ts[r, slot] = merged["ts"][keep]
-        self._surface[r, slot] = merged["surface"][keep]
+        r = touched[place[keep]]
+        self._ad[r, slot] = ad[keep]
+        self._ts[r, slot] = ts[keep]
+        self._surface[r, slot] = surface[keep]
         self._held[touched] = kept
 
     # ---- moving users between stores (a cluster's shards and ingress replicas) -------------
