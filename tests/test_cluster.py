@@ -327,9 +327,9 @@ def test_outage_policy_within_the_deadline(clusters, tmp_path):
 def test_searches_go_through_the_shards_channels(clusters, tmp_path):
     """A shard's first answer comes through Ray and names its channel: later searches go
     through the channel, answering as Ray calls do (a handle that makes none), writes included;
-    the handle's mutations take the coordinator's channel once it knows it. A shard killed: its
-    channel's calls fail as its Ray call would, the read asks it again through Ray until the
-    restarted process answers, and connects to that one's channel."""
+    the handle's mutations and read points take the coordinator's channel once it knows it. A
+    shard killed: its channel's calls fail as its Ray call would, the read asks it again
+    through Ray until the restarted process answers, and connects to that one's channel."""
     rng = np.random.default_rng(11)
     index = AdIndex(G, D, dtype=torch.float32, extra_fields=EXTRA)
     ids = rng.choice(10_000, 200, replace=False)
@@ -364,6 +364,9 @@ def test_searches_go_through_the_shards_channels(clusters, tmp_path):
     writes = cluster._writes.channel
     index.delete([new[0]])
     assert cluster.delete([new[0]]) == version + 1 and cluster._writes.channel is writes
+    sent = writes._next  # calls made on the coordinator's channel
+    read = cluster.scatter(query, requests, [50, 7])  # after its own write: asks a read point
+    assert -1 in read.calls.values() and writes._next == sent + 1  # on the channel too
     assert same(cluster).version == version + 1
 
     os.kill(ray.get(cluster.shards[1].pid.remote()), signal.SIGKILL)

@@ -376,6 +376,25 @@ def test_the_coordinator_prepares_and_commits_on_the_shards_channels(world, ray_
         ray.kill(shard)
 
 
+def test_a_shard_failing_on_its_own_is_not_taken_for_down(world):
+    """A prepare that fails with the shard's own error (a bug, not an invalid mutation nor an
+    outage) fails the call with that error, loudly, instead of answering "down or restarting";
+    the transaction is aborted everywhere and the next call commits."""
+    state = new_state(world, 2)
+    shards = start_shards(state, ClusterOptions(shard_cpus=0))
+    coordinator = Coordinator(coordinator_dir(state), shards)
+    assert coordinator.read_point(BOUND_S)[2] == []
+    new = np.arange(10**12, 10**12 + 64)
+    users = [int(new[shard_of(new, 2) == s][0]) for s in (0, 1)]
+    broken = {0: ("update_attributes", {"ad_id": 1}, None)}  # no "attrs": a KeyError there
+    with pytest.raises(KeyError, match="attrs"):
+        coordinator.mutate(broken)
+    ops = event_ops(users, [5, 5], [10**9] * 2, ["feed"] * 2, None, None, 2)
+    assert coordinator.mutate(ops)[0] == "ok"
+    for shard in shards:
+        ray.kill(shard)
+
+
 # ------------------------------------------------------------------- on the server, over Ray
 
 

@@ -82,11 +82,13 @@ class _ShardActor(Shard):
 
 
 class _CoordinatorActor(Coordinator):
-    """The coordinator as its Ray actor runs it: it also takes mutations on a channel."""
+    """The coordinator as its Ray actor runs it: it also takes mutations, and gives read
+    points, on a channel."""
 
     def __init__(self, path: str, shards: list, workers: int = COORDINATOR_CALLS) -> None:
         super().__init__(path, shards)
-        self._server, self._endpoint = _serve({"mutate": self.mutate}, workers)
+        methods = {"mutate": self.mutate, "read_point": self.read_point}
+        self._server, self._endpoint = _serve(methods, workers)
 
     def endpoint(self) -> tuple[str, str] | None:
         return self._endpoint

@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,7 @@ class Cluster:
         # Calls to the shards and the coordinator, on their channels where they run on this
         # process's node (`m31.cluster.channel.Link`); not pickled: each process links its own.
         self._links = [channel.Link(shard) for shard in self.shards]
-        self._writes = channel.Link(coordinator)  # mutations
+        self._writes = channel.Link(coordinator)  # mutations and read points
         # Shards that are down as this handle saw them: a call failed, or a deadline passed
         # unanswered; cleared by any answer. Set operations are atomic, and reads share it.
         self.down: set[int] = set()
@@ -84,6 +85,13 @@ class Cluster:
         """Connect to shard s's channel at `endpoint` (from its answer), if it is on this node
         and not the open one."""
         self._links[s].connect(endpoint)
+
+    def ask_point(self, wait_s: float = 0.0) -> Future:
+        """A Future of the coordinator's read point (`Coordinator.read_point`), on its channel
+        where it runs on this node: a read asks one whenever a shard moved on since the last
+        (under a stream of events, most reads), and a Ray call costs several times a channel's
+        (`m31.cluster.channel`)."""
+        return self._writes.call("read_point", wait_s)
 
     def saw(self, point: tuple[int, list[int]]) -> None:
         """Keep `point` as the last read point if it is the newest seen."""

@@ -257,7 +257,7 @@ class Coordinator:
             asked[s] = links[s].call("prepare", txn, *ops[s], self._last[s])
         if again:
             wait_futures([asked[s] for s in again], timeout=max(deadline - time.monotonic(), 0))
-        invalid, down = None, []
+        invalid, down, failed = None, [], None
         for s in participants:
             if not asked[s].done():
                 down.append(s)  # silent: stopped, or its machine unreachable
@@ -265,13 +265,17 @@ class Coordinator:
             error = asked[s].exception()
             if isinstance(error, ValueError):  # the mutation is invalid (AdIndexError)
                 invalid = str(error) if invalid is None else invalid
-            elif error is not None:  # ChannelClosed: down or restarting
+            elif isinstance(error, ChannelClosed):  # down or restarting
                 down.append(s)
-        if invalid is not None or down:
+            elif error is not None:  # the shard's own failure, not an outage: not hidden as one
+                failed = failed or error
+        if invalid is not None or down or failed is not None:
             # Not waited for: a shard still holding the transaction (it missed this abort,
             # or prepared after it) aborts it at its next prepare (`Shard.prepare`).
             for s in participants:
                 links[s].call("abort", txn)
+            if failed is not None:
+                raise failed  # nothing was changed; the caller's call fails with it
             if invalid is not None:
                 return ("invalid", invalid)
             why = "unavailable (down or restarting); nothing was changed"

@@ -113,7 +113,7 @@ class Read:
         return self._futures[call]
 
     def _ask_point(self, wait_s: float = 0.0) -> None:
-        self.calls[self.cluster.coordinator.read_point.remote(wait_s)] = -1
+        self.calls[self.cluster.ask_point(wait_s)] = -1
 
     def take(self, ref) -> None:
         """Take the answer (or failure) of the ready call `ref`; ask again what it calls for. A

@@ -84,8 +84,9 @@ class _Prepared:
     op: str
     args: dict[str, Any]
     local_version: int  # the DurableIndex version applying it makes
-    # events as the prepare checked them (not logged: a recovered prepare is checked again)
-    checked: Any = field(default=None, compare=False)
+    # an events op's events as its prepare checked them (not logged: a recovered prepare's
+    # are checked again when applied)
+    events: Any = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -269,7 +270,7 @@ class Shard:
             if self._prepared is not None and self._prepared.txn == txn:
                 return
             self._resolve(last)
-            index = self._store.index
+            index, events = self._store.index, None
             if op == "upsert":
                 # Copies: arrays from Ray's object store are read-only.
                 g, x, b = (np.array(args[k]) for k in ("g", "x", "b"))
@@ -290,10 +291,10 @@ class Shard:
             elif op == "delete":
                 logged = {"ad_ids": index.check_delete(args["ad_ids"])}
             elif op in ("events", "users"):
-                logged, checked = self._check_users(op, args)
+                logged, events = self._check_users(op, args)
             else:
                 raise AdIndexError(f"unknown operation {op!r}")
-            prepared = _Prepared(txn, op, logged, self._store.version + 1, checked)
+            prepared = _Prepared(txn, op, logged, self._store.version + 1, events)
             self._log.append(("prepare", txn, op, logged, prepared.local_version))
             self._prepared = prepared
 
@@ -386,7 +387,7 @@ class Shard:
         elif prepared.op == "events":
             columns = (a["user_id"], a["ad_id"], a["ts"], a["surface"])
             store.add_events(
-                *columns, None, types=a["type"], weights=a["weight"], checked=prepared.checked
+                *columns, None, types=a["type"], weights=a["weight"], checked=prepared.events
             )
         elif prepared.op == "users":
             store.set_users(a["users"])
