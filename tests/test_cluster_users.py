@@ -36,7 +36,7 @@ from m31.cluster.coordinator import Coordinator  # noqa: E402
 from m31.cluster.group import Call, merged  # noqa: E402
 from m31.cluster.layout import coordinator_dir, init_cluster, reshard, shard_dir, shard_of  # noqa: E402
 from m31.cluster.mutations import event_ops  # noqa: E402
-from m31.cluster.shard import Shard  # noqa: E402
+from m31.cluster.shard import Answer, Moved, Shard  # noqa: E402
 from m31.engine.load import copy_online, load_engine, online_organic, online_users  # noqa: E402
 from m31.engine.requests import AdRequest, FrequencyCap  # noqa: E402
 from m31.index import AdIndexError  # noqa: E402
@@ -157,6 +157,38 @@ class OneShard:
         got, at = self.shard.stored_users([self.user], [2**40])
         assert at == version
         assert got[0].ads.tolist() == [*self.history, *ads][-len(self.history) :]
+
+
+def test_a_shard_answers_a_search_at_any_version_since_its_ads_last_changed(world):
+    """Users' events change no ad: a search asked at a version a stream of events has moved
+    the shard past is answered (at that version) instead of `Moved`, which would send the read
+    back to the coordinator; a version before an ad changed is not, unless its view is kept."""
+    one = OneShard.open(world)
+    shard, info = one.shard, one.shard.info()
+    rng = np.random.default_rng(5)
+    dims = ((1, 2, info["dim_g"]), (1, 2, info["dim_x"]), (1, 2))
+    query = tuple(rng.normal(size=d).astype(np.float32) for d in dims)
+    who = {"country": "US", "age": 30, "gender": "f"}  # some of the world's ads target them
+    payload = (query, [(AdRequest(None, int(time.time()), "feed", "ios"), who)], [5])
+    first = shard.search(payload)  # at the latest: its view is kept
+    v0, top = first.version, first.results[0][0].tolist()
+    assert len(top) == 5
+
+    def commit(txn: str, op: str, args: dict, version: int) -> None:
+        shard.prepare(txn, op, args)
+        shard.commit(txn, version)
+
+    for i in (1, 2):
+        event = {"user_id": [one.user], "ad_id": [i], "ts": [10**9 + i], "surface": ["feed"]}
+        commit(f"events {i}", "events", event, v0 + i)
+    for at in (v0, v0 + 1, v0 + 2):
+        got = shard.search(payload, at)
+        assert isinstance(got, Answer) and got.version == at and got.results[0][0].tolist() == top
+    commit("delete", "delete", {"ad_ids": np.array([top[0]])}, v0 + 3)
+    assert shard.search(payload, v0 + 1) == Moved(v0 + 3)  # the ads changed since
+    assert shard.search(payload, v0).results[0][0].tolist() == top  # a view kept
+    assert top[0] not in shard.search(payload).results[0][0].tolist()
+    shard.close()
 
 
 @pytest.mark.parametrize("index_kept_it", [False, True])

@@ -125,6 +125,10 @@ class Shard:
         for record in records:
             self._recover(record)
         self._views: dict[int, Any] = {}
+        # The versions since which the ads are as they are now: a search asked at any of them is
+        # answered from the latest view (users' events and attributes change no ad). Since
+        # `applied` after a restart: the logs do not say which commits changed ads.
+        self._ads_since = self.applied
 
     @staticmethod
     def _open(path: Path, device: str, users) -> DurableIndex:
@@ -180,12 +184,12 @@ class Shard:
     def _view(self, at: int | None):
         """(view, version) at global version `at` (None: the latest), or None if not held."""
         with self._state:
-            if at is None or at == self.applied:
+            if at is None or self._ads_since <= at <= self.applied:
                 view = self._store.index.frozen_view()
                 self._views[self.applied] = view
                 for old in sorted(self._views)[: -KEEP_VIEWS - 1]:
                     del self._views[old]
-                return view, self.applied
+                return view, self.applied if at is None else at
             view = self._views.get(at)
             return None if view is None else (view, at)
 
@@ -340,6 +344,8 @@ class Shard:
         with self._state:  # a view is labelled with the version its rows are at
             self._apply(prepared)
             self._prepared, self.applied, self._last_txn = None, version, txn
+            if prepared.op not in ("events", "users"):
+                self._ads_since = version
         return self.held()
 
     def held(self) -> tuple[int, int]:
