@@ -312,8 +312,8 @@ class Shard:
                 "seed it: make it from an index `m31 index build` wrote)"
             )
         if op == "users":
-            users = [[int(u), {k: int(v) for k, v in c.items()}] for u, c in args["users"]]
-            return {"users": users}, None
+            rows = [[int(u), {k: int(v) for k, v in c.items()}] for u, c in args["users"]]
+            return {"users": rows}, None
         try:
             checked = users.check(args["user_id"], args["ad_id"], args["ts"], args["surface"])
         except ValueError as e:
