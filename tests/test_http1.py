@@ -75,6 +75,7 @@ RAW = {
     b"\r\nbusy",
     b"/until-eof": b"HTTP/1.1 200 OK\r\n\r\nall of it",
     b"/garbage": b"SSH-2.0-OpenSSH\r\n\r\n",
+    b"/bad-length": b"HTTP/1.1 200 OK\r\nContent-Length: many\r\n\r\n",
 }
 
 
@@ -94,7 +95,7 @@ def test_chunked_closed_and_broken_answers():
                 path = head.split(b" ")[1]
                 writer.write(RAW[path])
                 await writer.drain()
-                if path in (b"/close", b"/until-eof", b"/garbage"):
+                if path in (b"/close", b"/until-eof", b"/garbage", b"/bad-length"):
                     break
             writer.close()
 
@@ -110,6 +111,9 @@ def test_chunked_closed_and_broken_answers():
         assert len(connections) == 3
         with pytest.raises(HttpError, match=r"not an HTTP/1\.1 answer"):
             await http.post("/garbage", b"")
+        assert http._writer is None
+        with pytest.raises(HttpError, match="many"):
+            await http.post("/bad-length", b"")
         assert http._writer is None
         server.close()
         await server.wait_closed()

@@ -47,8 +47,8 @@ class Http1:
         request = f"{head}Content-Length: {len(body)}\r\n\r\n".encode("latin-1") + body
         try:
             return await asyncio.wait_for(self._exchange(request), self.timeout_s)
-        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as e:
-            await self.close()
+        except (OSError, ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as e:
+            await self.close()  # whatever it was, the connection's state is unknown now
             raise e if isinstance(e, HttpError) else HttpError(str(e) or type(e).__name__) from e
         except TimeoutError:
             await self.close()
