@@ -408,7 +408,7 @@ def test_the_coordinator_prepares_and_commits_on_the_shards_channels(world, ray_
         ray.kill(shard)
 
 
-def test_a_shard_failing_on_its_own_is_not_taken_for_down(world):
+def test_a_shard_failing_on_its_own_is_not_taken_for_down(world, ray_local):
     """A prepare that fails with the shard's own error (a bug, not an invalid mutation nor an
     outage) fails the call with that error, loudly, instead of answering "down or restarting";
     the transaction is aborted everywhere and the next call commits."""

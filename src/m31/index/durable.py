@@ -64,7 +64,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -80,10 +80,7 @@ from m31.index.recovery import (
     replay,
     snapshot_name,
 )
-from m31.index.wal import LOG, LOG_HEADER, Record, UserState, apply, new_log
-
-if TYPE_CHECKING:
-    from m31.users.store import Events
+from m31.index.wal import LOG, LOG_HEADER, CheckedEvents, Record, UserState, apply, new_log
 
 logger = logging.getLogger(__name__)
 
@@ -283,7 +280,7 @@ class DurableIndex:
         key: str | None = None,
         types=None,
         weights=None,
-        checked: Events | None = None,
+        checked: CheckedEvents | None = None,
     ) -> int:
         """Engagement events [n] (`UserState.check`), logged before they reach the user store;
         the version that holds them. A call whose idempotency `key` was applied already is not
