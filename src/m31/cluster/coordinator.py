@@ -267,15 +267,17 @@ class Coordinator:
                 invalid = str(error) if invalid is None else invalid
             elif isinstance(error, ChannelClosed):  # down or restarting
                 down.append(s)
-            elif error is not None:  # the shard's own failure, not an outage: not hidden as one
-                failed = failed or error
-        if invalid is not None or down or failed is not None:
+            elif error is not None:  # the shard's own failure, not an outage: said as such
+                logger.error("shard %d failed to prepare", s, exc_info=error)
+                failed = failed or f"shard {s} failed to prepare ({type(error).__name__}: {error})"
+                down.append(s)
+        if invalid is not None or down:
             # Not waited for: a shard still holding the transaction (it missed this abort,
             # or prepared after it) aborts it at its next prepare (`Shard.prepare`).
             for s in participants:
                 links[s].call("abort", txn)
-            if failed is not None:
-                raise failed  # nothing was changed; the caller's call fails with it
+            if failed is not None:  # may pass (a shard recovering) or not (a bug): retried
+                return ("unavailable", f"{failed}; nothing was changed", down)
             if invalid is not None:
                 return ("invalid", invalid)
             why = "unavailable (down or restarting); nothing was changed"
