@@ -449,9 +449,22 @@ def served(world, ray_serve):
     stop_cluster(cluster)
 
 
+def kill(actor) -> None:
+    """SIGKILL the actor's process (Ray restarts it, and it recovers from its logs). Its pid is
+    asked again while Ray says it is unavailable (a restart from an earlier kill under way)."""
+    deadline = time.monotonic() + BOUND_S
+    while True:
+        try:
+            pid = ray.get(actor.pid.remote(), timeout=BOUND_S)
+            break
+        except ray.exceptions.ActorUnavailableError:
+            assert time.monotonic() < deadline, "the actor stayed unavailable"
+            time.sleep(0.1)
+    os.kill(pid, signal.SIGKILL)
+
+
 def kill_shard(served: Served, s: int) -> None:
-    """SIGKILL shard s's process (Ray restarts the actor, which recovers from its logs)."""
-    os.kill(ray.get(served.cluster.shards[s].pid.remote()), signal.SIGKILL)
+    kill(served.cluster.shards[s])
 
 
 def until_ok(call) -> httpx.Response:
@@ -597,7 +610,7 @@ def test_killed_owners_and_coordinator_lose_no_acknowledged_event(served):
                                          BOUND_S), "no acknowledgement"  # fmt: skip
             assert alive()
             if cycle % 2:
-                os.kill(ray.get(coordinator.pid.remote(), timeout=BOUND_S), signal.SIGKILL)
+                kill(coordinator)
             else:
                 kill_shard(served, s)
         with progress:  # one more after the last restart
