@@ -370,18 +370,24 @@ def test_concurrent_calls_share_one_transaction(world, ray_local):
         ray.kill(shard)
 
 
+def coordinated(world: World) -> tuple[list, Coordinator, list[int]]:
+    """Two shard actors of a fresh state, a coordinator over them in this process (resolved),
+    and a new user owned by each shard."""
+    state = new_state(world, 2)
+    shards = start_shards(state, ClusterOptions(shard_cpus=0))
+    coordinator = Coordinator(coordinator_dir(state), shards)
+    assert coordinator.read_point(BOUND_S)[2] == []
+    new = np.arange(10**12, 10**12 + 64)
+    return shards, coordinator, [int(new[shard_of(new, 2) == s][0]) for s in (0, 1)]
+
+
 @pytest.mark.skipif(not channel.available(), reason="channels are Linux's")
 def test_the_coordinator_prepares_and_commits_on_the_shards_channels(world, ray_local):
     """Once it knows their endpoints, the coordinator's prepares and commits take the shards'
     channels. A shard killed: the prepare that finds its channel closed is asked again through
     Ray, and the call commits once the restarted process answers (or is refused, changing
     nothing, while it restarts); the link then connects to the new process's channel."""
-    state = new_state(world, 2)
-    shards = start_shards(state, ClusterOptions(shard_cpus=0))
-    coordinator = Coordinator(coordinator_dir(state), shards)
-    assert coordinator.read_point(BOUND_S)[2] == []
-    new = np.arange(10**12, 10**12 + 64)
-    users = [int(new[shard_of(new, 2) == s][0]) for s in (0, 1)]
+    shards, coordinator, users = coordinated(world)
 
     def send(ad: int) -> tuple:
         ops = event_ops(users, [ad, ad], [10**9 + ad] * 2, ["feed"] * 2, None, None, 2)
@@ -396,7 +402,7 @@ def test_the_coordinator_prepares_and_commits_on_the_shards_channels(world, ray_
     until(lambda: all(link.channel for link in links), "the shards' channels")
     first = [link.channel for link in links]
     assert send(2)[0] == "ok" and [link.channel for link in links] == first
-    os.kill(ray.get(shards[1].pid.remote()), signal.SIGKILL)
+    kill(shards[1])
     assert send(3)[0] == "ok" and first[1].closed
     until(lambda: links[1].channel is not None, "the restarted shard's channel")
     assert links[0].channel is first[0]
@@ -413,12 +419,7 @@ def test_a_shard_failing_on_its_own_is_not_taken_for_down(world, ray_local):
     outage) is answered unavailable naming that error (and logged), not "down or restarting":
     a shard recovering may fail so once, a bug every time; the transaction is aborted
     everywhere and the next call commits."""
-    state = new_state(world, 2)
-    shards = start_shards(state, ClusterOptions(shard_cpus=0))
-    coordinator = Coordinator(coordinator_dir(state), shards)
-    assert coordinator.read_point(BOUND_S)[2] == []
-    new = np.arange(10**12, 10**12 + 64)
-    users = [int(new[shard_of(new, 2) == s][0]) for s in (0, 1)]
+    shards, coordinator, users = coordinated(world)
     broken = {0: ("update_attributes", {"ad_id": 1}, None)}  # no "attrs": a KeyError there
     out = coordinator.mutate(broken)
     assert out[0] == "unavailable" and out[2] == [0], out
