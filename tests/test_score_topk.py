@@ -221,13 +221,16 @@ def _copies(table, source: torch.Tensor):
     return Int8Table(*copies) if isinstance(table, Int8Table) else copies
 
 
-# Under the interpreter tl.dot is numpy's fp32 matmul, whose sums at the edges of a tile of ads
-# run in another order than in its middle: copies of one ad in an fp32 table (three bf16 parts)
-# then score an ulp apart. (Seen with Triton 3.6; whether the compiled kernel does is untested.)
+# Under the interpreter tl.dot is numpy's fp32 matmul, whose BLAS may sum the rows at the edges
+# of a tile of ads in another order than those in its middle: copies of one ad in an fp32 table
+# (three bf16 parts) then score an ulp apart. Whether it does depends on the CPU's BLAS kernels
+# (seen with Triton 3.6 on one machine, not on another), so the mark is not strict; whether the
+# compiled kernel does is untested. Exact ties (`test_exact_ties_go_to_the_lower_row`) hold on
+# every path.
 _MATMUL_EDGES = pytest.mark.xfail(
     interpreted(),
-    reason="the interpreter's fp32 matmul sums tile edges in another order",
-    strict=True,
+    reason="the interpreter's fp32 matmul may sum tile edges in another order",
+    strict=False,
 )
 COPY_TABLES = [
     pytest.param(*p.values, marks=_MATMUL_EDGES, id=p.id) if p.id == "triton-fp32" else p
