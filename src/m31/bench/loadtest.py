@@ -1,17 +1,17 @@
 """Closed-loop load test of a running m31 server: QPS, latency percentiles, ads scored/s.
 
 `concurrency` clients each send one retrieve call, wait for the answer, and send the next,
-for `duration` seconds. Requests are drawn from the dataset's users (stored user ids) with
-random surfaces and platforms of its vocabularies (none, for data without them) at the current
-time. Server-side figures (device calls, ads scored) are read from /metrics before and after,
+for `duration` seconds, each on a minimal HTTP/1.1 keep-alive connection (`m31.bench.http1`)
+so that the load generator takes little of the machine it measures. Requests are drawn from
+the dataset's users (stored user ids) with random surfaces and platforms of its vocabularies
+(none, for data without them) at the current time. Server-side figures (device calls, ads scored) are read from /metrics before and after,
 so batching shows as requests per device call.
 
 With `events` (`EventLoad`), more clients stream engagement events meanwhile (POST /v1/events,
 batches of random stored users and ads at the current time, closed loop or paced, with the
 admin token), from a process of their own so that making their calls does not delay the
-retrieve clients', each on a minimal HTTP/1.1 connection (`m31.bench.http1`) so that the load
-generator takes little of the machine it measures: events acknowledged per second and the event
-calls' p99 join the row.
+retrieve clients', each on a connection of its own too: events acknowledged per second and the
+event calls' p99 join the row.
 
 `m31 loadtest` prints the rows and appends their figures to the results table (`figures`,
 `m31.bench.results`), as `m31 bench` does.
@@ -33,6 +33,8 @@ import numpy as np
 
 from m31.bench.http1 import Http1, HttpError
 from m31.bench.results import Figure
+
+JSON = {"Content-Type": "application/json"}
 
 
 @dataclass(frozen=True)
@@ -137,11 +139,13 @@ async def _run(
     clock = _Window(concurrency, duration)
 
     async def client(i: int) -> None:
-        # One connection per client, each with its own httpx client: a shared pool of many
-        # connections costs httpx more CPU per call than the server's work (measured: 140 vs
-        # 880 calls/s on /health/live at 64 connections), and would measure the load generator.
+        # One minimal keep-alive connection per client (`m31.bench.http1`): an httpx client
+        # costs 3-4 ms of CPU a call, on the cores the server runs on, and its pauses were the
+        # worst calls' latency (the retrieve p99 of `m31 serve --ray` alone: 49 ms with it, 29
+        # ms without, the same server; docs/SCALING.md).
         rng = np.random.default_rng(seed * 1000 + i)
-        async with httpx.AsyncClient(base_url=url, timeout=30, headers=headers) as http:
+        http = Http1(url, {**headers, **JSON}, timeout_s=30)
+        try:
             await clock.ready()
             while True:
                 request = {"user_id": int(rng.choice(user_ids)), "k": k}
@@ -149,12 +153,12 @@ async def _run(
                     request["surface"] = surfaces[rng.integers(len(surfaces))]
                 if platforms:
                     request["platform"] = platforms[rng.integers(len(platforms))]
-                body = {"requests": [request]}
+                body = json.dumps({"requests": [request]}).encode()
                 start = time.perf_counter()
                 try:
-                    r = await http.post("/v1/retrieve", json=body)
-                    kind = None if r.status_code == 200 else str(r.status_code)
-                except httpx.HTTPError as e:
+                    status, _ = await http.post("/v1/retrieve", body)
+                    kind = None if status == 200 else str(status)
+                except (HttpError, TimeoutError) as e:
                     kind = type(e).__name__
                 if kind is None:
                     result.latencies_ms.append(1000 * (time.perf_counter() - start))
@@ -162,6 +166,8 @@ async def _run(
                     result.errors[kind] = result.errors.get(kind, 0) + 1
                 if clock.closed():
                     break
+        finally:
+            await http.close()
 
     await asyncio.gather(*(client(i) for i in range(concurrency)))
     result.seconds = time.perf_counter() - clock.opened  # the measured window, calls finished
@@ -215,9 +221,6 @@ async def _stream(
             await http.close()
 
     await asyncio.gather(*(sender(i) for i in range(events.clients)))
-
-
-JSON = {"Content-Type": "application/json"}
 
 
 def _events_body(
