@@ -16,7 +16,8 @@ from m31.index import AdIndex, RequestContext, compile_filter
 from m31.index import eligibility as elig
 from m31.index.columns import BASE_FIELDS
 from m31.index.eligibility import _assign
-from m31.index.testing import eligible_ads, reference_mask
+from m31.index.stages import STAGES, stage_masks
+from m31.index.testing import eligible, eligible_ads, reference_mask, refusing_stage
 from m31.ops.masks import _pack_torch, _unpack_torch, pack, unpack
 from m31.vocabularies import GENDERS, PLATFORMS, STATUSES, SURFACES
 
@@ -151,11 +152,32 @@ def check(index: AdIndex, model: dict[int, dict], batch, filters) -> None:
     masks = index.eligible_masks(batch, filters)
     row_ids = index.table()[3]
     assert masks.shape == (len(batch), index.num_rows)
+    view = index.frozen_view()
     for mask, r, expr in zip(masks, batch, filters, strict=True):
         assert torch.equal(mask, reference_mask(index, r, expr))
         assert set(row_ids[mask].tolist()) == eligible_ads(model, r, expr)
-    view = index.frozen_view()
+        check_stages(view, model, r, expr, mask)
     assert torch.equal(view.eligible_masks(batch, filters), masks)
+
+
+def check_stages(view, model: dict[int, dict], r, expr, mask) -> None:
+    """The stages of `m31.index.stages`: each narrows the one before, the last is the mask,
+    and the stage a live ad first fails is the plain definition's (`refusing_stage`)."""
+    masks = stage_masks(view, r, expr)
+    assert list(masks) == list(STAGES)
+    assert torch.equal(masks["live"], view.live_mask())
+    assert torch.equal(masks["filter"], mask)
+    before = masks["live"]
+    for stage in STAGES[1:]:
+        assert not (masks[stage] & ~before).any(), stage
+        before = masks[stage]
+    live = [(row, ad_id) for row, ad_id in enumerate(view.row_ids.tolist()) if masks["live"][row]]
+    assert sorted(ad_id for _, ad_id in live) == sorted(model)  # one live row per ad
+    for row, ad_id in live:
+        failed = next((s for s in STAGES if not masks[s][row]), None)
+        want = refusing_stage(ad_id, model[ad_id], r, expr)
+        assert failed == want, (ad_id, failed, want)
+        assert eligible(ad_id, model[ad_id], r, expr) == (want is None)
 
 
 @settings(max_examples=60, deadline=None)

@@ -90,6 +90,16 @@ class IndexView:
         with self._current():
             return self._index._eligible(request, filter_fn)
 
+    @property
+    def schema(self) -> dict[str, str]:
+        """Attribute name -> kind, the schema to compile filters against."""
+        return self._index.schema
+
+    def live_mask(self) -> torch.Tensor:
+        """[N] bool: the rows of this view that hold a live ad; a copy."""
+        with self._current():
+            return self._index.live_mask()
+
     def eligible_masks(
         self,
         requests: Sequence[RequestContext],

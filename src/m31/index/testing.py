@@ -1,7 +1,8 @@
 """The definition of eligibility (DESIGN §4, "Eligibility") that the index's row bitmaps are
 tested against, written out plainly twice: per ad on its plain attributes (`eligible`,
-`eligible_ads`), and over an index's attribute columns (`reference_mask`, the column builder
-the engine used before the bitmaps, which `m31 bench eligibility` times against them).
+`eligible_ads`, and `refusing_stage`: the first stage of `m31.index.stages` an ad fails), and
+over an index's attribute columns (`reference_mask`, the column builder the engine used before
+the bitmaps, which `m31 bench eligibility` times against them).
 
     live & active & schedule(ts) & ages(age) & filter
          & AND over the targeting lists of (list empty | list holds the request's value)
@@ -63,6 +64,36 @@ def eligible(
         and a.get("advertiser_id") not in request.exclude_advertisers
         and (expr is None or evaluate_row(expr, a))
     )
+
+
+def refusing_stage(
+    ad_id: int, attributes: Mapping[str, Any], request: RequestContext, expr: Mapping | None
+) -> str | None:
+    """The first stage of `m31.index.stages.STAGES` that one live ad fails for `request` and
+    the filter `expr`, read as `eligible` reads it; None if it is eligible. ("live" is the
+    index's: an ad given here exists.)"""
+    a = attributes
+    start, end = a.get("schedule_start"), a.get("schedule_end")
+    lo, hi = a.get("target_age_min"), a.get("target_age_max")
+    age = request.age
+    if (a.get("status") or "active") != "active":
+        return "status"
+    if not ((start is None or start <= request.ts) and (end is None or request.ts < end)):
+        return "schedule"
+    if not (
+        (lo is None or (age is not None and lo <= age))
+        and (hi is None or (age is not None and age <= hi))
+    ):
+        return "age"
+    for name, asked in _TARGETED:
+        targets = a.get(name)
+        if targets and getattr(request, asked) not in targets:
+            return name.removeprefix("target_")
+    if ad_id in request.exclude_ads or a.get("advertiser_id") in request.exclude_advertisers:
+        return "excluded"
+    if expr is not None and not evaluate_row(expr, a):
+        return "filter"
+    return None
 
 
 def eligible_ads(
