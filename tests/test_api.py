@@ -104,6 +104,34 @@ def test_the_engine_answers_what_the_retriever_does(beauty):
         engine.retrieve(m31.AdRequest(user_id=999))
 
 
+def test_the_engine_explains_an_answer_on_an_imported_file(beauty):
+    """`Engine.retrieve(..., explain=True, why_not=...)` on the imported Amazon-format files: the
+    filter's stage keeps the items holding the attribute, each result's terms add up to its
+    score, and the why-nots name the filter, an unknown id and the rank."""
+    data = beauty / "data" / "beauty"
+    model = m31.load_model(beauty / "runs" / "beauty.pt", data=data)
+    engine = m31.Engine(model, m31.build_index(model))
+    rows = {a["ad_id"]: a["attributes"] for a in dataset.load(data).ads.to_pylist()}
+    holding = sorted(a for a, attrs in rows.items() if "12" in attrs)
+    lacking = next(a for a in rows if a not in holding)
+    request = m31.AdRequest(user_id=7, filter={"contains": ["attributes", "12"]})
+    got = engine.retrieve(request, k=2, explain=True, why_not=[lacking, 10**6, *holding])
+    e = got.explanation
+    assert e.eligible["live"] == len(rows) and e.eligible["filter"] == len(holding)
+    assert e.experts == ["sequence", "cohort", "semantic", "coengagement"]  # the tiny preset
+    assert e.kth_score == float(got.scores[-1])
+    for ad, score in zip(e.ads, got.scores.tolist(), strict=True):
+        assert sum(ad.contributions) + ad.bias == pytest.approx(score, abs=1e-4)
+    why = {w.ad_id: w for w in e.why_not}
+    assert why[lacking].stage == "filter" and "request's filter" in why[lacking].reason
+    assert why[10**6].stage == "unknown"
+    ranked = sorted((why[a].rank, a) for a in holding)
+    assert [r for r, _ in ranked] == list(range(1, len(holding) + 1))
+    assert [a for _, a in ranked[:2]] == got.ad_ids.tolist()
+    assert all(why[a].stage == "rank" for _, a in ranked[2:])
+    assert engine.retrieve(request, k=2).explanation is None
+
+
 def test_ads_the_model_never_saw_go_through_its_ad_tower(beauty):
     data = beauty / "data" / "beauty"
     model = m31.load_model(beauty / "runs" / "beauty.pt", data=data)

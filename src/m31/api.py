@@ -17,6 +17,7 @@ optional filter over the ads' attributes (`m31.index.filters`). Everything here 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -117,13 +118,30 @@ class Engine:
         return engine
 
     def retrieve(
-        self, requests: AdRequest | Sequence[AdRequest], k: int = 10
+        self,
+        requests: AdRequest | Sequence[AdRequest],
+        k: int = 10,
+        explain: bool = False,
+        why_not: Sequence[int] = (),
     ) -> Retrieved | list[Retrieved]:
         """The top `k` eligible ads of one request (a `Retrieved`: ad ids and scores, best
-        first, ties to the lower ad id) or of each of several (a list)."""
-        if isinstance(requests, AdRequest):
-            return self._retriever.retrieve([requests], k).results[0]
-        return self._retriever.retrieve(list(requests), k).results
+        first, ties to the lower ad id) or of each of several (a list).
+
+        With `explain`, each answer's `explanation` (`m31.engine.explain.Explanation`) says how
+        many ads each eligibility stage left and splits every result's score over the experts;
+        with `why_not`, it says for each of those ad ids what kept it out of the answer (as
+        `AdRequest(explain=..., why_not=...)` asks per request)."""
+        one = isinstance(requests, AdRequest)
+        batch = [requests] if one else list(requests)
+        if explain or why_not:
+            batch = [
+                dataclasses.replace(
+                    r, explain=r.explain or explain, why_not=tuple(why_not) or r.why_not
+                )
+                for r in batch
+            ]
+        results = self._retriever.retrieve(batch, k).results
+        return results[0] if one else results
 
     def save(self, folder: str | Path, overwrite: bool = False) -> Path:
         """Write the index snapshot with the online features into `folder` (atomically): what

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from m31.engine.caps import GROUP_FIELDS
+from m31.engine.explain import MAX_WHY_NOT
 from m31.engine.requests import (
     RANKS,
     AdRequest,
@@ -103,6 +104,15 @@ class RequestPreparer:
         if r.frequency_cap is not None:
             self._check_frequency_cap(i, r.frequency_cap)
         one_of(f"requests[{i}].rank", r.rank, RANKS)
+        if not isinstance(r.explain, bool):
+            raise RequestError(f"requests[{i}].explain: true or false, got {r.explain!r}")
+        if len(r.why_not) > MAX_WHY_NOT:
+            raise RequestError(
+                f"requests[{i}].why_not: at most {MAX_WHY_NOT} ad ids, got {len(r.why_not)}"
+            )
+        for j, ad_id in enumerate(r.why_not):
+            if isinstance(ad_id, bool) or not isinstance(ad_id, numbers.Integral):
+                raise RequestError(f"requests[{i}].why_not[{j}]: an ad id, got {ad_id!r}")
         if r.rank == "value" and self.index.schema.get("bid") is None:
             raise RequestError(f"requests[{i}].rank: value ranks by the bid; the index has none")
 

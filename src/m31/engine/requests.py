@@ -98,6 +98,11 @@ class AdRequest:
     # "relevance": the model's score; "value": the score plus the ad's value term
     # log(bid · pacing), over the ads with a bid (DESIGN §2, "The value term")
     rank: str = "relevance"
+    # Explain the answer (`m31.engine.explain`): the ads left after each eligibility stage and
+    # each result's score split over the experts; `why_not`: ad ids to say why they are not in
+    # it (at most `m31.engine.explain.MAX_WHY_NOT`). Computed only for the requests that ask.
+    explain: bool = False
+    why_not: Sequence[int] = ()
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from m31.engine.caps import group_cap
+from m31.engine.explain import explain, slot_names
 from m31.engine.prepare import GroupLookup, RequestPreparer
 from m31.engine.requests import AdRequest, InlineUser, PreparedRequest, RequestError
 from m31.engine.search import RetrievalResult, eligible_masks, fold, request_context, search
@@ -126,6 +127,33 @@ class Retriever:
             raise RequestError("k: give how many ads each request wants")
         return self.prepare(requests, k)
 
+    def _explain(self, prepared, asked: list[int], query, view, results) -> None:
+        """Each asked request's `Explanation` on its result (`m31.engine.explain`)."""
+        subset = [prepared[i] for i in asked]
+        inputs = self.inputs.of(subset).to(self.device)
+        experts = self.model.encode_requests(inputs, self.catalog)  # [b, E, *], unfolded
+        names = slot_names(self.model.user.slots)
+        if len(names) != experts[0].shape[1]:  # a two-tower model: one query over every family
+            names = ["user"]
+        for j, i in enumerate(asked):
+            one = prepared[i]
+            results[i].explanation = explain(
+                view,
+                request_context(one.request, one.targeting),
+                one.filter,
+                tuple(t[j] for t in experts),
+                tuple(t[i] for t in query),
+                results[i],
+                one.k,
+                group_cap(one.request.max_per),
+                one.request.rank == "value",
+                names,
+                one.request.why_not,
+                own_filter=one.request.filter,
+                clauses=one.clauses,
+                split=one.request.explain,
+            )
+
     @torch.no_grad()
     def retrieve(
         self, requests: Sequence[AdRequest] | Sequence[PreparedRequest], k: int | None = None
@@ -162,6 +190,10 @@ class Retriever:
         else:
             results, _ = self.probe.search(query, view, mask, ks, caps, valued)
         t3 = time.perf_counter()
+        asked = [i for i, one in enumerate(prepared) if one.request.explain or one.request.why_not]
+        if asked:  # small ops again, on one core
+            with single_threaded() if self.device.type == "cpu" else contextlib.nullcontext():
+                self._explain(prepared, asked, query, view, results)
         timings = {"encode": t1 - t0, "mask": t2 - t1, "score_topk": t3 - t2}
         return RetrievalResult(
             results, view.version, {k_: round(1000 * v_, 3) for k_, v_ in timings.items()}

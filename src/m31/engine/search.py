@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -28,6 +29,9 @@ from m31.engine.caps import capped
 from m31.engine.requests import AdRequest
 from m31.index import CompiledFilter, IndexView, RequestContext
 from m31.ops import NO_ROW, PackedMask, score_topk
+
+if TYPE_CHECKING:
+    from m31.engine.explain import Explanation
 
 # Extra results asked of the kernel beyond K, so that ties at the K-th score rarely need a retry.
 TIE_MARGIN = 64
@@ -40,6 +44,8 @@ class Retrieved:
     # With a cap per group: each ad's group value and whether it has one ([k'] int64, bool),
     # which a merge of shards' answers walks again (`m31.engine.caps`)
     groups: tuple[np.ndarray, np.ndarray] | None = None
+    # For a request that asked (`AdRequest.explain`, `why_not`): `m31.engine.explain.Explanation`
+    explanation: Explanation | None = None
 
 
 @dataclass

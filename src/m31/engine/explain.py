@@ -1,0 +1,260 @@
+"""Why a request got its ads, and why not others: what a request asks with
+`AdRequest(explain=True)` and `AdRequest(why_not=[ad ids])`, on its `Retrieved.explanation`.
+
+Shapes: N rows of a view, E expert slots, G gate-key dim, D value dim.
+
+An `Explanation` of one request holds:
+
+* `eligible`: the ads left after each stage of eligibility (`m31.index.stages.STAGES`: live,
+  status, schedule, age, each targeting list, exclusions, filter), in order, so that the stage
+  that removed most of the corpus shows at once;
+* `kth_score`: the score of the last ad returned (what another ad had to beat);
+* per returned ad, its score split as DESIGN §2 computes it: the gate's weight of each expert
+  slot for this ad, each slot's contribution w_e·<v_e, x_a>, the ad's bias b_a and, ranked by
+  value, its value term; they add up to the score;
+* per ad asked about (`why_not`), the first thing that kept it out: not in the index (unknown or
+  deleted), the stage it failed with the ad's value and the request's, the request's cap per
+  group, or, when eligible, its rank among the eligible ads and its score.
+
+Everything here is the plain form: stage masks from the attribute columns, scores in fp64 from
+the stored table (`m31.ops.reference`), computed only for the requests that ask. The ranks of
+`why_not` order the eligible ads as the kernels do (the score rounded to fp32 once, ties to the
+lower ad id), so without a cap the ad returned at position r has rank r.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from m31.engine.search import Retrieved
+from m31.index import CompiledFilter, IndexView, RequestContext
+from m31.index.filters import Clause, HasValue, NoneOf, evaluate_row
+from m31.index.stages import STAGES, stage_masks
+from m31.ops.reference import rounded_score, value_bias
+
+# Ads one call may ask about per request: each costs a lookup, and the eligible ads are scored
+# once per request that asks about any eligible ad.
+MAX_WHY_NOT = 100
+
+
+@dataclass(frozen=True)
+class AdExplanation:
+    ad_id: int
+    score: float
+    gate: list[float]  # [E] the gate's weight of each expert slot for this ad
+    contributions: list[float]  # [E] w_e * <v_e, x_a>
+    bias: float  # b_a
+    value: float | None = None  # the value term, when the request ranks by value
+
+
+@dataclass(frozen=True)
+class WhyNot:
+    ad_id: int
+    # "unknown", one of `STAGES` (the first it failed), "cap", "rank" (eligible, ranked below
+    # the K-th) or "returned"
+    stage: str
+    reason: str
+    score: float | None = None  # eligible: its score, and its rank among the eligible (1-based)
+    rank: int | None = None
+
+
+@dataclass(frozen=True)
+class Explanation:
+    eligible: dict[str, int]  # stage -> ads left after it, `STAGES` order
+    kth_score: float | None
+    experts: list[str]  # the expert slots' names, E
+    ads: list[AdExplanation]
+    why_not: list[WhyNot] = field(default_factory=list)
+
+
+def slot_names(experts: dict[str, int]) -> list[str]:
+    """The names of a model's expert slots in their order: the family, with its slot index
+    where it has several (``sequence``, ``semantic.0``, ``semantic.1``)."""
+    names = []
+    for family, k in experts.items():
+        names += [family] if k == 1 else [f"{family}.{i}" for i in range(k)]
+    return names
+
+
+def explain(
+    view: IndexView,
+    context: RequestContext,
+    filter_fn: CompiledFilter | None,
+    experts: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    scored: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    found: Retrieved,
+    k: int,
+    cap: tuple[str, int] | None,
+    valued: bool,
+    names: list[str],
+    why_not: Sequence[int] = (),
+    own_filter: Mapping | None = None,
+    clauses: Sequence[Clause] = (),
+    split: bool = True,
+) -> Explanation:
+    """One request's `Explanation`. `experts`: its query per expert slot (q [E, G], v [E, D],
+            p [E], the context folded into v); `scored`: the query the pass scored (the same, or folded
+            to one slot); `found`: what the pass returned for it at `k` with the request's `cap` per
+            group and ranking by value or not. `own_filter` (the request's JSON filter) and `clauses`
+        (what the engine added to it) tell a why-not which of them removed an ad; without `split`,
+    the results are not split (a request that asked only why not)."""
+    masks = stage_masks(view, context, filter_fn)
+    value = view.value_term() if valued else None
+    rows = _live_rows(view, masks["live"])
+    ads = [
+        _split(view, rows[a], experts, value, a, s)
+        for a, s in zip(found.ad_ids.tolist(), found.scores.tolist(), strict=True)
+        if split
+    ]
+    kth = float(found.scores[-1]) if len(found.scores) else None
+    refusal = _Refusal(view, own_filter, clauses)
+    why = _why_not(masks, rows, scored, found, k, cap, value, why_not, refusal) if why_not else []
+    return Explanation(
+        eligible={s: int(masks[s].sum()) for s in STAGES},
+        kth_score=kth,
+        experts=names,
+        ads=ads,
+        why_not=why,
+    )
+
+
+def _live_rows(view: IndexView, live: torch.Tensor) -> dict[int, int]:
+    """ad id -> its live row in `view`."""
+    at = torch.nonzero(live).flatten()
+    return dict(zip(view.row_ids[at].tolist(), at.tolist(), strict=True))
+
+
+def _table(view: IndexView, rows: torch.Tensor | slice):
+    """(g, x, b) of `rows` in fp64 as the pass scores them (an 8-bit table dequantized)."""
+    if view.scales is None:
+        g, x, b = view.g[rows], view.x[rows], view.b[rows]
+    else:
+        g, x, b = view.ad_table.dequantize(rows)
+    return g.double(), x.double(), b.double()
+
+
+def _split(view, row, experts, value, ad_id: int, score: float) -> AdExplanation:
+    """The §2 score of one ad, term by term, in fp64."""
+    q, v, p = (t.double() for t in experts)
+    g, x, b = _table(view, slice(row, row + 1))
+    logit = p.clone()
+    if q.shape[-1]:
+        logit = logit + (q @ g[0]) / math.sqrt(q.shape[-1])
+    w = torch.softmax(logit, dim=0)  # [E]
+    parts = w * (v @ x[0])  # [E]
+    return AdExplanation(
+        ad_id=ad_id,
+        score=score,
+        gate=[round(float(t), 6) for t in w],
+        contributions=[float(t) for t in parts],
+        bias=float(b[0]),
+        value=None if value is None else float(value[row]),
+    )
+
+
+def _why_not(masks, rows, scored, found, k, cap, value, asked, refusal) -> list[WhyNot]:
+    """`WhyNot` of each ad id `asked` (`explain`'s arguments)."""
+    returned = [int(a) for a in found.ad_ids.tolist()]
+    eligible = masks[STAGES[-1]]
+    ranks: dict[int, tuple[int, float]] | None = None
+    out = []
+    for ad_id in (int(a) for a in asked):
+        row = rows.get(ad_id)
+        if row is None:
+            why = f"ad {ad_id} is not in the index (unknown or deleted)"
+            out.append(WhyNot(ad_id, "unknown", why))
+            continue
+        failed = next((s for s in STAGES[1:] if not masks[s][row]), None)
+        if failed is not None:
+            out.append(WhyNot(ad_id, failed, refusal(row, failed)))
+            continue
+        if ranks is None:
+            ranks = _ranks(refusal.view, eligible, scored, value)
+        rank, score = ranks[row]
+        n = int(eligible.sum())
+        if ad_id in returned:
+            why = f"returned at position {returned.index(ad_id) + 1}"
+            out.append(WhyNot(ad_id, "returned", why, score, rank))
+            continue
+        # The answer walks the eligible ads in rank order (`m31.engine.caps`): an ad it did not
+        # return was either past its end (K taken above it) or skipped, its group full.
+        above = sum(ranks[rows[a]][0] < rank for a in returned)
+        if cap is not None and above < k:
+            name, most = cap
+            why = (
+                f"eligible, rank {rank} of {n}, but the request takes at most {most} ads of "
+                f"one {name} and {most} of its {name} ranked above it"
+            )
+            out.append(WhyNot(ad_id, "cap", why, score, rank))
+        else:
+            kth = f"{float(found.scores[-1]):.6g}" if len(found.scores) else "none"
+            why = f"eligible, rank {rank} of {n}: its score {score:.6g} is below the K-th's {kth}"
+            out.append(WhyNot(ad_id, "rank", why, score, rank))
+    return out
+
+
+def _ranks(view, eligible, scored, value) -> dict[int, tuple[int, float]]:
+    """row -> (1-based rank among the eligible ads, score), the kernels' order: the score
+    rounded to fp32 once, ties to the lower ad id."""
+    at = torch.nonzero(eligible).flatten()
+    g, x, b = _table(view, at)
+    b = value_bias(b.float(), None if value is None else value[at]).double()
+    q, v, p = (t[None].double() for t in scored)
+    s = rounded_score(q, v, p, g, x, b)[0]  # [n]
+    ids = view.row_ids[at]
+    order = sorted(range(len(at)), key=lambda i: (-float(s[i]), int(ids[i])))
+    return {int(at[i]): (r + 1, float(s[i])) for r, i in enumerate(order)}
+
+
+@dataclass(frozen=True)
+class _Refusal:
+    """Why the ad at a row fails a stage, with its values (`__call__`)."""
+
+    view: IndexView
+    own_filter: Mapping | None
+    clauses: Sequence[Clause]
+
+    def __call__(self, row: int, stage: str) -> str:
+        one = self.view.attributes.to_arrow(torch.tensor([row])).to_pylist()[0]
+        if stage == "status":
+            return f"its status is {one.get('status')!r}, not 'active'"
+        if stage == "schedule":
+            start, end = one.get("schedule_start"), one.get("schedule_end")
+            return f"outside its schedule at the request's second (start {start}, end {end})"
+        if stage == "age":
+            lo, hi = one.get("target_age_min"), one.get("target_age_max")
+            return (
+                f"it targets ages {lo} to {hi} (None: open), and the user's age is not in them "
+                "(an unknown age passes open ranges only)"
+            )
+        if stage == "excluded":
+            return (
+                "the request excludes it or its advertiser (exclude_ads, exclude_advertisers, "
+                "or the request's frequency cap)"
+            )
+        if stage == "filter":
+            return self._filtered(one)
+        values = sorted(one.get(f"target_{stage}") or [])
+        return f"it targets {stage} {values}, and the request's is not among them"
+
+    def _filtered(self, one: dict) -> str:
+        if self.own_filter is not None and not evaluate_row(self.own_filter, one):
+            return f"the request's filter removes it (its attributes: {_shown(one)})"
+        for clause in self.clauses:
+            if isinstance(clause, HasValue) and one.get(clause.field) is None:
+                return f"it has no {clause.field}, which ranking by value needs"
+            if isinstance(clause, NoneOf) and one.get(clause.field) in clause.values:
+                return (
+                    f"the request's frequency cap leaves out its {clause.field} "
+                    f"{one.get(clause.field)!r}"
+                )
+        return "the request's filter removes it"
+
+
+def _shown(attributes: dict) -> str:
+    """An ad's non-null attributes, for a message."""
+    return ", ".join(f"{k}={v!r}" for k, v in attributes.items() if v not in (None, []))

@@ -1,0 +1,187 @@
+"""Explanations (`m31.engine.explain`) on the tiny world's real model and index, against plain
+references: the stage counts against per-ad eligibility, each result's split against its
+score, and every why-not against a brute-force ranking of the eligible ads."""
+
+import dataclasses
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from m31.engine import AdRequest, RequestError, Retriever
+from m31.engine.build import index_from_table
+from m31.engine.explain import MAX_WHY_NOT, slot_names
+from m31.index import RequestContext
+from m31.index.stages import STAGES
+from m31.index.testing import refusing_stage
+from m31.model import Catalog, build_model, encode_ads, model_preset, vocab_sizes
+from m31.ops.reference import rounded_score
+
+
+@pytest.fixture(scope="module", params=["gated", "folded", "int8"])
+def world(tiny_world, request):
+    """The tiny world's moe (with gate keys, or without: its query folded to one slot), on a
+    float32 index, or on an 8-bit one; some ads paused and deleted."""
+    ds, feats = tiny_world.ds, tiny_world.feats
+    torch.manual_seed(0)
+    cfg = model_preset("tiny", "moe")
+    if request.param == "folded":
+        cfg = dataclasses.replace(cfg, gate_dim=0)
+    model = build_model(cfg, vocab_sizes(feats), 384, 32).eval()
+    g, x, b = encode_ads(model, Catalog.from_features(feats))
+    dtype = torch.int8 if request.param == "int8" else torch.float32
+    index = index_from_table(ds.ads, g, x, b, dtype=dtype)
+    index.pause(7)
+    index.delete([11, 12])
+    return ds, feats, model, index
+
+
+def _requests(ds, n: int, **extra) -> list[AdRequest]:
+    t0, t1 = ds.meta["time_range"]
+    rng = np.random.default_rng(3)
+    surfaces = ["feed", "reels", "stories", "search", "marketplace"]
+    return [
+        AdRequest(
+            user_id=int(rng.integers(0, ds.users.num_rows)),
+            ts=int(rng.integers(t0, t1)),
+            surface=surfaces[i % len(surfaces)],
+            platform=["ios", "android", "web"][i % 3],
+            exclude_ads=(3, 5),
+            exclude_advertisers=(1,),
+            filter=[None, {"eq": ["format", "video"]}][i % 2],
+            **extra,
+        )
+        for i in range(n)
+    ]
+
+
+def _context(ds, req: AdRequest) -> RequestContext:
+    user = ds.users.to_pylist()[req.user_id]
+    return RequestContext(
+        user["country"], user["age"], user["gender"], req.platform, req.surface, req.ts,
+        req.exclude_ads, req.exclude_advertisers,
+    )  # fmt: skip
+
+
+def _stored(index) -> dict[int, dict]:
+    """ad id -> attributes of every live ad, as the index reads them back."""
+    with index.snapshot_view() as view:
+        ids = view.row_ids[view.live_mask()].tolist()
+    return {a: index.get(a).attributes for a in ids}
+
+
+def test_explained_stages_count_what_per_ad_eligibility_keeps(world):
+    ds, feats, model, index = world
+    reqs = _requests(ds, 6, explain=True)
+    out = Retriever(model, feats, index).retrieve(reqs, k=20).results
+    ads = _stored(index)
+    for req, got in zip(reqs, out, strict=True):
+        e = got.explanation
+        assert list(e.eligible) == list(STAGES) and e.eligible["live"] == len(ads)
+        context = _context(ds, req)
+        first = {a: refusing_stage(a, attrs, context, req.filter) for a, attrs in ads.items()}
+        for i, stage in enumerate(STAGES[1:], start=1):
+            gone = sum(f in STAGES[1 : i + 1] for f in first.values())
+            assert e.eligible[stage] == len(ads) - gone, stage
+        assert e.eligible["filter"] >= len(got.ad_ids)
+        assert e.kth_score == (float(got.scores[-1]) if len(got.scores) else None)
+
+
+def test_each_result_is_split_into_what_adds_up_to_its_score(world):
+    ds, feats, model, index = world
+    out = Retriever(model, feats, index).retrieve(_requests(ds, 4, explain=True), k=15).results
+    names = slot_names(model.user.slots)
+    assert sum(len(r.ad_ids) for r in out) > 20  # not vacuous
+    for got in out:
+        e = got.explanation
+        assert e.experts == names and [a.ad_id for a in e.ads] == got.ad_ids.tolist()
+        for ad, score in zip(e.ads, got.scores.tolist(), strict=True):
+            assert len(ad.gate) == len(ad.contributions) == len(names)
+            assert sum(ad.gate) == pytest.approx(1.0, abs=1e-5) and min(ad.gate) >= 0
+            assert sum(ad.contributions) + ad.bias == pytest.approx(score, rel=1e-4, abs=1e-4)
+            assert ad.score == score and ad.value is None
+
+
+def test_why_not_names_the_first_stage_or_the_rank_of_every_ad(world):
+    """Every live ad, a paused one, deleted and unknown ids: the refusing stage the plain
+    definition gives, or, for an eligible ad, its rank in a brute-force order of every
+    eligible ad's score (ties to the lower id); the returned ones at their positions."""
+    ds, feats, model, index = world
+    engine = Retriever(model, feats, index)
+    ads = _stored(index)
+    k = 10
+    for req in _requests(ds, 3):
+        asked = [*sorted(set(ads) - {7})[: MAX_WHY_NOT - 3], 7, 11, 10**9]
+        req = dataclasses.replace(req, why_not=asked)
+        got = engine.retrieve([req], k=k).results[0]
+        why = {w.ad_id: w for w in got.explanation.why_not}
+        assert list(why) == asked
+        assert why[11].stage == why[10**9].stage == "unknown"
+        assert why[7].stage == "status" and "paused" in why[7].reason
+        context = _context(ds, req)
+        prepared = engine.prepare([req], k)
+        q, v, p = engine.encode(prepared)
+        live = {a: refusing_stage(a, attrs, context, req.filter) for a, attrs in ads.items()}
+        eligible = sorted(a for a, f in live.items() if f is None)
+        with index.snapshot_view() as view:
+            rows = {int(a): r for r, a in enumerate(view.row_ids.tolist()) if view.live_mask()[r]}
+            g, x, b = (view.ad_table.dequantize() if view.scales is not None else
+                       (view.g, view.x, view.b))  # fmt: skip
+            at = torch.tensor([rows[a] for a in eligible], dtype=torch.long)
+            s = rounded_score(q, v, p, g[at], x[at], b[at])[0].tolist()
+        order = sorted(range(len(eligible)), key=lambda i: (-s[i], eligible[i]))
+        rank = {eligible[i]: r + 1 for r, i in enumerate(order)}
+        assert got.ad_ids.tolist() == [eligible[i] for i in order[:k]]
+        seen = {why[a].stage for a in asked[:-3]}
+        assert {"rank", "excluded"} <= seen and len(seen) >= 4  # not vacuous
+        for a in asked[:-3]:
+            w = why[a]
+            if live[a] is not None:
+                assert w.stage == live[a] and w.score is None and w.reason
+            elif rank[a] <= k:
+                assert w.stage == "returned" and w.rank == rank[a]
+            else:
+                assert w.stage == "rank" and w.rank == rank[a] and w.score < got.scores[-1]
+
+
+def test_why_not_says_a_cap_kept_an_eligible_ad_out(world):
+    """With at most one ad per advertiser, an eligible ad ranked above the K-th but behind its
+    advertiser's best is out by the cap; one ranked past the answer's end by its rank."""
+    ds, feats, model, index = world
+    engine = Retriever(model, feats, index)
+    req = _requests(ds, 1)[0]
+    uncapped = engine.retrieve([req], k=30).results[0].ad_ids.tolist()
+    capped_req = dataclasses.replace(req, max_per={"advertiser": 1}, why_not=uncapped)
+    got = engine.retrieve([capped_req], k=5).results[0]
+    returned = got.ad_ids.tolist()
+    advertisers = {a: index.get(a).attributes["advertiser_id"] for a in uncapped}
+    walked = uncapped[: uncapped.index(returned[-1]) + 1]  # what the walk went through
+    stages = {w.ad_id: w.stage for w in got.explanation.why_not}
+    assert any(s == "cap" for s in stages.values())  # not vacuous
+    for a in uncapped:
+        if a in returned:
+            assert stages[a] == "returned"
+        elif a in walked:
+            best = next(r for r in returned if advertisers[r] == advertisers[a])
+            assert stages[a] == "cap" and uncapped.index(best) < uncapped.index(a)
+        else:
+            assert stages[a] == "rank"
+
+
+def test_requests_that_do_not_ask_are_not_explained_and_bad_asks_are_refused(world):
+    ds, feats, model, index = world
+    engine = Retriever(model, feats, index)
+    plain, asked = _requests(ds, 2)
+    out = engine.retrieve([plain, dataclasses.replace(asked, why_not=[1])], k=5).results
+    assert out[0].explanation is None and out[1].explanation.why_not[0].ad_id == 1
+    assert out[1].explanation.ads == []  # why-not alone: no split of the results
+    too_many = dataclasses.replace(plain, why_not=list(range(MAX_WHY_NOT + 1)))
+    for bad, field in (
+        (too_many, "why_not"),
+        (dataclasses.replace(plain, why_not=["12"]), "why_not[0]"),
+        (dataclasses.replace(plain, why_not=[True]), "why_not[0]"),
+        (dataclasses.replace(plain, explain="yes"), "explain"),
+    ):
+        with pytest.raises(RequestError, match=re.escape(f"requests[0].{field}:")):
+            engine.retrieve([bad], k=5)
