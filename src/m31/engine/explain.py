@@ -28,6 +28,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from m31.engine.search import Retrieved
@@ -105,11 +106,7 @@ def explain(
     masks = stage_masks(view, context, filter_fn)
     value = view.value_term() if valued else None
     rows = _live_rows(view, masks["live"])
-    ads = [
-        _split(view, rows[a], experts, value, a, s)
-        for a, s in zip(found.ad_ids.tolist(), found.scores.tolist(), strict=True)
-        if split
-    ]
+    ads = _split(view, rows, experts, value, found) if split else []
     kth = float(found.scores[-1]) if len(found.scores) else None
     refusal = _Refusal(view, own_filter, clauses)
     why = _why_not(masks, rows, scored, found, k, cap, value, why_not, refusal) if why_not else []
@@ -137,30 +134,37 @@ def _table(view: IndexView, rows: torch.Tensor | slice):
     return g.double(), x.double(), b.double()
 
 
-def _split(view, row, experts, value, ad_id: int, score: float) -> AdExplanation:
-    """The §2 score of one ad, term by term, in fp64."""
-    q, v, p = (t.double() for t in experts)
-    g, x, b = _table(view, slice(row, row + 1))
-    logit = p.clone()
+def _split(view, rows: dict[int, int], experts, value, found: Retrieved) -> list[AdExplanation]:
+    """The §2 score of each returned ad, term by term, in fp64 (all of them in one pass)."""
+    ids = found.ad_ids.tolist()
+    at = torch.tensor([rows[a] for a in ids], dtype=torch.long)
+    q, v, p = (t.double() for t in experts)  # [E, G], [E, D], [E]
+    g, x, b = _table(view, at)  # [K, G], [K, D], [K]
+    logit = p[None].expand(len(ids), -1)
     if q.shape[-1]:
-        logit = logit + (q @ g[0]) / math.sqrt(q.shape[-1])
-    w = torch.softmax(logit, dim=0)  # [E]
-    parts = w * (v @ x[0])  # [E]
-    return AdExplanation(
-        ad_id=ad_id,
-        score=score,
-        gate=[round(float(t), 6) for t in w],
-        contributions=[float(t) for t in parts],
-        bias=float(b[0]),
-        value=None if value is None else float(value[row]),
-    )
+        logit = logit + g @ q.T / math.sqrt(q.shape[-1])  # [K, E]
+    w = torch.softmax(logit, dim=1)
+    parts = w * (x @ v.T)  # [K, E]
+    values = [None] * len(ids) if value is None else value[at].tolist()
+    return [
+        AdExplanation(a, s, [round(t, 6) for t in wi], pi, bi, vi)
+        for a, s, wi, pi, bi, vi in zip(
+            ids,
+            found.scores.tolist(),
+            w.tolist(),
+            parts.tolist(),
+            b.tolist(),
+            values,
+            strict=True,
+        )
+    ]
 
 
 def _why_not(masks, rows, scored, found, k, cap, value, asked, refusal) -> list[WhyNot]:
     """`WhyNot` of each ad id `asked` (`explain`'s arguments)."""
     returned = [int(a) for a in found.ad_ids.tolist()]
     eligible = masks[STAGES[-1]]
-    ranks: dict[int, tuple[int, float]] | None = None
+    ranks: _Ranks | None = None
     out = []
     for ad_id in (int(a) for a in asked):
         row = rows.get(ad_id)
@@ -173,7 +177,7 @@ def _why_not(masks, rows, scored, found, k, cap, value, asked, refusal) -> list[
             out.append(WhyNot(ad_id, failed, refusal(row, failed)))
             continue
         if ranks is None:
-            ranks = _ranks(refusal.view, eligible, scored, value)
+            ranks = _Ranks(refusal.view, eligible, scored, value)
         rank, score = ranks[row]
         n = int(eligible.sum())
         if ad_id in returned:
@@ -197,17 +201,24 @@ def _why_not(masks, rows, scored, found, k, cap, value, asked, refusal) -> list[
     return out
 
 
-def _ranks(view, eligible, scored, value) -> dict[int, tuple[int, float]]:
-    """row -> (1-based rank among the eligible ads, score), the kernels' order: the score
-    rounded to fp32 once, ties to the lower ad id."""
-    at = torch.nonzero(eligible).flatten()
-    g, x, b = _table(view, at)
-    b = value_bias(b.float(), None if value is None else value[at]).double()
-    q, v, p = (t[None].double() for t in scored)
-    s = rounded_score(q, v, p, g, x, b)[0]  # [n]
-    ids = view.row_ids[at]
-    order = sorted(range(len(at)), key=lambda i: (-float(s[i]), int(ids[i])))
-    return {int(at[i]): (r + 1, float(s[i])) for r, i in enumerate(order)}
+class _Ranks:
+    """The eligible ads in the kernels' order (the score rounded to fp32 once, ties to the lower
+    ad id): `ranks[row]` is (its 1-based rank, its score), for an eligible row."""
+
+    def __init__(self, view, eligible, scored, value) -> None:
+        at = torch.nonzero(eligible).flatten()
+        g, x, b = _table(view, at)
+        b = value_bias(b.float(), None if value is None else value[at]).double()
+        q, v, p = (t[None].double() for t in scored)
+        self.scores = rounded_score(q, v, p, g, x, b)[0].numpy()  # [n]
+        order = np.lexsort((view.row_ids[at].numpy(), -self.scores))
+        self.rank = np.empty(len(at), np.int64)
+        self.rank[order] = np.arange(1, len(at) + 1)
+        self.rows = at.numpy()  # ascending
+
+    def __getitem__(self, row: int) -> tuple[int, float]:
+        i = int(np.searchsorted(self.rows, row))
+        return int(self.rank[i]), float(self.scores[i])
 
 
 @dataclass(frozen=True)
