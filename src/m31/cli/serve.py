@@ -257,10 +257,23 @@ def query_cmd(
     k: Annotated[int, typer.Option(help="Results.")] = 10,
     ts: Annotated[int | None, typer.Option(help="Unix seconds (default: now).")] = None,
     filter: FilterOption = None,
+    explain: Annotated[
+        bool,
+        typer.Option(
+            "--explain",
+            help="Also print the ads left after each eligibility stage and each result's "
+            "score split over the model's experts.",
+        ),
+    ] = False,
+    why_not: Annotated[
+        str | None,
+        typer.Option(help="Comma-separated ad ids: say why each is not in the answer."),
+    ] = None,
     url: UrlOption = URL,
     token: Annotated[str | None, typer.Option(envvar="M31_READ_TOKEN")] = None,
 ) -> None:
-    """Ask a running server for one user's top ads and print them."""
+    """Ask a running server for one user's top ads and print them (and why, with --explain
+    or --why-not)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -275,6 +288,10 @@ def query_cmd(
             request["filter"] = json.loads(filter)
         except json.JSONDecodeError as e:
             raise ValueError(f"--filter: not valid JSON ({e})") from e
+    if explain:
+        request["explain"] = True
+    if why_not is not None:
+        request["why_not"] = _ad_ids("--why-not", why_not)
     with Client(url, token=token) as client:
         try:
             out = client.retrieve([request])
@@ -291,6 +308,44 @@ def query_cmd(
     for rank, (ad, s) in enumerate(zip(res["ad_ids"], res["scores"], strict=True), 1):
         table.add_row(str(rank), str(ad), f"{s:.3f}")
     Console().print(table)
+    if res.get("explanation") is not None:
+        _print_explanation(res["explanation"])
+
+
+def _ad_ids(option: str, text: str) -> list[int]:
+    """Comma-separated ad ids, each an integer (a ValueError naming `option` otherwise)."""
+    ids = []
+    for part in text.split(","):
+        try:
+            ids.append(int(part.strip()))
+        except ValueError:
+            raise ValueError(f"{option}: {part.strip()!r} is not an ad id") from None
+    return ids
+
+
+def _print_explanation(e: dict) -> None:
+    """An answer's explanation as `m31 query` prints it: stages, result splits, why-nots."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    stages = " → ".join(f"{stage} {n:,}" for stage, n in e["eligible"].items())
+    kth = "none" if e["kth_score"] is None else f"{e['kth_score']:.4f}"
+    console.print(f"eligible after each stage: {stages}; K-th score {kth}")
+    if e["ads"]:
+        table = Table(title="each result's score: its experts' parts (gate weight) + bias")
+        table.add_column("ad", justify="right")
+        table.add_column("score", justify="right")
+        for name in e["experts"]:
+            table.add_column(name, justify="right")
+        table.add_column("bias", justify="right")
+        for ad in e["ads"]:
+            pairs = zip(ad["contributions"], ad["gate"], strict=True)
+            parts = [f"{c:+.3f} ({w:.2f})" for c, w in pairs]
+            table.add_row(str(ad["ad_id"]), f"{ad['score']:.3f}", *parts, f"{ad['bias']:+.3f}")
+        console.print(table)
+    for w in e["why_not"]:
+        console.print(f"ad {w['ad_id']}: {w['stage']}: {w['reason']}")
 
 
 UsersFromOption = Annotated[

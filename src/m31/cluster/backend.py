@@ -90,6 +90,9 @@ def check_model(info: dict, net) -> None:
 
 class ClusterBackend:
     writers = WRITERS
+    # Not yet: a shard would explain its own rows and the ingress merge them (counts summed,
+    # ranks over every shard's eligible ads), which it does not do yet
+    explains = False
 
     def __init__(
         self, retriever: Retriever, encoder: AdEncoder, cluster: Cluster, timeout_s: float = 1.0

@@ -38,6 +38,8 @@ def to_engine(r: RetrieveRequest, now: int) -> AdRequest:
         else FrequencyCap(r.frequency_cap.per, r.frequency_cap.max, r.frequency_cap.window_s),
         max_per=r.max_per,
         rank=r.rank,
+        explain=r.explain,
+        why_not=tuple(r.why_not),
     )
 
 

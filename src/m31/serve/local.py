@@ -6,6 +6,7 @@ mutations one at a time on the app's writer thread through the `DurableIndex` (D
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import asdict
 from typing import Any
 
 from m31.engine import Retriever
@@ -23,6 +24,7 @@ class LocalBackend:
     """The loaded parts: engine, durable index, ad encoder."""
 
     writers = 1  # the DurableIndex has one writer
+    explains = True
 
     def __init__(self, retriever: Retriever, store: DurableIndex, encoder: AdEncoder) -> None:
         self.retriever, self.store, self.encoder = retriever, store, encoder
@@ -75,7 +77,11 @@ class LocalBackend:
         answers, at = [], 0
         for chunk in chunks:
             results = [
-                Ranked(ad_ids=r.ad_ids.tolist(), scores=r.scores.tolist())
+                Ranked(
+                    ad_ids=r.ad_ids.tolist(),
+                    scores=r.scores.tolist(),
+                    explanation=None if r.explanation is None else asdict(r.explanation),
+                )
                 for r in out.results[at : at + len(chunk)]
             ]
             at += len(chunk)

@@ -23,6 +23,7 @@ from pydantic import (
     model_validator,
 )
 
+from m31.engine.explain import MAX_WHY_NOT
 from m31.index.filters import check_size
 from m31.vocabularies import STATUSES
 
@@ -34,6 +35,9 @@ MAX_RESULTS = 1 << 18
 MAX_ADS = 10_000  # ads per upsert call, users per user upsert
 MAX_EVENTS = 10_000  # events per call
 MAX_LIST = 10_000  # history, exclusions, targeting lists
+# Requests of one call that may ask for an explanation (`explain`, `why_not`): each costs a pass
+# over the attribute columns and, for a why-not, a scoring of the eligible ads
+MAX_EXPLAINED = 16
 I64_MAX = 2**63 - 1
 
 # A value of one of the served model's vocabularies: checked against them once it is loaded
@@ -160,6 +164,17 @@ class RetrieveRequest(Strict):
         description="relevance: the model's score; value: the score plus log(bid × pacing), "
         "the ad's expected value in log space, over the ads that have a bid",
     )
+    explain: bool = Field(
+        False,
+        description="answer with an explanation: the ads left after each eligibility stage, "
+        "the K-th score and each result's score split over the model's experts",
+    )
+    why_not: list[Id] = Field(
+        default_factory=list,
+        max_length=MAX_WHY_NOT,
+        description="ad ids to say why they are not in the answer: the first eligibility "
+        "stage each failed, the cap, or its rank among the eligible ads",
+    )
 
     @field_validator("filter")
     @classmethod
@@ -222,12 +237,48 @@ class RetrieveBody(Strict):
                 f"the call asks for {asked} results in all (the sum of its requests' k), more "
                 f"than {MAX_RESULTS}: split it into several calls"
             )
+        explained = sum(r.explain or bool(r.why_not) for r in self.requests)
+        if explained > MAX_EXPLAINED:
+            raise ValueError(
+                f"{explained} requests of the call ask for an explanation (explain or why_not), "
+                f"more than {MAX_EXPLAINED}: ask it of fewer"
+            )
         return self
+
+
+class AdExplained(BaseModel):
+    ad_id: int
+    score: float
+    gate: list[float] = Field(description="the gate's weight of each expert for this ad")
+    contributions: list[float] = Field(description="each expert's part of the score")
+    bias: float
+    value: float | None = Field(None, description="the value term, when ranked by value")
+
+
+class WhyNotOut(BaseModel):
+    ad_id: int
+    stage: str = Field(
+        description="unknown, the eligibility stage it failed, cap, rank or returned"
+    )
+    reason: str
+    score: float | None = None
+    rank: int | None = Field(None, description="among the eligible ads, from 1")
+
+
+class ExplanationOut(BaseModel):
+    eligible: dict[str, int] = Field(description="ads left after each stage, in order")
+    kth_score: float | None
+    experts: list[str]
+    ads: list[AdExplained]
+    why_not: list[WhyNotOut]
 
 
 class Ranked(BaseModel):
     ad_ids: list[int]
     scores: list[float]
+    explanation: ExplanationOut | None = Field(
+        None, description="for a request that asked (explain, why_not)"
+    )
 
 
 class RetrieveResponse(BaseModel):
