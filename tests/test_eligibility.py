@@ -173,6 +173,9 @@ def check_stages(view, model: dict[int, dict], r, expr, mask) -> None:
         before = masks[stage]
     live = [(row, ad_id) for row, ad_id in enumerate(view.row_ids.tolist()) if masks["live"][row]]
     assert sorted(ad_id for _, ad_id in live) == sorted(model)  # one live row per ad
+    unknown = [13, -1, 2**40]  # ids no world holds (theirs are 0..12)
+    asked = [ad_id for _, ad_id in live][::-1] + unknown
+    assert view.rows_of(asked).tolist() == [row for row, _ in live][::-1] + [-1] * 3
     for row, ad_id in live:
         failed = next((s for s in STAGES if not masks[s][row]), None)
         want = refusing_stage(ad_id, model[ad_id], r, expr)

@@ -185,3 +185,17 @@ def test_requests_that_do_not_ask_are_not_explained_and_bad_asks_are_refused(wor
     ):
         with pytest.raises(RequestError, match=re.escape(f"requests[0].{field}:")):
             engine.retrieve([bad], k=5)
+
+
+def test_the_explain_benchmark_times_three_variants_on_a_served_index(served_world):
+    """`m31 bench explain`'s run on the serving tests' world: each variant's median and its
+    ratio to the plain retrieve of the same run."""
+    from m31.bench import explain as bench
+
+    figures = bench.run(served_world.snapshot, served_world.model, k=5, why_not=3, repeat=2)
+    got = {(f.variant, f.metric): f.value for f in figures}
+    assert set(got) == {(v, m) for v in bench.VARIANTS for m in ("median_ms", "ratio_to_plain")}
+    assert got["plain", "ratio_to_plain"] == 1.0 and all(v > 0 for v in got.values())
+    assert {f.case for f in figures} == {f.case for f in figures[:1]} and "why_not=3" in figures[
+        0
+    ].case

@@ -6,6 +6,7 @@ subcommand each; `m31.cli` registers this typer group as `m31 bench`.
     m31 bench kernels --canonical              # DESIGN §6's shapes
     m31 bench engine                           # Retriever.retrieve end to end
     m31 bench eligibility | attribute-memory | embedding-cache       # the index's parts, CPU
+    m31 bench explain --index DIR --model CKPT # explain and why-not against a plain retrieve
     m31 bench table-dtypes | hierarchical --data DIR --model CKPT    # on a trained model
     m31 bench cluster                          # the single process against S shards on Ray
     m31 bench events WORLD                     # events beside retrieves in one process
@@ -298,6 +299,21 @@ def eligibility(
 
     figures = bench.run(_counts(n, "--n"), _counts(batches, "--batches"), repeat, engine)
     _results.record(figures, results)
+
+
+@app.command()
+def explain(
+    index: Annotated[Path, typer.Option(help="A served index (m31 index build's folder).")],
+    model: Annotated[Path, typer.Option(help="The checkpoint it was built with.")],
+    k: Annotated[int, typer.Option(min=1, help="Results per request.")] = 100,
+    why_not: Annotated[int, typer.Option(min=0, max=100, help="Ads asked about.")] = 100,
+    repeat: Annotated[int, typer.Option(min=1, help="Calls of each variant.")] = 40,
+    results: ResultsOption = None,
+) -> None:
+    """What explaining costs: a retrieve plain, with explain, and with a why-not (B = 1)."""
+    from m31.bench import explain as bench
+
+    _results.record(bench.run(index, model, k, why_not, repeat), results)
 
 
 @app.command("attribute-memory")

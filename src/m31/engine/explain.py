@@ -105,7 +105,7 @@ def explain(
     the results are not split (a request that asked only why not)."""
     masks = stage_masks(view, context, filter_fn)
     value = view.value_term() if valued else None
-    rows = _live_rows(view, masks["live"])
+    rows = _live_rows(view, [*found.ad_ids.tolist(), *why_not])
     ads = _split(view, rows, experts, value, found) if split else []
     kth = float(found.scores[-1]) if len(found.scores) else None
     refusal = _Refusal(view, own_filter, clauses)
@@ -119,10 +119,10 @@ def explain(
     )
 
 
-def _live_rows(view: IndexView, live: torch.Tensor) -> dict[int, int]:
-    """ad id -> its live row in `view`."""
-    at = torch.nonzero(live).flatten()
-    return dict(zip(view.row_ids[at].tolist(), at.tolist(), strict=True))
+def _live_rows(view: IndexView, ad_ids: Sequence[int]) -> dict[int, int]:
+    """ad id -> its live row in `view`, for those of `ad_ids` the view holds."""
+    rows = view.rows_of(ad_ids)
+    return {int(a): int(r) for a, r in zip(ad_ids, rows.tolist(), strict=True) if r >= 0}
 
 
 def _table(view: IndexView, rows: torch.Tensor | slice):

@@ -114,9 +114,13 @@ class Retriever:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The query of each prepared request, (q [B, E, G], v [B, E, D], p [B, E]) on the
         index's device: user experts, with the serving context folded in."""
+        experts = self._experts(prepared)
+        return fold(*experts) if self.fold else experts
+
+    def _experts(self, prepared: Sequence[PreparedRequest]):
+        """`encode`'s query before folding: one (q, v, p) per expert slot."""
         inputs = self.inputs.of(prepared)
-        q, v, p = self.model.encode_requests(inputs.to(self.device), self.catalog)  # [B, E, *]
-        return fold(q, v, p) if self.fold else (q, v, p)
+        return self.model.encode_requests(inputs.to(self.device), self.catalog)  # [B, E, *]
 
     def _prepared(
         self, requests: Sequence[AdRequest] | Sequence[PreparedRequest], k: int | None
@@ -127,21 +131,19 @@ class Retriever:
             raise RequestError("k: give how many ads each request wants")
         return self.prepare(requests, k)
 
-    def _explain(self, prepared, asked: list[int], query, view, results) -> None:
-        """Each asked request's `Explanation` on its result (`m31.engine.explain`)."""
-        subset = [prepared[i] for i in asked]
-        inputs = self.inputs.of(subset).to(self.device)
-        experts = self.model.encode_requests(inputs, self.catalog)  # [b, E, *], unfolded
+    def _explain(self, prepared, asked: list[int], experts, query, view, results) -> None:
+        """Each asked request's `Explanation` on its result (`m31.engine.explain`), from its
+        query per expert slot and the query the pass scored."""
         names = slot_names(self.model.user.slots)
         if len(names) != experts[0].shape[1]:  # a two-tower model: one query over every family
             names = ["user"]
-        for j, i in enumerate(asked):
+        for i in asked:
             one = prepared[i]
             results[i].explanation = explain(
                 view,
                 request_context(one.request, one.targeting),
                 one.filter,
-                tuple(t[j] for t in experts),
+                tuple(t[i] for t in experts),
                 tuple(t[i] for t in query),
                 results[i],
                 one.k,
@@ -172,7 +174,8 @@ class Retriever:
         small = single_threaded() if self.device.type == "cpu" else contextlib.nullcontext()
         with small:
             t0 = time.perf_counter()
-            query = self.encode(prepared)
+            experts = self._experts(prepared)
+            query = fold(*experts) if self.fold else experts
             t1 = time.perf_counter()
             # Masks are built from the view's own copy of the attributes and the table's rows
             # are write-once (see m31.index.ad_index): no lock is held, so writers never wait.
@@ -193,7 +196,7 @@ class Retriever:
         asked = [i for i, one in enumerate(prepared) if one.request.explain or one.request.why_not]
         if asked:  # small ops again, on one core
             with single_threaded() if self.device.type == "cpu" else contextlib.nullcontext():
-                self._explain(prepared, asked, query, view, results)
+                self._explain(prepared, asked, experts, query, view, results)
         timings = {"encode": t1 - t0, "mask": t2 - t1, "score_topk": t3 - t2}
         return RetrievalResult(
             results, view.version, {k_: round(1000 * v_, 3) for k_, v_ in timings.items()}

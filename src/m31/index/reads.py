@@ -100,6 +100,22 @@ class IndexView:
         with self._current():
             return self._index.live_mask()
 
+    def rows_of(self, ad_ids: Sequence[int]) -> np.ndarray:
+        """[n] int64: the live row of each ad id in this view, -1 for one it does not hold.
+        The first call sorts the live rows' ids (kept for the view's life); each call is then
+        a binary search per id."""
+        if "ids" not in self._memo:
+            live = torch.nonzero(self.live_mask()).flatten().cpu().numpy()
+            ids = self.row_ids.cpu().numpy()[live]
+            order = np.argsort(ids, kind="stable")
+            self._memo["ids"] = (ids[order], live[order])
+        ids, rows = self._memo["ids"]
+        want = np.asarray(ad_ids, dtype=np.int64).reshape(-1)
+        if not len(ids):
+            return np.full(len(want), -1, np.int64)
+        at = np.searchsorted(ids, want).clip(max=len(ids) - 1)
+        return np.where(ids[at] == want, rows[at], -1).astype(np.int64)
+
     def eligible_masks(
         self,
         requests: Sequence[RequestContext],
