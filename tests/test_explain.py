@@ -3,6 +3,7 @@ references: the stage counts against per-ad eligibility, each result's split aga
 score, and every why-not against a brute-force ranking of the eligible ads."""
 
 import dataclasses
+import json
 import re
 
 import numpy as np
@@ -167,6 +168,32 @@ def test_why_not_says_a_cap_kept_an_eligible_ad_out(world):
             assert stages[a] == "cap" and uncapped.index(best) < uncapped.index(a)
         else:
             assert stages[a] == "rank"
+
+
+def test_why_not_names_the_filter_clause_an_ad_fails(world):
+    """Of a filter that is an `all`, the first clause the ad fails and the ad's values of the
+    fields it reads; an `any` is one clause."""
+    ds, feats, model, index = world
+    engine = Retriever(model, feats, index)
+    req = _requests(ds, 1)[0]
+    req = dataclasses.replace(req, exclude_ads=(), exclude_advertisers=())
+    context = _context(ds, req)
+    # ads this request could get but for the filter
+    ads = {a: x for a, x in _stored(index).items() if not refusing_stage(a, x, context, None)}
+    video = next(a for a, attrs in ads.items() if attrs["format"] == "video")
+    image = next(a for a, attrs in ads.items() if attrs["format"] == "image")
+    expr = {
+        "all": [{"in": ["format", ["video", "carousel"]]}, {"not": {"eq": ["format", "video"]}}]
+    }
+    either = {"any": [{"eq": ["format", "carousel"]}, {"eq": ["advertiser_id", -1]}]}
+    for f, ad, clause, shown in (
+        (expr, image, expr["all"][0], "format='image'"),
+        (expr, video, expr["all"][1], "format='video'"),
+        (either, image, either, "format='image', advertiser_id="),
+    ):
+        asked = dataclasses.replace(req, filter=f, why_not=[ad])
+        w = engine.retrieve([asked], k=5).results[0].explanation.why_not[0]
+        assert w.stage == "filter" and json.dumps(clause) in w.reason and shown in w.reason
 
 
 def test_requests_that_do_not_ask_are_not_explained_and_bad_asks_are_refused(world):

@@ -24,6 +24,7 @@ lower ad id), so without a cap the ad returned at position r has rank r.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -254,7 +255,10 @@ class _Refusal:
 
     def _filtered(self, one: dict) -> str:
         if self.own_filter is not None and not evaluate_row(self.own_filter, one):
-            return f"the request's filter removes it (its attributes: {_shown(one)})"
+            clause = _failing_clause(self.own_filter, one)
+            fields = _fields(clause)
+            values = ", ".join(f"{f}={one.get(f)!r}" for f in fields) or _shown(one)
+            return f"the request's filter clause {json.dumps(clause)} removes it (its {values})"
         for clause in self.clauses:
             if isinstance(clause, HasValue) and one.get(clause.field) is None:
                 return f"it has no {clause.field}, which ranking by value needs"
@@ -264,6 +268,32 @@ class _Refusal:
                     f"{one.get(clause.field)!r}"
                 )
         return "the request's filter removes it"
+
+
+def _failing_clause(expr: Mapping, attributes: dict) -> Mapping:
+    """The part of a filter an ad fails: of an `all`, its first child the ad fails (looked
+    into again); any other tree, itself."""
+    while "all" in expr:
+        expr = next(c for c in expr["all"] if not evaluate_row(c, attributes))
+    return expr
+
+
+def _fields(expr) -> list[str]:
+    """The attribute fields a filter tree reads, in order, once each."""
+    out: list[str] = []
+
+    def walk(node) -> None:
+        ((op, args),) = node.items()
+        if op in ("all", "any"):
+            for child in args:
+                walk(child)
+        elif op == "not":
+            walk(args)
+        elif args[0] not in out:
+            out.append(args[0])
+
+    walk(expr)
+    return out
 
 
 def _shown(attributes: dict) -> str:
