@@ -99,10 +99,10 @@ def explain(
     split: bool = True,
 ) -> Explanation:
     """One request's `Explanation`. `experts`: its query per expert slot (q [E, G], v [E, D],
-            p [E], the context folded into v); `scored`: the query the pass scored (the same, or folded
-            to one slot); `found`: what the pass returned for it at `k` with the request's `cap` per
-            group and ranking by value or not. `own_filter` (the request's JSON filter) and `clauses`
-        (what the engine added to it) tell a why-not which of them removed an ad; without `split`,
+    p [E], the context folded into v); `scored`: the query the pass scored (the same, or folded
+    to one slot); `found`: what the pass returned for it at `k` with the request's `cap` per
+    group and ranking by value or not. `own_filter` (the request's JSON filter) and `clauses`
+    (what the engine added to it) tell a why-not which of them removed an ad; without `split`,
     the results are not split (a request that asked only why not)."""
     masks = stage_masks(view, context, filter_fn)
     value = view.value_term() if valued else None
