@@ -226,3 +226,32 @@ def test_the_explain_benchmark_times_three_variants_on_a_served_index(served_wor
     assert {f.case for f in figures} == {f.case for f in figures[:1]} and "why_not=3" in figures[
         0
     ].case
+
+
+def test_ranked_by_value_the_split_holds_the_value_term_and_no_bid_is_said(world):
+    """Ranked by value, each result's parts and its value term add up to its score; an ad
+    without a bid is out at the filter stage, for that reason."""
+    ds, feats, model, index = world
+    ads = _stored(index)
+    bids = [a for a in sorted(ads) if a % 3 and ads[a].get("bid") is None][:60]
+    for a in bids:
+        index.update_attributes(a, bid=float(1 + a % 5), pacing=0.5 if a % 2 else None)
+    try:
+        engine = Retriever(model, feats, index)
+        req = dataclasses.replace(_requests(ds, 1)[0], exclude_ads=(), exclude_advertisers=(),
+                                  filter=None, rank="value", explain=True)  # fmt: skip
+        context = _context(ds, req)
+        none = next(a for a in sorted(ads) if a not in bids and ads[a].get("bid") is None
+                    and refusing_stage(a, ads[a], context, None) is None)  # fmt: skip
+        got = engine.retrieve([dataclasses.replace(req, why_not=[none])], k=8).results[0]
+        e = got.explanation
+        assert len(e.ads) > 0 and all(ads[a].get("bid") or a in bids for a in got.ad_ids.tolist())
+        for ad, score in zip(e.ads, got.scores.tolist(), strict=True):
+            assert ad.value is not None
+            total = sum(ad.contributions) + ad.bias + ad.value
+            assert total == pytest.approx(score, rel=1e-4, abs=1e-4)
+        (w,) = e.why_not
+        assert w.stage == "filter" and "no bid" in w.reason
+    finally:  # the module's other tests see the index as it was
+        for a in bids:
+            index.update_attributes(a, bid=None, pacing=None)
