@@ -324,28 +324,22 @@ def _ad_ids(option: str, text: str) -> list[int]:
 
 
 def _print_explanation(e: dict) -> None:
-    """An answer's explanation as `m31 query` prints it: stages, result splits, why-nots."""
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console()
+    """An answer's explanation as `m31 query` prints it: the stages; each result's score as its
+    experts' parts, largest first, each with the gate's weight in brackets, then the bias (and
+    the value term); the why-nots."""
     stages = " → ".join(f"{stage} {n:,}" for stage, n in e["eligible"].items())
     kth = "none" if e["kth_score"] is None else f"{e['kth_score']:.4f}"
-    console.print(f"eligible after each stage: {stages}; K-th score {kth}")
-    if e["ads"]:
-        table = Table(title="each result's score: its experts' parts (gate weight) + bias")
-        table.add_column("ad", justify="right")
-        table.add_column("score", justify="right")
-        for name in e["experts"]:
-            table.add_column(name, justify="right")
-        table.add_column("bias", justify="right")
-        for ad in e["ads"]:
-            pairs = zip(ad["contributions"], ad["gate"], strict=True)
-            parts = [f"{c:+.3f} ({w:.2f})" for c, w in pairs]
-            table.add_row(str(ad["ad_id"]), f"{ad['score']:.3f}", *parts, f"{ad['bias']:+.3f}")
-        console.print(table)
+    typer.echo(f"eligible after each stage: {stages}; K-th score {kth}")
+    for ad in e["ads"]:
+        parts = sorted(
+            zip(ad["contributions"], e["experts"], ad["gate"], strict=True),
+            key=lambda part: -abs(part[0]),
+        )
+        terms = " ".join(f"{c:+.3f} {name}[{w:.2f}]" for c, name, w in parts)
+        value = "" if ad["value"] is None else f" {ad['value']:+.3f} value"
+        typer.echo(f"ad {ad['ad_id']}: {ad['score']:.3f} = {terms} {ad['bias']:+.3f} bias{value}")
     for w in e["why_not"]:
-        console.print(f"ad {w['ad_id']}: {w['stage']}: {w['reason']}")
+        typer.echo(f"ad {w['ad_id']}: {w['stage']}: {w['reason']}")
 
 
 UsersFromOption = Annotated[
