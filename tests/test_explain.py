@@ -255,3 +255,64 @@ def test_ranked_by_value_the_split_holds_the_value_term_and_no_bid_is_said(world
     finally:  # the module's other tests see the index as it was
         for a in bids:
             index.update_attributes(a, bid=None, pacing=None)
+
+
+def test_parts_of_a_split_index_merge_into_the_whole_indexs_explanation(tiny_world):
+    """The corpus split over two indexes (by ad id parity, as shards hold it): each index's
+    `explain_part`, the eligible counts `ranked_before` summed over both, and `finish` on the
+    merged answer give the explanation of the whole index — what a sharded server merges."""
+    from m31.engine.explain import explain_part, finish, ranked_before
+    from m31.engine.search import eligible_masks, fold, merge, request_context, search
+
+    ds, feats = tiny_world.ds, tiny_world.feats
+    torch.manual_seed(0)
+    model = build_model(model_preset("tiny", "moe"), vocab_sizes(feats), 384, 32).eval()
+    g, x, b = encode_ads(model, Catalog.from_features(feats))
+    whole = index_from_table(ds.ads, g, x, b, dtype=torch.float32)
+    ids = np.asarray(ds.ads.column("ad_id").to_numpy())
+    halves = []
+    for parity in (0, 1):
+        rows = np.flatnonzero(ids % 2 == parity)
+        halves.append(index_from_table(ds.ads.take(rows), g[rows], x[rows], b[rows],
+                                       dtype=torch.float32))  # fmt: skip
+    engine = Retriever(model, feats, whole)
+    names = slot_names(model.user.slots)
+    k = 6
+    for i, req in enumerate(_requests(ds, 4)):
+        cap = {"advertiser": 1} if i % 2 else None
+        req = dataclasses.replace(req, explain=True, why_not=list(range(0, 120, 3)), max_per=cap)
+        want = engine.retrieve([req], k=k).results[0]
+        (one,) = engine.prepare([req], k)
+        with torch.no_grad():
+            experts = engine._experts([one])  # the query per expert slot, as retrieve keeps it
+        scored = fold(*experts)
+        context = request_context(one.request, one.targeting)
+        group = None if cap is None else ("advertiser_id", 1)
+        parts, answers = [], []
+        for index in halves:
+            view = index.frozen_view()
+            mask = eligible_masks(view, [(context, one.filter)])
+            (found,) = search(scored, view, mask, [k], caps=[group], valued=[False])
+            answers.append(found)
+            parts.append((view, found))
+        merged = merge(answers, k, group)
+        assert merged.ad_ids.tolist() == want.ad_ids.tolist()
+        q1 = tuple(t[0] for t in experts)
+        s1 = tuple(t[0] for t in scored)
+        pieces = [
+            explain_part(view, context, one.filter, q1, s1, found, False, req.why_not, req.filter)
+            for view, found in parts
+        ]
+        pairs = [pair for p in pieces for pair in p.scores.items()]
+        before = dict.fromkeys((a for a, _ in pairs), 0)
+        for view, _ in parts:
+            for (a, _), n in zip(pairs, ranked_before(view, context, one.filter, s1, False, pairs),
+                                 strict=True):  # fmt: skip
+                before[a] += n
+        got = finish(pieces, before, merged, k, group, names, req.why_not)
+        e = want.explanation
+        assert got.eligible == e.eligible and got.kth_score == e.kth_score
+        assert [a.ad_id for a in got.ads] == [a.ad_id for a in e.ads]
+        for a, w in zip(got.ads, e.ads, strict=True):
+            np.testing.assert_allclose(a.contributions, w.contributions, rtol=1e-9, atol=1e-9)
+        assert got.why_not == e.why_not

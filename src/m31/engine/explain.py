@@ -82,6 +82,17 @@ def slot_names(experts: dict[str, int]) -> list[str]:
     return names
 
 
+@dataclass(frozen=True)
+class Part:
+    """One index's share of a request's explanation, which `finish` merges with the others': a
+    sharded index's shard has one, a single index the whole of it (`explain_part`)."""
+
+    eligible: dict[str, int]  # stage -> its ads left after it
+    ads: list[AdExplanation]  # the split of each ad it returned (none without `split`)
+    refused: dict[int, WhyNot]  # asked ads it holds that failed a stage -> why
+    scores: dict[int, float]  # asked ads it holds that are eligible -> their score
+
+
 def explain(
     view: IndexView,
     context: RequestContext,
@@ -98,25 +109,134 @@ def explain(
     clauses: Sequence[Clause] = (),
     split: bool = True,
 ) -> Explanation:
-    """One request's `Explanation`. `experts`: its query per expert slot (q [E, G], v [E, D],
-    p [E], the context folded into v); `scored`: the query the pass scored (the same, or folded
-    to one slot); `found`: what the pass returned for it at `k` with the request's `cap` per
-    group and ranking by value or not. `own_filter` (the request's JSON filter) and `clauses`
-    (what the engine added to it) tell a why-not which of them removed an ad; without `split`,
-    the results are not split (a request that asked only why not)."""
+    """One request's `Explanation` on one index: `explain_part`, `ranked_before` and `finish`
+    with a single part. `experts`: its query per expert slot (q [E, G], v [E, D], p [E], the
+    context folded into v); `scored`: the query the pass scored (the same, or folded to one
+    slot); `found`: what the pass returned for it at `k` with the request's `cap` per group and
+    ranking by value or not. `own_filter` (the request's JSON filter) and `clauses` (what the
+    engine added to it) tell a why-not which of them removed an ad; without `split`, the results
+    are not split (a request that asked only why not)."""
     masks = stage_masks(view, context, filter_fn)
     value = view.value_term() if valued else None
-    rows = _live_rows(view, [*found.ad_ids.tolist(), *why_not])
-    ads = _split(view, rows, experts, value, found) if split else []
+    part = _part(view, masks, experts, scored, found, value, why_not, own_filter, clauses, split)
+    pairs = list(part.scores.items())
+    before = _before(view, masks[STAGES[-1]], scored, value, pairs) if pairs else []
+    counts = {a: n for (a, _), n in zip(pairs, before, strict=True)}
+    return finish([part], counts, found, k, cap, names, why_not)
+
+
+def explain_part(
+    view: IndexView,
+    context: RequestContext,
+    filter_fn: CompiledFilter | None,
+    experts: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    scored: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    found: Retrieved,
+    valued: bool,
+    why_not: Sequence[int] = (),
+    own_filter: Mapping | None = None,
+    clauses: Sequence[Clause] = (),
+    split: bool = True,
+) -> Part:
+    """This index's `Part` of a request's explanation (`explain`'s arguments; `found`: what
+    this index returned for it)."""
+    masks = stage_masks(view, context, filter_fn)
+    value = view.value_term() if valued else None
+    return _part(view, masks, experts, scored, found, value, why_not, own_filter, clauses, split)
+
+
+def ranked_before(
+    view: IndexView,
+    context: RequestContext,
+    filter_fn: CompiledFilter | None,
+    scored: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    valued: bool,
+    pairs: Sequence[tuple[int, float]],
+) -> list[int]:
+    """For each (ad id, score) of `pairs`, how many of this index's eligible ads rank before it
+    in the kernels' order (the score rounded to fp32 once, ties to the lower ad id): summed over
+    every part, one less than its rank."""
+    eligible = stage_masks(view, context, filter_fn)[STAGES[-1]]
+    value = view.value_term() if valued else None
+    return _before(view, eligible, scored, value, pairs)
+
+
+def finish(
+    parts: Sequence[Part],
+    before: Mapping[int, int],
+    found: Retrieved,
+    k: int,
+    cap: tuple[str, int] | None,
+    names: list[str],
+    why_not: Sequence[int] = (),
+) -> Explanation:
+    """The `Explanation` of a request from its parts, `before` (each eligible asked ad -> the
+    eligible ads ranked before it, over every part: `ranked_before`) and the answer `found`
+    merged from the parts' answers."""
+    eligible = {s: sum(p.eligible[s] for p in parts) for s in STAGES}
+    splits = {a.ad_id: a for p in parts for a in p.ads}
+    ads = [splits[a] for a in found.ad_ids.tolist() if a in splits]
     kth = float(found.scores[-1]) if len(found.scores) else None
+    returned = list(zip(found.ad_ids.tolist(), found.scores.tolist(), strict=True))
+    n = eligible[STAGES[-1]]
+    out = []
+    for ad_id in (int(a) for a in why_not):
+        refused = next((p.refused[ad_id] for p in parts if ad_id in p.refused), None)
+        score = next((p.scores[ad_id] for p in parts if ad_id in p.scores), None)
+        if refused is not None:
+            out.append(refused)
+        elif score is None:
+            why = f"ad {ad_id} is not in the index (unknown or deleted)"
+            out.append(WhyNot(ad_id, "unknown", why))
+        else:
+            out.append(_eligible(ad_id, score, before[ad_id] + 1, n, returned, k, cap, kth))
+    return Explanation(eligible, kth, names, ads, out)
+
+
+def _eligible(ad_id, score, rank, n, returned, k, cap, kth) -> WhyNot:
+    """Why an eligible ad of that `rank` (of `n`) is, or is not, among the `returned` ones."""
+    ids = [a for a, _ in returned]
+    if ad_id in ids:
+        return WhyNot(
+            ad_id, "returned", f"returned at position {ids.index(ad_id) + 1}", score, rank
+        )
+    # The answer walks the eligible ads in rank order (`m31.engine.caps`): an ad it did not
+    # return was either past its end (K taken before it) or skipped, its group full.
+    above = sum(s > score or (s == score and a < ad_id) for a, s in returned)
+    if cap is not None and above < k:
+        name, most = cap
+        why = (
+            f"eligible, rank {rank} of {n}, but the request takes at most {most} ads of one "
+            f"{name} and {most} of its {name} ranked above it"
+        )
+        return WhyNot(ad_id, "cap", why, score, rank)
+    shown = "none" if kth is None else f"{kth:.6g}"
+    why = f"eligible, rank {rank} of {n}: its score {score:.6g} is below the K-th's {shown}"
+    return WhyNot(ad_id, "rank", why, score, rank)
+
+
+def _part(view, masks, experts, scored, found, value, why_not, own_filter, clauses, split) -> Part:
+    rows = _live_rows(view, [*found.ad_ids.tolist(), *why_not])
     refusal = _Refusal(view, own_filter, clauses)
-    why = _why_not(masks, rows, scored, found, k, cap, value, why_not, refusal) if why_not else []
-    return Explanation(
+    refused, eligible = {}, []
+    for ad_id in (int(a) for a in why_not):
+        row = rows.get(ad_id)
+        if row is None:
+            continue  # not held here
+        failed = next((s for s in STAGES[1:] if not masks[s][row]), None)
+        if failed is not None:
+            refused[ad_id] = WhyNot(ad_id, failed, refusal(row, failed))
+        else:
+            eligible.append(ad_id)
+    scores = {}
+    if eligible:
+        at = torch.tensor([rows[a] for a in eligible], dtype=torch.long)
+        scores = dict(zip(eligible, _scores(view, at, scored, value).tolist(), strict=True))
+    return Part(
         eligible={s: int(masks[s].sum()) for s in STAGES},
-        kth_score=kth,
-        experts=names,
-        ads=ads,
-        why_not=why,
+        ads=_split(view, rows, experts, value, found) if split else [],
+        refused=refused,
+        scores=scores,
     )
 
 
@@ -133,6 +253,25 @@ def _table(view: IndexView, rows: torch.Tensor | slice):
     else:
         g, x, b = view.ad_table.dequantize(rows)
     return g.double(), x.double(), b.double()
+
+
+def _scores(view, at: torch.Tensor, scored, value) -> np.ndarray:
+    """The scores of rows `at` as the kernels rank them: the §2 score (with the value term,
+    added to the bias in fp32 as every kernel adds it) in fp64, rounded to fp32 once."""
+    g, x, b = _table(view, at)
+    b = value_bias(b.float(), None if value is None else value[at]).double()
+    q, v, p = (t[None].double() for t in scored)
+    return rounded_score(q, v, p, g, x, b)[0].numpy()
+
+
+def _before(view, eligible, scored, value, pairs) -> list[int]:
+    """`ranked_before` on a computed eligibility mask."""
+    at = torch.nonzero(eligible).flatten()
+    scores, ids = _scores(view, at, scored, value), view.row_ids[at].numpy()
+    return [
+        int(np.count_nonzero((scores > s) | ((scores == np.float32(s)) & (ids < a))))
+        for a, s in pairs
+    ]
 
 
 def _split(view, rows: dict[int, int], experts, value, found: Retrieved) -> list[AdExplanation]:
@@ -159,67 +298,6 @@ def _split(view, rows: dict[int, int], experts, value, found: Retrieved) -> list
             strict=True,
         )
     ]
-
-
-def _why_not(masks, rows, scored, found, k, cap, value, asked, refusal) -> list[WhyNot]:
-    """`WhyNot` of each ad id `asked` (`explain`'s arguments)."""
-    returned = [int(a) for a in found.ad_ids.tolist()]
-    eligible = masks[STAGES[-1]]
-    ranks: _Ranks | None = None
-    out = []
-    for ad_id in (int(a) for a in asked):
-        row = rows.get(ad_id)
-        if row is None:
-            why = f"ad {ad_id} is not in the index (unknown or deleted)"
-            out.append(WhyNot(ad_id, "unknown", why))
-            continue
-        failed = next((s for s in STAGES[1:] if not masks[s][row]), None)
-        if failed is not None:
-            out.append(WhyNot(ad_id, failed, refusal(row, failed)))
-            continue
-        if ranks is None:
-            ranks = _Ranks(refusal.view, eligible, scored, value)
-        rank, score = ranks[row]
-        n = int(eligible.sum())
-        if ad_id in returned:
-            why = f"returned at position {returned.index(ad_id) + 1}"
-            out.append(WhyNot(ad_id, "returned", why, score, rank))
-            continue
-        # The answer walks the eligible ads in rank order (`m31.engine.caps`): an ad it did not
-        # return was either past its end (K taken above it) or skipped, its group full.
-        above = sum(ranks[rows[a]][0] < rank for a in returned)
-        if cap is not None and above < k:
-            name, most = cap
-            why = (
-                f"eligible, rank {rank} of {n}, but the request takes at most {most} ads of "
-                f"one {name} and {most} of its {name} ranked above it"
-            )
-            out.append(WhyNot(ad_id, "cap", why, score, rank))
-        else:
-            kth = f"{float(found.scores[-1]):.6g}" if len(found.scores) else "none"
-            why = f"eligible, rank {rank} of {n}: its score {score:.6g} is below the K-th's {kth}"
-            out.append(WhyNot(ad_id, "rank", why, score, rank))
-    return out
-
-
-class _Ranks:
-    """The eligible ads in the kernels' order (the score rounded to fp32 once, ties to the lower
-    ad id): `ranks[row]` is (its 1-based rank, its score), for an eligible row."""
-
-    def __init__(self, view, eligible, scored, value) -> None:
-        at = torch.nonzero(eligible).flatten()
-        g, x, b = _table(view, at)
-        b = value_bias(b.float(), None if value is None else value[at]).double()
-        q, v, p = (t[None].double() for t in scored)
-        self.scores = rounded_score(q, v, p, g, x, b)[0].numpy()  # [n]
-        order = np.lexsort((view.row_ids[at].numpy(), -self.scores))
-        self.rank = np.empty(len(at), np.int64)
-        self.rank[order] = np.arange(1, len(at) + 1)
-        self.rows = at.numpy()  # ascending
-
-    def __getitem__(self, row: int) -> tuple[int, float]:
-        i = int(np.searchsorted(self.rows, row))
-        return int(self.rank[i]), float(self.scores[i])
 
 
 @dataclass(frozen=True)
