@@ -283,8 +283,7 @@ def test_parts_of_a_split_index_merge_into_the_whole_indexs_explanation(tiny_wor
         req = dataclasses.replace(req, explain=True, why_not=list(range(0, 120, 3)), max_per=cap)
         want = engine.retrieve([req], k=k).results[0]
         (one,) = engine.prepare([req], k)
-        with torch.no_grad():
-            experts = engine._experts([one])  # the query per expert slot, as retrieve keeps it
+        experts = engine.encode_experts([one])  # the query per expert slot, as retrieve keeps it
         scored = fold(*experts)
         context = request_context(one.request, one.targeting)
         group = None if cap is None else ("advertiser_id", 1)

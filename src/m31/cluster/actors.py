@@ -63,6 +63,7 @@ class _ShardActor(Shard):
         super().__init__(path, index, device)
         methods = {
             "search": super().search,
+            "ranked_before": self.ranked_before,
             "stored_users": self.stored_users,
             "get": self.get,
             "groups": self.groups,

@@ -41,7 +41,9 @@ from m31.cluster.coalesce import Coalesced
 from m31.cluster.read import Gathered
 from m31.engine import Retriever
 from m31.engine.ad_encoder import AdEncoder
+from m31.engine.explain import slot_names
 from m31.engine.load import model_and_features
+from m31.engine.search import fold
 from m31.engine.user_inputs import user_vocab
 from m31.features.embedding_cache import embedding_cache_dir
 from m31.index import AdIndex
@@ -90,9 +92,6 @@ def check_model(info: dict, net) -> None:
 
 class ClusterBackend:
     writers = WRITERS
-    # Not yet: a shard would explain its own rows and the ingress merge them (counts summed,
-    # ranks over every shard's eligible ads), which it does not do yet
-    explains = False
 
     def __init__(
         self, retriever: Retriever, encoder: AdEncoder, cluster: Cluster, timeout_s: float = 1.0
@@ -201,9 +200,19 @@ class ClusterBackend:
         # Small ops on one core, as the engine runs them (`m31.ops.threads`: on a busy machine
         # an OpenMP team's barriers made a B = 1 encoding 7 times slower).
         with single_threaded() if self.retriever.device.type == "cpu" else nullcontext():
-            query = tuple(t.float().cpu().numpy() for t in self.retriever.encode(prepared))
+            experts = self.retriever.encode_experts(prepared)  # [B, E, *] per expert slot
+            folded = fold(*experts) if self.retriever.fold else experts
+            query = tuple(t.float().cpu().numpy() for t in folded)
         encode_ms = round(1000 * (time.perf_counter() - t0), 3)
-        return self.batches.run(query, chunks, encode_ms, self.defer)  # q, v, p [B, E, *]
+        asked = [i for i, one in enumerate(prepared) if one.request.explain or one.request.why_not]
+        explain = None
+        if asked:  # each asking request's query per expert slot, and the slots' names
+            names = slot_names(self.retriever.model.user.slots)
+            if len(names) != experts[0].shape[1]:  # a two-tower model: one query
+                names = ["user"]
+            per = {i: tuple(t[i].float().cpu().numpy() for t in experts) for i in asked}
+            explain = (per, names)
+        return self.batches.run(query, chunks, encode_ms, self.defer, explain)
 
     # -- reads and mutations --------------------------------------------------------------------
 

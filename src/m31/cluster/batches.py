@@ -13,6 +13,7 @@ those chunks are handed to a waiter thread, and the calls behind them run meanwh
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -58,14 +59,18 @@ class Batches:
         chunks: Sequence[Sequence[Ask]],
         encode_ms: float,
         defer: bool,
+        explain: tuple[dict[int, tuple], list[str]] | None = None,
     ) -> list[Part | BaseException | concurrent.futures.Future]:
         """Scatter the batch's encoded `query` (q, v, p [B, E, *]) and answer each chunk: its
-        part, its exception, or (`defer`) a Future the waiter settles."""
+        part, its exception, or (`defer`) a Future the waiter settles. `explain`: the query per
+        expert slot of each request that asks for an explanation, by its row in the batch, and
+        the slots' names."""
         prepared = [a.prepared for chunk in chunks for a in chunk]
         read = self.cluster.scatter(
             query,
             [(one.request, dict(one.targeting), one.clauses) for one in prepared],
             [one.k for one in prepared],
+            explain,
         )
         parts = _chunks(chunks)
         batch = _Batch(self, read, parts, len(prepared), encode_ms)
@@ -201,7 +206,14 @@ class _Batch:
             **out.timings_ms,
             "gather": round(1000 * (time.perf_counter() - self.start), 3),
         }
-        results = [Ranked(ad_ids=r.ad_ids.tolist(), scores=r.scores.tolist()) for r in out.results]
+        results = [
+            Ranked(
+                ad_ids=r.ad_ids.tolist(),
+                scores=r.scores.tolist(),
+                explanation=None if e is None else dataclasses.asdict(e),
+            )
+            for r, e in zip(out.results, out.explanations, strict=True)
+        ]
         return results, out.version, timings, self.size, out.missing
 
     def _answer(self, chunk: _Chunk, answer) -> None:

@@ -203,10 +203,14 @@ class Cluster:
         query: tuple[np.ndarray, np.ndarray, np.ndarray],
         requests: Sequence[tuple[Any, Mapping]],
         ks: Sequence[int],
+        explain: tuple[dict[int, tuple], list[str]] | None = None,
     ) -> Read:
         """Start a read: every shard asked (and the coordinator, without a last read point).
-        The query and requests travel in the calls (`Read._ray_payload`)."""
-        return Read(self, (query, list(requests), list(ks)))
+        The query and requests travel in the calls (`Read._ray_payload`), and with `explain`
+        the query per expert slot of each request that asks why (by its row) and the slots'
+        names."""
+        payload = (query, list(requests), list(ks))
+        return Read(self, payload if explain is None else (*payload, explain))
 
     def search(
         self,

@@ -38,6 +38,7 @@ from m31.cluster import channel
 from m31.cluster.shard import Answer, Moved
 from m31.engine import Retrieved, merge
 from m31.engine.caps import group_cap
+from m31.engine.explain import finish
 from m31.index.errors import Unavailable
 
 if TYPE_CHECKING:
@@ -46,6 +47,9 @@ if TYPE_CHECKING:
 # A query this large (bytes of q, v, p) goes to several shards through the object store (when
 # asked through Ray).
 PUT_BYTES = 32 << 10
+# How long the second round of an explanation (each shard's count of its eligible ads ranked
+# before the asked ones) may take; its cost is one scoring of the shard's eligible ads.
+RANK_TIMEOUT_S = 30.0
 # How long one read-point call waits in the coordinator for recovering shards: reads waiting
 # for them ask again, so this bounds how long a coordinator thread is held.
 RECOVERY_POLL_S = 0.5
@@ -58,6 +62,9 @@ class Gathered:
     missing: list[int] = field(default_factory=list)  # shards without an answer (partial)
     rows: int = 0  # rows scored per request, over the shards that answered
     timings_ms: dict[str, float] = field(default_factory=dict)  # the slowest shard's mask, score
+    # per request, its `m31.engine.explain.Explanation` if it asked why (over the shards that
+    # answered), else None
+    explanations: list = field(default_factory=list)
 
 
 class Read:
@@ -212,17 +219,50 @@ class Read:
                 "the coordinator did not answer within the deadline (down or restarting)", []
             )
         ok = {s: a for s, a in self.answers.items() if self.fits(s)}
-        results = []
+        results, explanations = [], []
         requests = self.payload[1]
         for r, k in zip(rows, ks, strict=True):
             parts = [Retrieved(*ok[s].results[r]) for s in sorted(ok)]
-            results.append(merge(parts, k, group_cap(requests[r][0].max_per)))
+            cap = group_cap(requests[r][0].max_per)
+            results.append(merge(parts, k, cap))
+            asked = any(r in a.parts for a in ok.values())
+            explanations.append(self._explained(r, k, cap, results[-1], ok) if asked else None)
         timings = {
             stage: max((a.timings_ms[stage] for a in ok.values()), default=0.0)
             for stage in ("mask", "score_topk")
         }
         rows_scored = sum(a.rows for a in ok.values())
-        return Gathered(results, self.point[0], self.missing(), rows_scored, timings)
+        missing = self.missing()
+        return Gathered(results, self.point[0], missing, rows_scored, timings, explanations)
+
+    def _explained(self, r: int, k: int, cap, found: Retrieved, ok: dict[int, Answer]):
+        """Request `r`'s explanation from the answering shards' parts: a second round asks
+        each how many of its eligible ads rank before each eligible asked ad, at the read's
+        version (`m31.engine.explain.finish`)."""
+        request = self.payload[1][r]
+        names = self.payload[3][1]
+        parts = [ok[s].parts[r] for s in sorted(ok)]
+        pairs = [pair for p in parts for pair in p.scores.items()]
+        before = dict.fromkeys((a for a, _ in pairs), 0)
+        if pairs:
+            query = tuple(t[r] for t in self.payload[0])
+            at = self.point[0]
+            calls = {}
+            for s in sorted(ok):
+                direct = self.cluster.channel(s)
+                if direct is not None:
+                    calls[s] = direct.call("ranked_before", request, query, pairs, at)
+                else:
+                    ref = self.cluster.shards[s].ranked_before.remote(request, query, pairs, at)
+                    calls[s] = ref.future()
+            for s, call in calls.items():
+                counts = call.result(timeout=RANK_TIMEOUT_S)
+                if isinstance(counts, Moved):
+                    raise Unavailable(f"shard {s} moved past version {at} while explaining", [s])
+                for (a, _), n in zip(pairs, counts, strict=True):
+                    before[a] += n
+        why_not = request[0].why_not
+        return finish(parts, before, found, k, cap, names, why_not)
 
     def wait(self, until: float) -> bool:
         """Wait for a call until `until` (monotonic seconds) and take those done; False if none

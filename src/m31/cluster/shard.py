@@ -61,6 +61,7 @@ from m31.cluster.layout import read_layout, shard_of
 from m31.cluster.records import RecordLog
 from m31.engine import eligible_masks, request_context, search
 from m31.engine.caps import group_cap
+from m31.engine.explain import explain_part, ranked_before
 from m31.engine.load import online_organic, online_users
 from m31.index import AdIndexError, DurableIndex, DurableIndexError, compile_filter
 from m31.index.filters import with_clauses
@@ -101,6 +102,8 @@ class Answer:
     # (node id, name) of the channel the shard serves its calls on (`m31.cluster.channel`):
     # set on answers through Ray, so that an ingress on its node connects
     endpoint: tuple[str, str] | None = None
+    # Per request that asked why (by its row): this shard's `m31.engine.explain.Part`
+    parts: dict[int, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -199,11 +202,13 @@ class Shard:
         payload: tuple[tuple[np.ndarray, np.ndarray, np.ndarray], Sequence[tuple], Sequence[int]],
         at: int | None = None,
     ) -> Answer | Moved:
-        """payload = (query (q, v, p) as numpy, requests, ks); a request is (AdRequest,
+        """payload = (query (q, v, p) as numpy, requests, ks), and for requests that ask why
+        ({row: its query per expert slot}, the slots' names); a request is (AdRequest,
         targeting) or (AdRequest, targeting, clauses), its filter compiled here with the
         clauses the engine added to it, as `Retriever.prepare` compiles it
-        (`m31.engine.prepare`)."""
-        (q, v, p), asked, ks = payload
+        (`m31.engine.prepare`). The answer holds this shard's `Part` of each explanation."""
+        (q, v, p), asked, ks, *rest = payload
+        asking = rest[0][0] if rest else {}  # request row -> its query per expert slot
         requests = [(r, who, more[0] if more else ()) for r, who, *more in asked]
         got = self._view(at)
         if got is None:
@@ -227,7 +232,37 @@ class Shard:
         t2 = time.perf_counter()
         timings = {"mask": round(1000 * (t1 - t0), 3), "score_topk": round(1000 * (t2 - t1), 3)}
         rows = int(view.row_ids.shape[0])
-        return Answer([(r.ad_ids, r.scores, r.groups) for r in found], version, rows, timings)
+        parts = {}
+        for i, experts in asking.items():  # its part of each explanation (`m31.engine.explain`)
+            r, _, more = requests[i]
+            parts[i] = explain_part(
+                view, contexts[i], filters[i],
+                tuple(torch.tensor(t, device=self.device) for t in experts),
+                tuple(t[i] for t in query), found[i], valued[i], r.why_not, r.filter, more,
+                r.explain,
+            )  # fmt: skip
+        results = [(r.ad_ids, r.scores, r.groups) for r in found]
+        return Answer(results, version, rows, timings, parts=parts)
+
+    @torch.no_grad()
+    def ranked_before(
+        self, request: tuple, query: tuple[np.ndarray, np.ndarray, np.ndarray], pairs, at: int
+    ) -> list[int] | Moved:
+        """For each (ad id, score) of `pairs`, how many of this shard's eligible ads for
+        `request` (as `search` takes one) rank before it at global version `at`, under the
+        request's `query` (q, v, p of it alone): `m31.engine.explain.ranked_before`."""
+        r, who, *more = request
+        got = self._view(at)
+        if got is None:
+            return Moved(self.applied)
+        view, _ = got
+        schema = self._store.index.schema
+        filter_fn = with_clauses(
+            compile_filter(r.filter, schema) if r.filter else None, more[0] if more else (), schema
+        )
+        scored = tuple(torch.tensor(t, device=self.device) for t in query)
+        context = request_context(r, who)
+        return ranked_before(view, context, filter_fn, scored, r.rank == "value", pairs)
 
     def get(self, ad_id: int) -> tuple[dict, int] | None:
         """(attributes, global version) of a live ad, None if this shard does not hold it."""

@@ -114,11 +114,12 @@ class Retriever:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The query of each prepared request, (q [B, E, G], v [B, E, D], p [B, E]) on the
         index's device: user experts, with the serving context folded in."""
-        experts = self._experts(prepared)
+        experts = self.encode_experts(prepared)
         return fold(*experts) if self.fold else experts
 
-    def _experts(self, prepared: Sequence[PreparedRequest]):
-        """`encode`'s query before folding: one (q, v, p) per expert slot."""
+    @torch.no_grad()
+    def encode_experts(self, prepared: Sequence[PreparedRequest]):
+        """`encode`'s query before folding: (q, v, p) per expert slot, [B, E, *]."""
         inputs = self.inputs.of(prepared)
         return self.model.encode_requests(inputs.to(self.device), self.catalog)  # [B, E, *]
 
@@ -174,7 +175,7 @@ class Retriever:
         small = single_threaded() if self.device.type == "cpu" else contextlib.nullcontext()
         with small:
             t0 = time.perf_counter()
-            experts = self._experts(prepared)
+            experts = self.encode_experts(prepared)
             query = fold(*experts) if self.fold else experts
             t1 = time.perf_counter()
             # Masks are built from the view's own copy of the attributes and the table's rows

@@ -46,9 +46,6 @@ class Backend(Protocol):
     # DurableIndex has one writer; a cluster's coordinator orders concurrent calls itself and
     # commits those that arrive while one commits as one transaction (group commit).
     writers: int
-    # Whether it answers explanations (`explain`, `why_not`); one that does not refuses them
-    # with a 422 naming the request
-    explains: bool
 
     @property
     def version(self) -> int:

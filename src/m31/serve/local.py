@@ -24,7 +24,6 @@ class LocalBackend:
     """The loaded parts: engine, durable index, ad encoder."""
 
     writers = 1  # the DurableIndex has one writer
-    explains = True
 
     def __init__(self, retriever: Retriever, store: DurableIndex, encoder: AdEncoder) -> None:
         self.retriever, self.store, self.encoder = retriever, store, encoder

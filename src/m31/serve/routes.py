@@ -109,13 +109,6 @@ async def prepare(
 
     def run() -> list[PreparedRequest]:
         engine = [to_engine(r, now) for r in requests]
-        if not backend.explains:
-            asked = next((i for i, r in enumerate(engine) if r.explain or r.why_not), None)
-            if asked is not None:
-                raise RequestError(
-                    f"requests[{asked}]: explain and why_not are answered by `m31 serve`, "
-                    "not yet by a sharded server (--ray)"
-                )
         return backend.retriever.prepare(engine, [r.k for r in requests])
 
     try:
