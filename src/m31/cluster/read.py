@@ -255,8 +255,14 @@ class Read:
                 else:
                     ref = self.cluster.shards[s].ranked_before.remote(request, query, pairs, at)
                     calls[s] = ref.future()
+            from ray.exceptions import RayActorError
+
             for s, call in calls.items():
-                counts = call.result(timeout=RANK_TIMEOUT_S)
+                try:
+                    counts = call.result(timeout=RANK_TIMEOUT_S)
+                except (channel.ChannelClosed, RayActorError, TimeoutError) as e:  # died, hangs
+                    why = f"shard {s} did not answer the explanation's ranks ({e or 'timeout'})"
+                    raise Unavailable(why, [s]) from e
                 if isinstance(counts, Moved):
                     raise Unavailable(f"shard {s} moved past version {at} while explaining", [s])
                 for (a, _), n in zip(pairs, counts, strict=True):
