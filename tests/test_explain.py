@@ -315,3 +315,16 @@ def test_parts_of_a_split_index_merge_into_the_whole_indexs_explanation(tiny_wor
         for a, w in zip(got.ads, e.ads, strict=True):
             np.testing.assert_allclose(a.contributions, w.contributions, rtol=1e-9, atol=1e-9)
         assert got.why_not == e.why_not
+
+
+def test_a_calls_timings_add_a_stage_only_some_of_its_engine_calls_had():
+    """A call split over engine calls (`m31.serve.backend.assemble`): one of them explained,
+    the other not; the explain time counts where it ran, the other stages add up."""
+    from m31.serve.backend import assemble
+
+    plain = ([], 4, {"encode": 1.0, "mask": 0.5, "score_topk": 2.0}, 8, [])
+    explained = ([], 3, {"encode": 1.5, "mask": 0.5, "score_topk": 2.5, "explain": 0.75}, 5, [1])
+    for parts in ([plain, explained], [explained, plain]):
+        _, version, timings, batch, missing = assemble(parts)
+        assert timings == {"encode": 2.5, "mask": 1.0, "score_topk": 4.5, "explain": 0.75}
+        assert (version, batch, missing) == (3, 8, [1])

@@ -41,7 +41,6 @@ from m31.cluster.coalesce import Coalesced
 from m31.cluster.read import Gathered
 from m31.engine import Retriever
 from m31.engine.ad_encoder import AdEncoder
-from m31.engine.explain import slot_names
 from m31.engine.load import model_and_features
 from m31.engine.search import fold
 from m31.engine.user_inputs import user_vocab
@@ -207,11 +206,8 @@ class ClusterBackend:
         asked = [i for i, one in enumerate(prepared) if one.request.explain or one.request.why_not]
         explain = None
         if asked:  # each asking request's query per expert slot, and the slots' names
-            names = slot_names(self.retriever.model.user.slots)
-            if len(names) != experts[0].shape[1]:  # a two-tower model: one query
-                names = ["user"]
             per = {i: tuple(t[i].float().cpu().numpy() for t in experts) for i in asked}
-            explain = (per, names)
+            explain = (per, self.retriever.expert_names)
         return self.batches.run(query, chunks, encode_ms, self.defer, explain)
 
     # -- reads and mutations --------------------------------------------------------------------

@@ -132,12 +132,16 @@ class Retriever:
             raise RequestError("k: give how many ads each request wants")
         return self.prepare(requests, k)
 
+    @property
+    def expert_names(self) -> list[str]:
+        """The names of the model's expert slots, as explanations give them (`slot_names`; a
+        two-tower model's one query over every family: "user")."""
+        return ["user"] if self.model.cfg.kind == "two-tower" else slot_names(self.model.user.slots)
+
     def _explain(self, prepared, asked: list[int], experts, query, view, results) -> None:
         """Each asked request's `Explanation` on its result (`m31.engine.explain`), from its
         query per expert slot and the query the pass scored."""
-        names = slot_names(self.model.user.slots)
-        if len(names) != experts[0].shape[1]:  # a two-tower model: one query over every family
-            names = ["user"]
+        names = self.expert_names
         for i in asked:
             one = prepared[i]
             results[i].explanation = explain(
@@ -199,6 +203,8 @@ class Retriever:
             with single_threaded() if self.device.type == "cpu" else contextlib.nullcontext():
                 self._explain(prepared, asked, experts, query, view, results)
         timings = {"encode": t1 - t0, "mask": t2 - t1, "score_topk": t3 - t2}
+        if asked:
+            timings["explain"] = time.perf_counter() - t3
         return RetrievalResult(
             results, view.version, {k_: round(1000 * v_, 3) for k_, v_ in timings.items()}
         )

@@ -52,7 +52,8 @@ class Retrieved:
 class RetrievalResult:
     results: list[Retrieved]
     version: int  # index version every request of the batch saw
-    timings_ms: dict[str, float] = field(default_factory=dict)  # encode, mask, score_topk
+    # encode, mask, score_topk (and explain, when a request asked why)
+    timings_ms: dict[str, float] = field(default_factory=dict)
 
 
 def request_context(request: AdRequest, targeting: Mapping) -> RequestContext:

@@ -119,10 +119,12 @@ def assemble(parts: Sequence[Part]) -> Part:
     """One call's answer from its chunks' parts.
 
     A call larger than a batch runs in several engine calls, each at one version: the oldest is
-    reported (every request saw it or a newer one), timings add up, the batch size is the
-    largest, and the missing shards are those any chunk missed.
+    reported (every request saw it or a newer one), timings add up (a stage some engine calls
+    had, such as explaining, counts where it ran), the batch size is the largest, and the
+    missing shards are those any chunk missed.
     """
-    timings = {stage: round(sum(p[2][stage] for p in parts), 3) for stage in parts[0][2]}
+    stages = list(dict.fromkeys(stage for p in parts for stage in p[2]))
+    timings = {stage: round(sum(p[2].get(stage, 0.0) for p in parts), 3) for stage in stages}
     results = [r for p in parts for r in p[0]]
     missing = sorted({s for p in parts for s in p[4]})
     return results, min(p[1] for p in parts), timings, max(p[3] for p in parts), missing
