@@ -328,3 +328,17 @@ def test_a_calls_timings_add_a_stage_only_some_of_its_engine_calls_had():
         _, version, timings, batch, missing = assemble(parts)
         assert timings == {"encode": 2.5, "mask": 1.0, "score_topk": 4.5, "explain": 0.75}
         assert (version, batch, missing) == (3, 8, [1])
+
+
+def test_an_eligible_ad_an_approximate_search_passed_over_is_said_to_be_missed():
+    """`finish` on answers an exact pass cannot give: an eligible ad ranked within the top k
+    but not returned (a hierarchical index's probe skipped it) is "missed", not "rank"."""
+    from m31.engine.explain import Part, finish
+    from m31.engine.search import Retrieved
+
+    found = Retrieved(np.array([5, 9]), np.array([3.0, 1.0], np.float32))
+    part = Part({s: 10 for s in STAGES}, [], {}, {7: 2.0, 8: 0.5})
+    why = finish([part], {7: 1, 8: 2}, found, 3, None, ["sequence"], [7, 8]).why_not
+    assert [(w.ad_id, w.stage, w.rank) for w in why] == [(7, "missed", 2), (8, "missed", 3)]
+    why = finish([part], {7: 1, 8: 2}, found, 2, None, ["sequence"], [7, 8]).why_not
+    assert [(w.stage, w.rank) for w in why] == [("missed", 2), ("rank", 3)]

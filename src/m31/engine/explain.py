@@ -57,7 +57,7 @@ class AdExplanation:
 class WhyNot:
     ad_id: int
     # "unknown", one of `STAGES` (the first it failed), "cap", "rank" (eligible, ranked below
-    # the K-th) or "returned"
+    # the K-th), "missed" (an approximate search did not score it) or "returned"
     stage: str
     reason: str
     score: float | None = None  # eligible: its score, and its rank among the eligible (1-based)
@@ -203,6 +203,12 @@ def _eligible(ad_id, score, rank, n, returned, k, cap, kth) -> WhyNot:
     # The answer walks the eligible ads in rank order (`m31.engine.caps`): an ad it did not
     # return was either past its end (K taken before it) or skipped, its group full.
     above = sum(s > score or (s == score and a < ad_id) for a, s in returned)
+    if cap is None and above < k:  # an exact pass would have returned it
+        why = (
+            f"eligible, rank {rank} of {n}, within the top {k}, but the search did not score it "
+            "(an approximate search: the hierarchical index's probe passed over its cluster)"
+        )
+        return WhyNot(ad_id, "missed", why, score, rank)
     if cap is not None and above < k:
         name, most = cap
         why = (
