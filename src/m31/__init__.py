@@ -4,7 +4,8 @@ The library's face (`m31.api`; imported on first use, so that `import m31` stays
 
     m31.load_model(checkpoint, data)     a trained model with the features it reads
     m31.build_index(model, ads, dtype)   its ad tower over a catalogue -> an AdIndex
-    m31.Engine(model, index)             .retrieve(request or requests, k), .save(folder)
+    m31.Engine(model, index)             .retrieve(request or requests, k, explain, why_not),
+                                         .save(folder)
     m31.Engine.open(folder, checkpoint)  from a saved index: no dataset folder
     m31.AdRequest, m31.InlineUser, m31.Engagement     what is asked (`m31.engine.requests`)
 """
@@ -25,6 +26,7 @@ _EXPORTS = {
     "InlineUser": "m31.engine.requests",
     "RequestError": "m31.engine.requests",
     "Retrieved": "m31.engine.retriever",
+    "Explanation": "m31.engine.explain",
 }
 __all__ = [*_EXPORTS, "__version__"]
 

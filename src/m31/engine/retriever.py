@@ -14,7 +14,9 @@ A `Retriever` is three parts, each configured through its constructor:
   the best clusters).
 
 Table and masks come from one `frozen_view` of the index, so a batch is answered at one
-consistent version, and mutations never wait for the masks or the pass.
+consistent version, and mutations never wait for the masks or the pass. A request that asks
+why (`AdRequest.explain`, `why_not`) gets its `m31.engine.explain.Explanation` from the same
+view and its query per expert slot, after the pass.
 """
 
 from __future__ import annotations
