@@ -215,13 +215,9 @@ class Shard:
             return Moved(self.applied)
         view, version = got
         t0 = time.perf_counter()
-        schema = self._store.index.schema
         # Masks are small ops: on one core, as the engine builds them (`m31.ops.threads`).
         with single_threaded() if self.device == "cpu" else contextlib.nullcontext():
-            filters = [
-                with_clauses(compile_filter(r.filter, schema) if r.filter else None, more, schema)
-                for r, _, more in requests
-            ]
+            filters = [self._filter(r, more) for r, _, more in requests]
             contexts = [request_context(r, who) for r, who, _ in requests]
             masks = eligible_masks(view, list(zip(contexts, filters, strict=True)))  # [B, N]
             query = tuple(torch.tensor(t, device=self.device) for t in (q, v, p))  # [B, E, *]
@@ -256,13 +252,16 @@ class Shard:
         if got is None:
             return Moved(self.applied)
         view, _ = got
-        schema = self._store.index.schema
-        filter_fn = with_clauses(
-            compile_filter(r.filter, schema) if r.filter else None, more[0] if more else (), schema
-        )
+        filter_fn = self._filter(r, more[0] if more else ())
         scored = tuple(torch.tensor(t, device=self.device) for t in query)
         context = request_context(r, who)
         return ranked_before(view, context, filter_fn, scored, r.rank == "value", pairs)
+
+    def _filter(self, r, clauses):
+        """A request's filter with the clauses the engine added to it, compiled against this
+        shard's schema, as `Retriever.prepare` compiles it (`m31.engine.prepare`)."""
+        schema = self._store.index.schema
+        return with_clauses(compile_filter(r.filter, schema) if r.filter else None, clauses, schema)
 
     def get(self, ad_id: int) -> tuple[dict, int] | None:
         """(attributes, global version) of a live ad, None if this shard does not hold it."""
